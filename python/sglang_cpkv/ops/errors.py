@@ -1,0 +1,42 @@
+"""Device-side error counter shared by every CP shared-KV op.
+
+Outside checked mode the hot path never synchronizes with the host, so an op that meets a bad
+id does not raise: it drops the element (writes nothing, or -1) and adds one to the counter of
+that kind. The batch plan owns one counter and surfaces it at the next natural sync point
+(:meth:`DeviceErrorCounter.raise_if_any`); checked mode (``SGLANG_CPKV_CHECKED=1``, see
+:mod:`sglang_cpkv.runtime.checked`) raises right after each op.
+
+The layout is fixed (int32 ``[NUM_ERROR_KINDS]``) because the CUDA and Triton kernels
+increment it with atomics at these indices.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Index of each kind in the counter tensor (kernels use the same numbers).
+ERR_PAGE_OUT_OF_RANGE = 0  # a page id outside [0, capacity) (or a page index outside src/dst)
+ERR_REQ_OUT_OF_RANGE = 1  # a request id outside [0, batch_rows) other than the padding id -1
+ERR_LOC_OUT_OF_RANGE = 2  # a destination row outside the destination tensor
+NUM_ERROR_KINDS = 3
+ERROR_NAMES = ("page id out of range", "request id out of range", "destination row out of range")
+
+
+def new_error_counter(device: torch.device | str) -> torch.Tensor:
+    """A zeroed int32 ``[NUM_ERROR_KINDS]`` counter on ``device``."""
+    return torch.zeros(NUM_ERROR_KINDS, dtype=torch.int32, device=device)
+
+
+class CpSharedKvError(RuntimeError):
+    """Bad input met by a CP shared-KV op or plan (never a silent cross-request write)."""
+
+
+def raise_if_errors(errors: torch.Tensor, where: str) -> None:
+    """Synchronize, and raise :class:`CpSharedKvError` naming every non-zero kind.
+
+    Call only at a natural sync point (or in checked mode).
+    """
+    counts = errors.tolist()
+    bad = [f"{n} x {ERROR_NAMES[k]}" for k, n in enumerate(counts) if n]
+    if bad:
+        raise CpSharedKvError(f"{where}: dropped bad ids: " + ", ".join(bad))

@@ -1,0 +1,1 @@
+"""Test helpers shared by test/ and benchmark/ (no upstream import)."""

@@ -1,0 +1,17 @@
+"""Upstream-style CI registration markers, without ``import sglang``.
+
+Upstream SGLang's ``sglang/test/ci/ci_register.py`` defines ``register_cpu_ci`` /
+``register_cuda_ci`` as runtime no-ops; its ``test/run_suite.py`` finds them by parsing each test
+file's AST, so their arguments must be literals. Our tests call these same-named functions at
+module level, so both our runner (``test/run_suite.py``) and upstream's would pick them up.
+"""
+
+from __future__ import annotations
+
+
+def register_cpu_ci(est_time: float, suite: str | None = None, nightly: bool = False, disabled: str | None = None, *, stage: str | None = None, runner_config: str | None = None) -> None:
+    """Mark a test file for a CPU suite (no-op at runtime; parsed from the file)."""
+
+
+def register_cuda_ci(est_time: float, suite: str | None = None, nightly: bool = False, disabled: str | None = None, *, stage: str | None = None, runner_config: str | None = None) -> None:
+    """Mark a test file for a CUDA suite (no-op at runtime; parsed from the file)."""

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Create (or refresh) the CPU development environment in .venv: the pinned CPU torch, triton
+# (interpreter), test tools, the pinned upstream sglang installed --no-deps with our patch queue
+# applied in-tree, and our package installed editable.
+#
+# CI (.ci/run via `make test`), `make demo` and a newcomer all use exactly this script; the
+# Docker image runs the same overlay steps against the image's own sglang (docker/install.sh).
+#
+#   scripts/setup_env.sh            # idempotent: reinstalls only what changed
+#   VENV=/path scripts/setup_env.sh # another location
+set -euo pipefail
+
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+venv="${VENV:-$root/.venv}"
+python="${PYTHON:-python3.11}"
+command -v "$python" >/dev/null 2>&1 || python=python3
+
+log() { printf '[setup_env] %s\n' "$*" >&2; }
+
+if [ ! -x "$venv/bin/python" ]; then
+  log "creating virtual environment $venv ($("$python" --version))"
+  "$python" -m venv "$venv"
+fi
+py="$venv/bin/python"
+pip=("$py" -m pip --disable-pip-version-check -q)
+
+# 1. Third-party packages: reinstalled only when the requirement files change.
+req_stamp="$venv/.cpkv-requirements.sha256"
+req_hash="$(cat requirements/dev-cpu.txt requirements/constraints-cpu.txt | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$req_stamp" 2>/dev/null)" != "$req_hash" ]; then
+  log "installing requirements/dev-cpu.txt (torch CPU build, triton, test tools, upstream import closure)"
+  "${pip[@]}" install --upgrade pip
+  # torch first, alone: with the CPU wheel in place every later resolution keeps it.
+  "${pip[@]}" install -c requirements/constraints-cpu.txt "torch==2.13.0"
+  "${pip[@]}" install -c requirements/constraints-cpu.txt -r requirements/dev-cpu.txt
+  echo "$req_hash" > "$req_stamp"
+else
+  log "requirements unchanged"
+fi
+
+# 2. Our package, editable (imports with torch and triton only).
+"${pip[@]}" install --no-deps --no-build-isolation -e python/
+
+# 3. The pinned upstream, --no-deps, freshly installed so the patch queue applies to pristine files.
+wheel="$("$py" -m sglang_cpkv.overlay fetch)"
+log "installing upstream wheel $(basename "$wheel") --no-deps"
+"${pip[@]}" install --no-deps --force-reinstall --no-compile "$wheel"
+sglang_root="$("$py" -c 'import importlib.util, os; print(os.path.dirname(importlib.util.find_spec("sglang").origin))')"
+
+# 4. The patch queue, in-tree.
+"$py" -m sglang_cpkv.overlay apply --sglang-root "$sglang_root"
+log "ready: $venv (sglang at $sglang_root)"
