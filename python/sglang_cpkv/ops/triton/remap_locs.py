@@ -1,0 +1,140 @@
+"""Triton :func:`remap_locs`: token locations of each request -> its dense locations.
+
+Contract: :func:`sglang_cpkv.ops.reference.remap_locs`.
+
+Request ids are compact: one int64 per row of ``locs`` (``[N]`` for ``[N, K]`` top-k locations),
+loaded once per tile row and broadcast in registers, never materialized as ``[N, K]``. The page
+size is a compile-time constant so that ``// page_size`` and ``% page_size`` are shifts for the
+usual power-of-two sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang_cpkv.ops.errors import ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE
+from sglang_cpkv.ops.triton._common import check_errors, check_index, next_power_of_2
+
+# GPU: 4096 locations (16 KiB of int32) per program, up to 1024 of them along a row.
+_GPU_TILE = 4096
+_GPU_MAX_BLOCK_K = 1024
+# Interpreter: each program instance costs ~1 ms, so few large tiles.
+_CPU_TILE = 1 << 16
+
+
+@triton.jit
+def _remap_locs_kernel(
+    locs_ptr,  # int32/int64 [N, K], row stride locs_stride
+    req_id_ptr,  # int64 [N]; -1 = padding row
+    inverse_ptr,  # int32 [R * C]
+    out_ptr,  # int32 [N, K], contiguous
+    errors_ptr,  # int32 [NUM_ERROR_KINDS]
+    n_rows,  # N
+    n_cols,  # K
+    locs_stride,
+    capacity,  # C
+    batch_rows,  # R
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ERR_PAGE: tl.constexpr,
+    ERR_REQ: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_in = rows < n_rows
+    tile_in = row_in[:, None] & (cols < n_cols)[None, :]
+
+    req = tl.load(req_id_ptr + rows, mask=row_in, other=-1).to(tl.int64)[:, None]
+    loc = tl.load(locs_ptr + rows[:, None] * locs_stride + cols[None, :], mask=tile_in, other=-1).to(tl.int64)
+
+    padding = (loc < 0) | (req == -1)
+    bad_req = ~padding & ((req < -1) | (req >= batch_rows))
+    page = loc // PAGE_SIZE
+    bad_page = ~padding & ~bad_req & (page >= capacity)
+    ok = ~padding & ~bad_req & ~bad_page
+
+    slot = tl.load(inverse_ptr + req * capacity + page, mask=ok, other=-1).to(tl.int64)
+    dense = tl.where(slot >= 0, slot * PAGE_SIZE + loc % PAGE_SIZE, -1)
+    tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], dense.to(tl.int32), mask=tile_in)
+
+    n_bad_req = tl.sum(tl.sum(bad_req.to(tl.int32), axis=1), axis=0)
+    n_bad_page = tl.sum(tl.sum(bad_page.to(tl.int32), axis=1), axis=0)
+    tl.atomic_add(errors_ptr + ERR_REQ, n_bad_req, mask=n_bad_req > 0)
+    tl.atomic_add(errors_ptr + ERR_PAGE, n_bad_page, mask=n_bad_page > 0)
+
+
+def remap_locs(
+    locs: torch.Tensor,
+    req_id: torch.Tensor,
+    inverse: torch.Tensor,
+    capacity: int,
+    page_size: int,
+    errors: torch.Tensor,
+    *,
+    block_n: int = 0,
+    block_k: int = 0,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Map token locations to dense locations (contract: :func:`sglang_cpkv.ops.reference.remap_locs`).
+
+    Args:
+        locs: int32 or int64 ``[N]`` or ``[N, K]``; ``-1`` is padding.
+        req_id: int32/int64 ``[N]`` request row of each row of ``locs`` (``-1``: padding row).
+        inverse: int32 ``[R * C]``.
+        capacity: ``C``.
+        page_size: tokens per page.
+        errors: int32 counter (request ids outside ``[-1, R)``, pages ``>= C``).
+        block_k: locations per tile along a row (power of two). 0 = auto:
+            ``next_power_of_2(K)``, at most 1024 on a GPU.
+        block_n: rows per tile (power of two). 0 = auto: a tile of 4096 locations on a GPU, of
+            65536 on CPU (interpreter, where every program instance costs ~1 ms).
+        num_warps: warps per program.
+
+    Returns:
+        int32, the shape of ``locs``.
+    """
+    device = locs.device
+    loc2d = check_index("locs", locs, device, dims=(1, 2))
+    if loc2d.dim() == 1:
+        loc2d = loc2d.reshape(-1, 1)
+    req_id = check_index("req_id", req_id, device)
+    if req_id.shape != loc2d.shape[:1]:
+        raise ValueError(f"req_id must have one id per row of locs: locs {tuple(locs.shape)}, req_id {tuple(req_id.shape)}")
+    if inverse.dtype != torch.int32 or inverse.dim() != 1 or inverse.device != device:
+        raise ValueError(f"inverse must be int32 [R * C] on {device}, got {inverse.dtype}{tuple(inverse.shape)} on {inverse.device}")
+    if capacity <= 0 or inverse.numel() % capacity:
+        raise ValueError(f"capacity must be > 0 and divide inverse.numel() = {inverse.numel()}, got {capacity}")
+    if page_size <= 0:
+        raise ValueError(f"page_size must be > 0, got {page_size}")
+    check_errors(errors, device)
+    inverse = inverse.contiguous()
+    n_rows, n_cols = loc2d.shape
+    out = torch.empty((n_rows, n_cols), dtype=torch.int32, device=device)
+    if out.numel() == 0:
+        return out.reshape(locs.shape)
+    tile = _CPU_TILE if device.type == "cpu" else _GPU_TILE
+    block_k = block_k or min(next_power_of_2(n_cols), tile if device.type == "cpu" else _GPU_MAX_BLOCK_K)
+    block_n = block_n or max(1, min(next_power_of_2(n_rows), tile // block_k))
+    grid = (triton.cdiv(n_rows, block_n), triton.cdiv(n_cols, block_k))
+    _remap_locs_kernel[grid](
+        loc2d,
+        req_id,
+        inverse,
+        out,
+        errors,
+        n_rows,
+        n_cols,
+        loc2d.stride(0),
+        capacity,
+        inverse.numel() // capacity,
+        PAGE_SIZE=page_size,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        ERR_PAGE=ERR_PAGE_OUT_OF_RANGE,
+        ERR_REQ=ERR_REQ_OUT_OF_RANGE,
+        num_warps=num_warps,
+    )
+    return out.reshape(locs.shape)
