@@ -2,9 +2,36 @@
 
 Each op has one contract (the docstrings of :mod:`sglang_cpkv.ops.reference`) and up to three
 implementations: CUDA (``sgl-kernel/``, launched by :mod:`sglang_cpkv.ops.cuda`), Triton
-(:mod:`sglang_cpkv.ops.triton`) and the torch reference.
+(:mod:`sglang_cpkv.ops.triton`) and the torch reference. Every public op here dispatches on the
+device of its tensors:
+
+* CUDA tensors: CUDA when its extension is built (``sglang_cpkv.ops.cuda.is_available()``), else
+  Triton, else the torch reference.
+* CPU tensors: Triton when its kernels were defined under the interpreter (``TRITON_INTERPRET=1``
+  before ``sglang_cpkv.ops.triton`` was first imported), else the torch reference.
+
+The setting ``SGLANG_CPKV_OPS_BACKEND`` (environment, read at each call) forces one backend:
+
+* ``auto`` (default): the order above;
+* ``cuda`` / ``triton`` / ``torch``: that backend, or a :class:`RuntimeError` naming why it cannot
+  run tensors on this device (never a silent fallback).
+
+The choice is logged once per backend (logger ``sglang_cpkv.ops``). Dispatch reads only tensor
+metadata and Python state: it never synchronizes with the device, so it is safe under CUDA
+graph capture.
 """
 
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from types import ModuleType
+
+import torch
+
+from sglang_cpkv.ops import reference
 from sglang_cpkv.ops.errors import (
     ERR_LOC_OUT_OF_RANGE,
     ERR_PAGE_OUT_OF_RANGE,
@@ -13,15 +40,111 @@ from sglang_cpkv.ops.errors import (
     new_error_counter,
     raise_if_errors,
 )
-from sglang_cpkv.ops.reference import build_page_inverse, copy_pages, remap_locs, scatter_rows
+
+BACKEND_ENV = "SGLANG_CPKV_OPS_BACKEND"
+BACKENDS = ("auto", "cuda", "triton", "torch")
+
+logger = logging.getLogger(__name__)
+_logged_backends: set[str] = set()
+
+
+@functools.cache
+def _load_backend(name: str) -> tuple[ModuleType | None, str]:
+    """``(module, "")`` when backend ``name`` can run, else ``(None, why not)``; decided once."""
+    if name == "torch":
+        return reference, ""
+    try:
+        module = importlib.import_module(f"sglang_cpkv.ops.{name}")
+    except ModuleNotFoundError as exc:
+        # Only the backend itself (or Triton, for the Triton backend) may be absent; any other
+        # missing module is a bug of that backend and surfaces.
+        if exc.name not in (f"sglang_cpkv.ops.{name}", "triton" if name == "triton" else None):
+            raise
+        return None, f"{exc.name} is not installed"
+    if name == "cuda":
+        try:
+            available = module.is_available()
+        except Exception as exc:  # a broken build must not take the runtime down: it falls back, loudly
+            logger.warning("sglang_cpkv.ops.cuda.is_available() failed: %r", exc)
+            return None, f"sglang_cpkv.ops.cuda.is_available() failed: {exc!r}"
+        if not available:
+            return None, "the CUDA extension of sglang_cpkv.ops.cuda is not built"
+    return module, ""
+
+
+def _why_not(name: str, device: torch.device) -> str:
+    """Why backend ``name`` cannot run ops on ``device`` ("" when it can)."""
+    if name == "torch":
+        return ""
+    if name == "cuda" and device.type != "cuda":
+        return f"the CUDA backend runs CUDA tensors only, got {device.type} tensors"
+    if name == "triton" and device.type not in ("cuda", "cpu"):
+        return f"the Triton backend runs CUDA tensors, or CPU tensors under its interpreter, got {device.type} tensors"
+    module, why = _load_backend(name)
+    if module is None:
+        return why
+    if name == "triton" and device.type == "cpu" and not module.INTERPRETED:
+        return "Triton runs CPU tensors only under its interpreter: set TRITON_INTERPRET=1 before sglang_cpkv.ops.triton is first imported"
+    return ""
+
+
+def select_backend(device: torch.device | str) -> str:
+    """The backend (``cuda``, ``triton`` or ``torch``) that runs the ops for tensors on ``device``.
+
+    Follows ``SGLANG_CPKV_OPS_BACKEND`` (see the module docstring); raises :class:`RuntimeError`
+    if it forces a backend that cannot run there, or holds a value outside :data:`BACKENDS`.
+    """
+    device = torch.device(device)
+    requested = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if requested not in BACKENDS:
+        raise RuntimeError(f"{BACKEND_ENV} must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    if requested == "auto":
+        name = next(n for n in ("cuda", "triton", "torch") if not _why_not(n, device))
+    else:
+        why = _why_not(requested, device)
+        if why:
+            raise RuntimeError(f"{BACKEND_ENV}={requested} cannot run the CP shared-KV ops on {device.type} tensors: {why}")
+        name = requested
+    if name not in _logged_backends:
+        _logged_backends.add(name)
+        logger.info("CP shared-KV ops run on the %s backend (%s=%s, %s tensors)", name, BACKEND_ENV, requested, device.type)
+    return name
+
+
+def _backend(device: torch.device) -> ModuleType:
+    return _load_backend(select_backend(device))[0]
+
+
+def build_page_inverse(page_table: torch.Tensor, capacity: int, errors: torch.Tensor) -> torch.Tensor:
+    """Per-request page inverse of a batch: :func:`sglang_cpkv.ops.reference.build_page_inverse`."""
+    return _backend(page_table.device).build_page_inverse(page_table, capacity, errors)
+
+
+def remap_locs(locs: torch.Tensor, req_id: torch.Tensor, inverse: torch.Tensor, capacity: int, page_size: int, errors: torch.Tensor) -> torch.Tensor:
+    """Token locations -> dense locations: :func:`sglang_cpkv.ops.reference.remap_locs`."""
+    return _backend(locs.device).remap_locs(locs, req_id, inverse, capacity, page_size, errors)
+
+
+def copy_pages(src: torch.Tensor, src_page: torch.Tensor, dst: torch.Tensor, dst_page: torch.Tensor, errors: torch.Tensor) -> None:
+    """Whole pages from ``src`` to ``dst``: :func:`sglang_cpkv.ops.reference.copy_pages`."""
+    _backend(dst.device).copy_pages(src, src_page, dst, dst_page, errors)
+
+
+def scatter_rows(src: torch.Tensor, dst_loc: torch.Tensor, dst: torch.Tensor, errors: torch.Tensor) -> None:
+    """Rows of ``src`` to rows ``dst_loc`` of ``dst``: :func:`sglang_cpkv.ops.reference.scatter_rows`."""
+    _backend(dst.device).scatter_rows(src, dst_loc, dst, errors)
+
 
 __all__ = [
     "ERR_LOC_OUT_OF_RANGE",
     "ERR_PAGE_OUT_OF_RANGE",
     "ERR_REQ_OUT_OF_RANGE",
+    "BACKEND_ENV",
+    "BACKENDS",
     "CpSharedKvError",
     "new_error_counter",
     "raise_if_errors",
+    "select_backend",
     "build_page_inverse",
     "remap_locs",
     "copy_pages",
