@@ -1,0 +1,182 @@
+"""How the current tokens of a batch are split across CP ranks, mirroring upstream 0.5.23.
+
+The contract requires the current tokens (locations, KV, request ids) to be split "exactly the
+way the pinned upstream's strategy splits them" (``srt/layers/cp/{interleave,zigzag,padding}.py``
+of 0.5.23). A :class:`CpSplit` is host metadata computed once per batch from the host
+``extend_lens``; :meth:`CpSplit.shard` applies the split to any token-major tensor, so the same
+function cuts the hidden states, ``out_cache_loc`` and the companion request ids.
+
+Strategies (``N = sum(extend_lens)``, flattened batch, request-major):
+
+* ``"interleave"``: token ``t`` goes to rank ``t % cp``; rank ``r`` holds
+  ``N // cp + (r < N % cp)`` real (logical) rows, in token order.
+* ``"zigzag"``: each request is cut into ``2 * cp`` blocks (the first ``extend % (2 cp)`` blocks
+  one token longer); rank ``r`` holds block ``r`` of every request, then block ``2 cp - 1 - r``
+  of every request. (0.5.23 builds this layout for any batch size but only documents bs=1 for
+  DSA; the contract keeps zigzag at bs>1 out of scope for the model, not for this split.)
+* ``"none"``: the batch runs un-split, replicated on every rank (upstream's fallback when the
+  strategy does not apply, see :func:`split_applies`).
+
+Padding (``padding.py``): every rank's local rows are padded to one physical length,
+``roundup(max(logical), align)`` with ``align = cp`` (interleave) or ``2 * cp`` (zigzag). Padded
+rows have no token: :meth:`CpSplit.shard` fills them with ``pad_value`` (zeros for activations,
+``-1`` for locations and request ids, so that they are never written nor read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import torch
+
+from sglang_cpkv.ops.errors import CpSharedKvError
+
+CpStrategy = Literal["interleave", "zigzag", "none"]
+CP_STRATEGIES: tuple[str, ...] = ("interleave", "zigzag", "none")
+
+
+def split_applies(strategy: CpStrategy, extend_lens: Sequence[int], cp_size: int) -> bool:
+    """Whether upstream 0.5.23 splits this batch at all (its ``can_apply``).
+
+    Interleave needs ``sum(extend) >= cp``; zigzag needs every ``extend >= 2 cp``; otherwise
+    upstream runs the batch un-split on every rank (strategy ``"none"`` here).
+    """
+    if cp_size <= 1 or strategy == "none":
+        return False
+    if strategy == "interleave":
+        total = sum(extend_lens)
+        return total > 0 and total >= cp_size
+    if strategy == "zigzag":
+        return sum(extend_lens) >= 2 * cp_size and all(n >= 2 * cp_size for n in extend_lens)
+    raise CpSharedKvError(f"unknown CP strategy {strategy!r}; expected one of {CP_STRATEGIES}")
+
+
+def _zigzag_block_sizes(extend_len: int, cp_size: int) -> list[int]:
+    blocks = 2 * cp_size
+    base, rem = divmod(extend_len, blocks)
+    return [base + 1 if b < rem else base for b in range(blocks)]
+
+
+def _rank_token_indices(strategy: CpStrategy, extend_lens: Sequence[int], cp_size: int, rank: int) -> torch.Tensor:
+    """int64 ``[logical]`` global token indices of ``rank``'s real local rows, in local order."""
+    total = sum(extend_lens)
+    if strategy == "none" or cp_size == 1:
+        return torch.arange(total, dtype=torch.int64)
+    if strategy == "interleave":
+        return torch.arange(rank, total, cp_size, dtype=torch.int64)
+    # zigzag: "prev" block `rank` of every request, then "next" block 2cp-1-rank of every request.
+    prev: list[torch.Tensor] = []
+    nxt: list[torch.Tensor] = []
+    req_start = 0
+    for extend_len in extend_lens:
+        sizes = _zigzag_block_sizes(extend_len, cp_size)
+        starts = [req_start + sum(sizes[:b]) for b in range(2 * cp_size)]
+        for block, out in ((rank, prev), (2 * cp_size - 1 - rank, nxt)):
+            out.append(torch.arange(starts[block], starts[block] + sizes[block], dtype=torch.int64))
+        req_start += extend_len
+    return torch.cat(prev + nxt) if prev else torch.empty(0, dtype=torch.int64)
+
+
+@dataclass(frozen=True)
+class CpSplit:
+    """The split of one batch's ``N`` current tokens over ``cp_size`` ranks, seen from ``cp_rank``.
+
+    Attributes:
+        strategy: ``"interleave"``, ``"zigzag"`` or ``"none"`` (un-split, replicated).
+        cp_size, cp_rank: the CP group size and this rank.
+        num_tokens: ``N``.
+        per_rank_logical: real local rows of each rank (upstream's ``per_rank_logical_token``).
+        physical_rows: padded local rows, the same on every rank (``per_rank_actual_token``).
+        local_token_index: host int64 ``[per_rank_logical[cp_rank]]``, the global token index of
+            each real local row of this rank, in local row order.
+        gather_index: host int64 ``[N]``; row ``t`` of the rank-major all-gather
+            ``[cp_size * physical_rows, ...]`` that holds token ``t`` (for ``"none"``, rank 0's).
+    """
+
+    strategy: CpStrategy
+    cp_size: int
+    cp_rank: int
+    num_tokens: int
+    per_rank_logical: tuple[int, ...]
+    physical_rows: int
+    local_token_index: torch.Tensor
+    gather_index: torch.Tensor
+
+    def shard(self, x: torch.Tensor, pad_value: float | int, local_index: torch.Tensor | None = None) -> torch.Tensor:
+        """This rank's padded local rows of a token-major tensor.
+
+        Args:
+            x: ``[>= N, ...]`` in global token order (rows past ``N`` are ignored, as upstream
+                cuts to ``total_seq_lens``).
+            pad_value: the value of the padded rows (0 for activations, -1 for ids/locations).
+            local_index: ``local_token_index`` already on ``x.device`` (the plan keeps one), or
+                None to copy it there.
+
+        Returns:
+            ``[physical_rows, ...]``, same dtype/device as ``x``: real rows first, then padding.
+        """
+        if x.shape[0] < self.num_tokens:
+            raise CpSharedKvError(f"CP shard: tensor has {x.shape[0]} rows, the batch has {self.num_tokens} tokens")
+        index = self.local_token_index.to(x.device) if local_index is None else local_index
+        out = x.new_full((self.physical_rows, *x.shape[1:]), pad_value)
+        out[: index.numel()] = x.index_select(0, index)
+        return out
+
+    def unshard(self, gathered: torch.Tensor, gather_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Token-order rows ``[N, ...]`` from the rank-major all-gather ``[cp * physical, ...]``.
+
+        Under ``"none"`` nothing is gathered: ``gathered`` is this rank's ``[N, ...]`` rows.
+        """
+        expected = self.physical_rows if self.strategy == "none" else self.cp_size * self.physical_rows
+        if gathered.shape[0] != expected:
+            raise CpSharedKvError(
+                f"CP unshard: gathered {gathered.shape[0]} rows, expected cp_size*physical_rows = "
+                f"{self.cp_size}*{self.physical_rows} = {expected}"
+            )
+        index = self.gather_index.to(gathered.device) if gather_index is None else gather_index
+        return gathered.index_select(0, index)
+
+
+def build_cp_split(strategy: CpStrategy, extend_lens: Sequence[int], cp_size: int, cp_rank: int) -> CpSplit:
+    """The split of a batch, from the host ``extend_lens``.
+
+    Raises:
+        CpSharedKvError: unknown strategy, ``cp_size < 1``, ``cp_rank`` outside ``[0, cp_size)``,
+            or a strategy that upstream would not apply to this batch (use ``"none"`` then).
+    """
+    if strategy not in CP_STRATEGIES:
+        raise CpSharedKvError(f"unknown CP strategy {strategy!r}; expected one of {CP_STRATEGIES}")
+    if cp_size < 1:
+        raise CpSharedKvError(f"cp_size must be >= 1, got {cp_size}")
+    if not 0 <= cp_rank < cp_size:
+        raise CpSharedKvError(f"cp_rank {cp_rank} outside [0, cp_size={cp_size})")
+    extend_lens = [int(n) for n in extend_lens]
+    total = sum(extend_lens)
+    if strategy != "none" and cp_size > 1 and not split_applies(strategy, extend_lens, cp_size):
+        raise CpSharedKvError(
+            f"CP strategy {strategy!r} does not apply to extend_lens={extend_lens} at cp_size={cp_size} "
+            "(upstream runs such a batch un-split): build the plan with strategy='none'"
+        )
+    effective = "none" if cp_size == 1 else strategy
+    per_rank = [_rank_token_indices(effective, extend_lens, cp_size, r) for r in range(cp_size)]
+    logical = tuple(int(t.numel()) for t in per_rank)
+    if effective == "none":
+        physical = total
+        gather_index = torch.arange(total, dtype=torch.int64)
+    else:
+        align = 2 * cp_size if effective == "zigzag" else cp_size
+        physical = -(-max(logical) // align) * align
+        gather_index = torch.empty(total, dtype=torch.int64)
+        for rank, tokens in enumerate(per_rank):
+            gather_index[tokens] = rank * physical + torch.arange(tokens.numel(), dtype=torch.int64)
+    return CpSplit(
+        strategy=effective,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        num_tokens=total,
+        per_rank_logical=logical,
+        physical_rows=physical,
+        local_token_index=per_rank[cp_rank],
+        gather_index=gather_index,
+    )

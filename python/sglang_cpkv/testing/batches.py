@@ -1,0 +1,342 @@
+"""Batches for CP shared-KV tests: a generator, hypothesis strategies, and the brute-force truth.
+
+A :class:`BatchCase` is a host description of one extend batch (page tables, history/current
+lengths, page size, capacity, CP size). Its current tokens' pool locations follow from the page
+tables (``out_cache_loc`` of token ``i`` of request ``r`` = its page-table location of logical
+position ``prefix_r + i``).
+
+The truth is the contract's: request ``r``'s dense view at logical position ``p`` holds the pool
+row ``page_table[r][p // ps] * ps + p % ps`` (taken before this forward writes the pool) for
+``p < prefix_r``, and its own current row ``p - prefix_r`` after; nothing else may change it.
+:func:`truth_rows` builds it by brute force, per request, with no inverse at all.
+
+Every case is labelled with the contract's state class (:attr:`BatchCase.state_class`):
+
+* ``REACHABLE``: reachable in upstream 0.5.23 - the only pages shared between requests are
+  full history pages in every request holding them (page-aligned radix sharing); current tokens
+  use pages no other request holds. A 1-D inverse is harmless here (identical copies).
+* ``COLLISION``: anything else - a shared partially filled page, or a page id that holds current
+  tokens of one request and appears in another request's table (the seed's fork, rank-local page
+  maps, page reuse within a batch). A 1-D inverse corrupts here.
+
+:func:`generate_case` draws a case from any integer source, so one generator serves
+``random.Random`` (:func:`random_case`, for the demo and harness) and hypothesis
+(:func:`batch_cases`). :func:`simulate_cp_ranks` runs the whole runtime for every CP rank in one
+process (the page all-gather done by concatenation) and reports every mismatch with the truth.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from sglang_cpkv.runtime.cp_split import split_applies
+
+REACHABLE = "reachable-0.5.23"
+COLLISION = "collision"
+
+Draw = Callable[[int, int], int]  # an integer in [lo, hi], both inclusive
+
+
+@dataclass(frozen=True)
+class BatchCase:
+    """One extend batch. ``page_tables[r]`` lists exactly ``ceil((prefix+extend)/page_size)`` pages."""
+
+    page_size: int
+    capacity: int
+    page_tables: tuple[tuple[int, ...], ...]
+    prefix_lens: tuple[int, ...]
+    extend_lens: tuple[int, ...]
+    cp_size: int = 1
+    strategy: str = "interleave"
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prefix_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    @property
+    def effective_strategy(self) -> str:
+        """The strategy upstream would use: the requested one if it applies, else ``"none"``."""
+        return self.strategy if split_applies(self.strategy, self.extend_lens, self.cp_size) else "none"  # type: ignore[arg-type]
+
+    def pool_loc(self, r: int, p: int) -> int:
+        """Pool location of logical position ``p`` of request ``r``."""
+        return self.page_tables[r][p // self.page_size] * self.page_size + p % self.page_size
+
+    def out_cache_loc(self) -> list[int]:
+        """Pool locations of the current tokens, token order (request-major)."""
+        return [self.pool_loc(r, p) for r in range(self.num_requests) for p in range(self.prefix_lens[r], self.prefix_lens[r] + self.extend_lens[r])]
+
+    @property
+    def state_class(self) -> str:
+        """:data:`REACHABLE` or :data:`COLLISION` (see the module docstring)."""
+        holders: dict[int, list[tuple[int, int]]] = {}
+        for r, table in enumerate(self.page_tables):
+            for j, page in enumerate(table):
+                holders.setdefault(page, []).append((r, j))
+        for pairs in holders.values():
+            if len({r for r, _ in pairs}) < 2:
+                continue
+            if any((j + 1) * self.page_size > self.prefix_lens[r] for r, j in pairs):
+                return COLLISION
+        return REACHABLE
+
+
+def generate_case(draw: Draw, max_requests: int = 8, max_cp: int = 8, page_sizes: tuple[int, ...] = (1, 2, 4)) -> BatchCase:
+    """Draw a batch: page sharing (aligned and partial), colliding page ids, partial pages,
+    chunked continuation (history ending mid-page), ``cp`` in ``[1, max_cp]``, bs in ``[1, max_requests]``."""
+    page_size = page_sizes[draw(0, len(page_sizes) - 1)]
+    bs = draw(1, max_requests)
+    cp = draw(1, max_cp)
+    strategy = ("interleave", "zigzag")[draw(0, 1)] if cp > 1 else "interleave"
+    max_pages = 6  # prefix <= 3 pages, extend <= 3 pages
+    capacity = bs * max_pages + 1 + draw(0, 7)
+    fresh = list(range(capacity))
+    random.Random(draw(0, 2**16)).shuffle(fresh)
+    tables: list[tuple[int, ...]] = []
+    prefix_lens: list[int] = []
+    extend_lens: list[int] = []
+    for _ in range(bs):
+        prefix = draw(0, 3 * page_size)
+        extend = draw(1, 3 * page_size)
+        history_pages = -(-prefix // page_size)
+        total_pages = -(-(prefix + extend) // page_size)
+        table: list[int] = []
+        for j in range(total_pages):
+            mode = draw(0, 9)
+            candidates: list[int] = []
+            if j < history_pages and 5 <= mode <= 8:
+                candidates = [t[j] for t in tables if len(t) > j]  # prefix sharing at the same position
+            if (j < history_pages and mode == 9) or (j >= history_pages and mode >= 8):
+                candidates = [page for t in tables for page in t]  # page id reused anywhere (collision)
+            candidates = [page for page in candidates if page not in table]
+            if candidates:
+                table.append(candidates[draw(0, len(candidates) - 1)])
+            else:
+                page = fresh.pop()
+                while page in table or any(page in t for t in tables):
+                    page = fresh.pop()
+                table.append(page)
+        tables.append(tuple(table))
+        prefix_lens.append(prefix)
+        extend_lens.append(extend)
+    return BatchCase(page_size, capacity, tuple(tables), tuple(prefix_lens), tuple(extend_lens), cp, strategy)
+
+
+def random_case(rng: random.Random, **kwargs) -> BatchCase:
+    """:func:`generate_case` from a ``random.Random``."""
+    return generate_case(lambda lo, hi: rng.randint(lo, hi), **kwargs)
+
+
+def batch_cases(**kwargs):
+    """A hypothesis strategy of :class:`BatchCase` (imports hypothesis lazily)."""
+    from hypothesis import strategies as st
+
+    @st.composite
+    def _cases(draw_fn):
+        return generate_case(lambda lo, hi: draw_fn(st.integers(lo, hi)), **kwargs)
+
+    return _cases()
+
+
+def make_pool_and_current(case: BatchCase, dtype: torch.dtype, row_elems: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random pool ``[C * ps, row_elems]`` and current KV ``[N, row_elems]`` (``uint8`` or float)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = ((case.capacity * case.page_size, row_elems), (case.num_tokens, row_elems))
+    if dtype == torch.uint8:
+        return tuple(torch.randint(0, 256, s, generator=gen, dtype=torch.uint8) for s in shapes)  # type: ignore[return-value]
+    return tuple(torch.randn(s, generator=gen).to(dtype) for s in shapes)  # type: ignore[return-value]
+
+
+def truth_rows(case: BatchCase, pool: torch.Tensor, current_kv: torch.Tensor) -> list[torch.Tensor]:
+    """Per request ``[prefix + extend, row...]``: what its dense view must hold, position by position."""
+    out = []
+    token = 0
+    for r in range(case.num_requests):
+        rows = [pool[case.pool_loc(r, p)] for p in range(case.prefix_lens[r])]
+        rows += [current_kv[token + i] for i in range(case.extend_lens[r])]
+        token += case.extend_lens[r]
+        out.append(torch.stack(rows) if rows else pool.new_empty((0, *pool.shape[1:])))
+    return out
+
+
+def dense_loc(case: BatchCase, pages_per_request: int, r: int, p: int) -> int:
+    """Dense location of logical position ``p`` of request ``r``."""
+    return (r * pages_per_request + p // case.page_size) * case.page_size + p % case.page_size
+
+
+def random_topk(case: BatchCase, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k reads for every current token: (pool locs int64 ``[N, k]``, logical positions ``[N, k]``).
+
+    Token ``i`` of request ``r`` reads ``k`` positions of ``[0, prefix_r + i]`` (causal), some
+    repeated, and some entries are -1 padding (positions -1).
+    """
+    rng = random.Random(seed)
+    locs, positions = [], []
+    for r in range(case.num_requests):
+        for i in range(case.extend_lens[r]):
+            visible = case.prefix_lens[r] + i + 1
+            pos = [rng.randrange(visible) if rng.random() < 0.85 else -1 for _ in range(k)]
+            positions.append(pos)
+            locs.append([case.pool_loc(r, p) if p >= 0 else -1 for p in pos])
+    return torch.tensor(locs, dtype=torch.int64).reshape(-1, k), torch.tensor(positions, dtype=torch.int64).reshape(-1, k)
+
+
+def rows_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte equality (NaN-safe, dtype-agnostic)."""
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+POISON_BYTE = 0xA5  # fills non-owned pool pages and unwritten dense rows in simulations
+
+
+def _poison(t: torch.Tensor) -> None:
+    t.view(torch.uint8).fill_(POISON_BYTE)
+
+
+@dataclass
+class RankResult:
+    """What one simulated CP rank produced for a case."""
+
+    plan: "object"
+    dense: torch.Tensor
+    remapped: torch.Tensor
+    pool_after: torch.Tensor
+
+
+def simulate_cp_ranks(
+    case: BatchCase,
+    pool: torch.Tensor,
+    current_kv: torch.Tensor,
+    topk_locs: torch.Tensor,
+    checked: bool = False,
+) -> list[RankResult]:
+    """Run the runtime for every rank of ``case.cp_size`` in this process.
+
+    Each rank's pool keeps only its owned pages (others poisoned), builds its own plan, packs its
+    owned history pages; the all-gathers are concatenations; then it unpacks, fills the current KV
+    (gathered from every rank's split rows), remaps its local top-k rows, and persists owned rows.
+    """
+    from sglang_cpkv.runtime import build_plan, layer
+
+    cp = case.cp_size
+    strategy = case.effective_strategy
+    out_cache_loc = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
+    ps = case.page_size
+    plans = [
+        build_plan(
+            [list(t) for t in case.page_tables],
+            case.prefix_lens,
+            case.extend_lens,
+            out_cache_loc,
+            capacity=case.capacity,
+            page_size=ps,
+            cp_size=cp,
+            cp_rank=k,
+            strategy=strategy,  # type: ignore[arg-type]
+            checked=checked,
+        )
+        for k in range(cp)
+    ]
+    pools = []
+    page_owner = torch.arange(case.capacity).repeat_interleave(ps) % cp
+    for k in range(cp):
+        rank_pool = pool.clone()
+        rank_pool.view(torch.uint8)[page_owner != k] = POISON_BYTE
+        pools.append(rank_pool)
+    denses = []
+    for plan in plans:
+        dense = layer.new_dense_buffer(plan, tuple(pool.shape[1:]), pool.dtype)
+        _poison(dense)
+        denses.append(dense)
+    if cp == 1:
+        layer.materialize_history(plans[0], pools[0], denses[0], _SingleGroup())
+    elif plans[0].exchange_pages_per_rank:
+        gathered = torch.cat([layer.pack_owned_history(plans[k], pools[k]) for k in range(cp)])
+        for k in range(cp):
+            layer.unpack_history(plans[k], gathered, denses[k])
+    results = []
+    local_kv = [plans[k].split.shard(current_kv, 0) for k in range(cp)]
+    for k, plan in enumerate(plans):
+        if plan.split.strategy == "none":
+            current_full = layer.gather_current(plan, local_kv[k], _SingleGroup())
+        else:
+            current_full = plan.split.unshard(torch.cat(local_kv), plan.current_gather_index)
+        layer.fill_current(plan, current_full, denses[k])
+        local_topk = plan.split.shard(topk_locs, -1, plan.local_token_index)
+        remapped = layer.remap_topk(plan, local_topk, plan.local_req_id)
+        layer.persist_owned_current(plan, current_full, pools[k])
+        plan.raise_if_errors("simulate_cp_ranks")
+        results.append(RankResult(plan, denses[k], remapped, pools[k]))
+    return results
+
+
+class _SingleGroup:
+    cp_size = 1
+    cp_rank = 0
+
+    def all_gather_rows(self, local: torch.Tensor) -> torch.Tensor:
+        return local
+
+
+def check_against_truth(
+    case: BatchCase,
+    pool: torch.Tensor,
+    current_kv: torch.Tensor,
+    topk_positions: torch.Tensor,
+    results: list[RankResult],
+) -> list[str]:
+    """Every mismatch of every rank's dense view, top-k reads and pool writes with the truth."""
+    truth = truth_rows(case, pool, current_kv)
+    token_req = [r for r in range(case.num_requests) for _ in range(case.extend_lens[r])]
+    out_cache_loc = case.out_cache_loc()
+    cp = case.cp_size
+    problems: list[str] = []
+    for k, res in enumerate(results):
+        plan = res.plan
+        P = plan.pages_per_request  # type: ignore[attr-defined]
+        for r in range(case.num_requests):
+            for p in range(truth[r].shape[0]):
+                got = res.dense[dense_loc(case, P, r, p)]
+                if not rows_equal(got, truth[r][p]):
+                    problems.append(f"rank {k}: request {r} dense position {p} differs from the truth")
+        local_tokens = plan.local_token_index.tolist()  # type: ignore[attr-defined]
+        local_req = plan.local_req_id.tolist()  # type: ignore[attr-defined]
+        for row, req in enumerate(local_req):
+            if row >= len(local_tokens):
+                if req != -1 or bool((res.remapped[row] != -1).any()):
+                    problems.append(f"rank {k}: padding row {row} has request {req} / remapped reads")
+                continue
+            t = local_tokens[row]
+            if req != token_req[t]:
+                problems.append(f"rank {k}: local row {row} (token {t}) has request id {req}, expected {token_req[t]}")
+                continue
+            for col, p in enumerate(topk_positions[t].tolist()):
+                d = int(res.remapped[row, col])
+                if p < 0:
+                    if d != -1:
+                        problems.append(f"rank {k}: padding top-k entry of token {t} remapped to {d}")
+                elif d < 0 or not rows_equal(res.dense[d], truth[req][p]):
+                    problems.append(f"rank {k}: token {t} (request {req}) top-k read of position {p} is wrong (dense loc {d})")
+        # Pool writes: owned current rows hold a current row with that location; nothing else changed.
+        written: dict[int, list[int]] = {}
+        for t, loc in enumerate(out_cache_loc):
+            if (loc // case.page_size) % cp == k:
+                written.setdefault(loc, []).append(t)
+        for loc in range(pool.shape[0]):
+            owned = (loc // case.page_size) % cp == k
+            if loc in written:
+                if not any(rows_equal(res.pool_after[loc], current_kv[t]) for t in written[loc]):
+                    problems.append(f"rank {k}: pool row {loc} does not hold its current token")
+            elif owned and not rows_equal(res.pool_after[loc], pool[loc]):
+                problems.append(f"rank {k}: owned pool row {loc} changed though no current token writes it")
+            elif not owned and not bool((res.pool_after[loc].view(torch.uint8) == POISON_BYTE).all()):
+                problems.append(f"rank {k}: non-owned pool row {loc} was written")
+    return problems
