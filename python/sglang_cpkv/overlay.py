@@ -132,7 +132,7 @@ class Pin:
 
 def load_pin(root: Path) -> Pin:
     path = root / "UPSTREAM.toml"
-    data = tomllib.loads(path.read_text())
+    data = tomllib.loads(path.read_text(encoding="utf-8"))
     try:
         upstream = data["upstream"]
         wheels = {
@@ -272,11 +272,11 @@ def tree_version(sglang_root: Path) -> str:
     for name in VERSION_FILES:
         path = sglang_root / name
         if path.is_file():
-            match = pattern.search(path.read_text())
+            match = pattern.search(path.read_text(encoding="utf-8"))
             if match:
                 return match.group(1)
     for meta in sorted(sglang_root.parent.glob(f"{PACKAGE_DIR}-*.dist-info/METADATA")):
-        match = re.search(r"^Version: (\S+)", meta.read_text(), re.M)
+        match = re.search(r"^Version: (\S+)", meta.read_text(encoding="utf-8"), re.M)
         if match:
             return match.group(1)
     raise OverlayError(f"{sglang_root}: cannot read the upstream version (no {' / '.join(VERSION_FILES)} with __version__, no dist-info)")
@@ -284,6 +284,12 @@ def tree_version(sglang_root: Path) -> str:
 
 # --------------------------------------------------------------------------------------------
 # Unified diffs
+
+
+def split_lines(text: str) -> list[str]:
+    """Lines with their endings, split at ``\\n`` only (``str.splitlines`` also splits at form feeds etc.)."""
+    parts = text.split("\n")
+    return [part + "\n" for part in parts[:-1]] + ([parts[-1]] if parts[-1] else [])
 
 
 @dataclasses.dataclass
@@ -351,7 +357,7 @@ def _diff_path(raw: str, prefix: str, where: str) -> str:
 
 def parse_patch(text: str, name: str) -> Patch:
     """Parse a ``-p1`` unified diff with ``a/sglang/...`` and ``b/sglang/...`` paths."""
-    lines = text.splitlines(keepends=True)
+    lines = split_lines(text)
     header: list[str] = []
     files: list[FilePatch] = []
     i = 0
@@ -460,7 +466,7 @@ def make_diff(rel_path: str, before: str, after: str) -> str:
     """A ``-p1`` unified diff of one upstream file, quilt-refresh style (no timestamps, 3 lines of context)."""
     out = []
     for line in difflib.unified_diff(
-        before.splitlines(keepends=True), after.splitlines(keepends=True),
+        split_lines(before), split_lines(after),
         f"a/{PACKAGE_DIR}/{rel_path}", f"b/{PACKAGE_DIR}/{rel_path}", n=DIFF_CONTEXT,
     ):  # fmt: skip
         out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
@@ -474,7 +480,7 @@ def make_diff(rel_path: str, before: str, after: str) -> str:
 def read_series(path: Path) -> list[str]:
     """Patch paths in order; ``#`` starts a comment (also after an entry)."""
     entries = []
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8").splitlines():
         entry = line.split("#", 1)[0].strip()
         if entry:
             entries.append(entry)
@@ -492,7 +498,7 @@ class Queue:
         return self.root / "patches"
 
     def patch_text(self, name: str) -> str:
-        return (self.patches_dir / name).read_text()
+        return (self.patches_dir / name).read_bytes().decode()
 
     def parsed(self) -> list[Patch]:
         return [parse_patch(self.patch_text(name), name) for name in self.series]
@@ -513,7 +519,7 @@ def load_queue(root: Path) -> Queue:
     series = read_series(patches / "series") if (patches / "series").is_file() else []
     manifest_path = patches / "manifest.json"
     try:
-        manifest = json.loads(manifest_path.read_text()) if manifest_path.is_file() else {}
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8")) if manifest_path.is_file() else {}
     except json.JSONDecodeError as exc:
         raise OverlayError(f"{manifest_path}: invalid JSON ({exc})") from exc
     return Queue(root, series, manifest)
@@ -626,7 +632,7 @@ def apply_queue(sglang_root: Path, queue_root: Path) -> str:
         current[rel] = (sglang_root / rel).read_bytes()
     queue_sha = queue.sha256()
     record_path = sglang_root / RECORD_NAME
-    record = json.loads(record_path.read_text()) if record_path.is_file() else None
+    record = json.loads(record_path.read_text(encoding="utf-8")) if record_path.is_file() else None
     if record and record.get("queue_sha256") == queue_sha and all(
         sha256_bytes(data) == record.get("files", {}).get(rel, {}).get("patched_sha256") for rel, data in current.items()
     ):
@@ -636,7 +642,7 @@ def apply_queue(sglang_root: Path, queue_root: Path) -> str:
         detail = "\n  ".join(f"{rel}: expected pristine sha256 {want}, found {got}" for rel, want, got in mismatched)
         hint = f" (the tree records overlay queue {record.get('queue_sha256', '?')[:12]}; reinstall pristine {pin.package}=={pin.version})" if record else ""
         raise OverlayError(f"touched files in {sglang_root} are not the pinned {pin.version} originals{hint}:\n  {detail}")
-    files = {rel: data.decode().splitlines(keepends=True) for rel, data in current.items()}
+    files = {rel: split_lines(data.decode()) for rel, data in current.items()}
     for patch in patches:
         apply_patch(files, patch)
     new_bytes = {rel: "".join(lines).encode() for rel, lines in files.items()}
@@ -701,7 +707,7 @@ def queue_state(root: Path, pin: Pin, rel_paths: Iterable[str], through_queue: b
     missing = [rel for rel in rel_paths if data[rel] is None]
     if missing:
         raise OverlayError(f"not in the pinned {pin.package} {pin.version} wheel: {', '.join(missing)}")
-    files = {rel: blob.decode().splitlines(keepends=True) for rel, blob in data.items() if blob is not None}
+    files = {rel: split_lines(blob.decode()) for rel, blob in data.items() if blob is not None}
     for patch in patches:
         apply_patch(files, patch)
     return {rel: "".join(files[rel]) for rel in rel_paths}
@@ -710,17 +716,18 @@ def queue_state(root: Path, pin: Pin, rel_paths: Iterable[str], through_queue: b
 def diff_files(root: Path, pairs: list[tuple[str, Path]], pristine: bool) -> str:
     pin = load_pin(root)
     base = queue_state(root, pin, [rel for rel, _ in pairs], through_queue=not pristine)
-    out = "".join(make_diff(rel, base[rel], edited.read_text()) for rel, edited in sorted(pairs))
+    out = "".join(make_diff(rel, base[rel], edited.read_bytes().decode()) for rel, edited in sorted(pairs))
     if not out:
         raise OverlayError("the edited files do not differ from the base: no patch to write")
     return out
 
 
-def pin_hashes(root: Path) -> str:
+def pin_hashes(root: Path, wheel: Path | None = None) -> str:
+    """Record the pinned wheel's sha256 of every touched file as ``pristine_sha256`` in the manifest."""
     pin = load_pin(root)
     queue = load_queue(root)
     touched = queue.touched()
-    data = read_wheel_files(pinned_wheel(root, pin), touched)
+    data = read_wheel_files(wheel or pinned_wheel(root, pin), touched)
     missing = [rel for rel, blob in data.items() if blob is None]
     if missing:
         raise OverlayError(f"not in the pinned {pin.package} {pin.version} wheel: {', '.join(missing)}")
@@ -743,10 +750,11 @@ class Verdict:
 
 VERDICT_TEXT = {
     "clean": "applies cleanly",
-    "offsets": "applies with offsets: refreshed",
-    "contained": "already contained upstream (reverse-applies): retirement candidate, retired",
+    "offsets": "applies with offsets",
+    "contained": "already contained upstream (reverse-applies): retirement candidate",
     "conflict": "CONFLICT",
 }
+VERDICT_ACTION = {"offsets": "refreshed", "contained": "retired: moved to the manifest's history"}
 
 
 def classify(files: dict[str, list[str]], patch: Patch) -> Verdict:
@@ -772,10 +780,11 @@ def classify(files: dict[str, list[str]], patch: Patch) -> Verdict:
         apply_patch(dict(files), patch, allow_offset=True, reverse=True)
         return Verdict(patch.name, "contained", "every hunk reverse-applies to the new release")
     except HunkFailure:
-        return Verdict(patch.name, "conflict", strict_failure.reason, strict_failure)
+        reason = f"{strict_failure.path} hunk {strict_failure.index + 1}: its old lines are neither at the stated line nor at any offset, and the patch does not reverse-apply"
+        return Verdict(patch.name, "conflict", reason, strict_failure)
 
 
-def render_report(old: str, new: str, root: Path, wheels: dict[str, WheelPin], verdicts: list[Verdict], ok: bool) -> str:
+def render_report(old: str, new: str, root: Path, wheels: dict[str, WheelPin], verdicts: list[Verdict], ok: bool, pin_diff: str) -> str:
     lines = [
         f"# Rebase report: sglang {old} -> {new}",
         "",
@@ -785,11 +794,14 @@ def render_report(old: str, new: str, root: Path, wheels: dict[str, WheelPin], v
         "",
         "| # | patch | verdict | details |",
         "|---|---|---|---|",
-        *[f"| {i} | `{v.patch}` | {VERDICT_TEXT[v.kind]} | {v.detail} |" for i, v in enumerate(verdicts, 1)],
+        *[f"| {i} | `{v.patch}` | {VERDICT_TEXT[v.kind]}{'; ' + VERDICT_ACTION[v.kind] if ok and v.kind in VERDICT_ACTION else ''} | {v.detail} |"
+          for i, v in enumerate(verdicts, 1)],
     ]
     for v in verdicts:
         if v.failure is not None:
             lines += ["", f"## Conflict: `{v.patch}`, {v.failure.path} hunk {v.failure.index + 1}", "", "```diff", v.failure.hunk.render().rstrip("\n"), "```"]
+    if ok:
+        lines += ["", "## UPSTREAM.toml", "", "```diff", pin_diff.rstrip("\n"), "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -816,7 +828,7 @@ def rebase(root: Path, version: str, report_path: Path | None = None) -> tuple[b
     if found != version:
         raise OverlayError(f"{first.name} reports version {found}, expected {version}")
     base = blobs[next(iter(blobs))]
-    files = {rel: blob.decode().splitlines(keepends=True) for rel, blob in base.items() if blob is not None}
+    files = {rel: split_lines(blob.decode()) for rel, blob in base.items() if blob is not None}
     verdicts: list[Verdict] = []
     refreshed: dict[str, str] = {}
     for patch in patches:
@@ -826,10 +838,15 @@ def rebase(root: Path, version: str, report_path: Path | None = None) -> tuple[b
         if verdict.kind == "offsets":
             refreshed[patch.name] = patch.header + "".join(make_diff(rel, "".join(before[rel]), "".join(files[rel])) for rel in patch.touches)
     ok = all(v.kind != "conflict" for v in verdicts)
-    report = render_report(pin.version, version, root, new_wheels, verdicts, ok)
+    pin_text = (root / "UPSTREAM.toml").read_text(encoding="utf-8")
+    requirements = wheel_requirements(first)
+    kernels = {k: requirements[k.lower().replace("_", "-")] for k in tomllib.loads(pin_text).get("kernels", {}) if k.lower().replace("_", "-") in requirements}
+    new_pin_text = rewrite_pin_text(pin_text, pin.version, version, new_wheels, kernels)
+    pin_diff = "".join(difflib.unified_diff(pin_text.splitlines(True), new_pin_text.splitlines(True), "UPSTREAM.toml", "UPSTREAM.toml"))
+    report = render_report(pin.version, version, root, new_wheels, verdicts, ok, pin_diff)
     if report_path is not None:
         report_path.parent.mkdir(parents=True, exist_ok=True)
-        report_path.write_text(report)
+        report_path.write_text(report, encoding="utf-8")
     if not ok:
         return False, report
     retired = {v.patch for v in verdicts if v.kind == "contained"}
@@ -844,12 +861,8 @@ def rebase(root: Path, version: str, report_path: Path | None = None) -> tuple[b
     ]]  # fmt: skip
     still_touched = sorted({p for patch in patches if patch.name not in retired for p in patch.touches})
     manifest["pristine_sha256"] = {rel: sha256_bytes(base[rel]) for rel in still_touched}  # type: ignore[arg-type]
-    kernels_table = tomllib.loads((root / "UPSTREAM.toml").read_text()).get("kernels", {})
-    requirements = wheel_requirements(first)
-    kernels = {k: requirements[k.lower().replace("_", "-")] for k in kernels_table if k.lower().replace("_", "-") in requirements}
-    pin_text = rewrite_pin_text((root / "UPSTREAM.toml").read_text(), pin.version, version, new_wheels, kernels)
     series_text = "".join(
-        line for line in (queue.patches_dir / "series").read_text().splitlines(keepends=True)
+        line for line in (queue.patches_dir / "series").read_text(encoding="utf-8").splitlines(keepends=True)
         if line.split("#", 1)[0].strip() not in retired
     )  # fmt: skip
     for name, text in refreshed.items():
@@ -858,7 +871,7 @@ def rebase(root: Path, version: str, report_path: Path | None = None) -> tuple[b
         (queue.patches_dir / name).unlink()
     write_atomic(queue.patches_dir / "series", series_text.encode())
     write_atomic(queue.patches_dir / "manifest.json", dump_manifest(manifest).encode())
-    write_atomic(root / "UPSTREAM.toml", pin_text.encode())
+    write_atomic(root / "UPSTREAM.toml", new_pin_text.encode())
     return True, report
 
 

@@ -1,0 +1,105 @@
+"""``overlay rebase`` on a real release pair: a queue made against sglang 0.5.22, rebased onto 0.5.23.
+
+The queue is built by :mod:`sglang_cpkv.testing.overlay_demo` from the two released wheels (one
+patch per verdict: clean, offsets, contained upstream, and optionally a conflict) in a temporary
+queue root. The repo's own pin and queue are never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_cpkv import overlay
+from sglang_cpkv.testing import overlay_demo
+from sglang_cpkv.testing.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=20, suite="cpkv-cpu")
+
+CACHE = overlay.cache_dir(overlay.find_queue_root())
+NEW_WHEEL_SHA = "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937"  # PyPI sglang 0.5.23 cp311
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _rebase_cli(root: Path, report: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "sglang_cpkv.overlay", "--queue-root", str(root), "rebase", "--to", overlay_demo.NEW_VERSION, "--report", str(report)],
+        capture_output=True, text=True, env={**os.environ, "SGLANG_CPKV_CACHE": str(CACHE)},
+    )  # fmt: skip
+
+
+def _verdicts(report: str) -> dict[str, str]:
+    rows = [line.split("|") for line in report.splitlines() if line.startswith("| ") and "`" in line]
+    return {cells[2].strip().strip("`"): cells[3].strip() for cells in rows}
+
+
+def test_rebase_0_5_22_to_0_5_23_reports_each_verdict_and_moves_the_pin(tmp_path: Path) -> None:
+    root = overlay_demo.build_demo_queue(tmp_path / "queue", CACHE)
+    assert overlay.check_queue(root).startswith("ok: 3 patches"), "the demo queue must apply to its 0.5.22 pin"
+    offset_patch_before = (root / "patches" / "core" / "demo-offset.patch").read_text()
+
+    proc = _rebase_cli(root, tmp_path / "report.md")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = (tmp_path / "report.md").read_text()
+    assert report == proc.stdout
+    assert _verdicts(report) == {
+        "core/demo-clean.patch": "applies cleanly",
+        "core/demo-offset.patch": "applies with offsets; refreshed",
+        "upstream-fixes/demo-contained.patch": "already contained upstream (reverse-applies): retirement candidate; retired: moved to the manifest's history",
+    }
+
+    pin = overlay.load_pin(root)
+    assert pin.version == "0.5.23"
+    assert pin.wheels["cp311"] == overlay.WheelPin("cp311", "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl", NEW_WHEEL_SHA)
+    kernels = (root / "UPSTREAM.toml").read_text()
+    assert 'sglang-kernel = "0.4.10"' in kernels and 'sgl-deep-gemm = "0.2.3.post2"' in kernels
+
+    queue = overlay.load_queue(root)
+    assert queue.series == ["core/demo-clean.patch", "core/demo-offset.patch"]
+    assert not (root / "patches" / "upstream-fixes" / "demo-contained.patch").exists()
+    assert [e["last_refreshed"] for e in queue.manifest["patches"]] == ["0.5.23", "0.5.23"]
+    assert [(h["patch"], h["retired_in"]) for h in queue.manifest["history"]] == [("upstream-fixes/demo-contained.patch", "0.5.23")]
+    refreshed = (root / "patches" / "core" / "demo-offset.patch").read_text()
+    assert refreshed != offset_patch_before
+    assert refreshed.splitlines()[0] == offset_patch_before.splitlines()[0], "the patch's header comment survives a refresh"
+    # The rebased queue is a valid queue on the new pin: strict, no offsets.
+    assert overlay.check_queue(root).startswith("ok: 2 patches")
+
+
+def test_rebase_with_a_conflict_exits_non_zero_and_changes_nothing(tmp_path: Path) -> None:
+    root = overlay_demo.build_demo_queue(tmp_path / "queue", CACHE, conflict=True)
+    before = _snapshot(root)
+    proc = _rebase_cli(root, tmp_path / "report.md")
+    assert proc.returncode == 1
+    assert "nothing was changed" in proc.stderr
+    assert _snapshot(root) == before, "a failed rebase must leave pin, series, manifest and patches byte-identical"
+    report = (tmp_path / "report.md").read_text()
+    verdicts = _verdicts(report)
+    assert verdicts["core/demo-conflict.patch"] == "CONFLICT"
+    assert verdicts["core/demo-offset.patch"] == "applies with offsets", "no refresh is claimed when the rebase fails"
+    assert "result: FAILED: nothing was changed" in report
+    conflict_patch = (root / "patches" / "core" / "demo-conflict.patch").read_text()
+    hunk = conflict_patch[conflict_patch.index("@@") :].rstrip("\n")
+    assert f"```diff\n{hunk}\n```" in report, "the report shows the failing hunk"
+
+
+def test_rebase_keeps_the_manifest_format_valid(tmp_path: Path) -> None:
+    """The manifest a rebase writes passes the same validation as a hand-written one."""
+    root = overlay_demo.build_demo_queue(tmp_path / "queue", CACHE)
+    ok, _ = overlay.rebase(root, overlay_demo.NEW_VERSION)
+    assert ok
+    assert overlay.validate_queue(overlay.load_queue(root), overlay.load_pin(root)) == []
+    manifest_text = (root / "patches" / "manifest.json").read_text()
+    assert manifest_text == overlay.dump_manifest(json.loads(manifest_text))
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
