@@ -1,0 +1,326 @@
+"""Triton CP shared-KV ops == the torch reference, byte for byte, on CPU (Triton interpreter).
+
+Also the dispatcher of :mod:`sglang_cpkv.ops` (backend choice and ``SGLANG_CPKV_OPS_BACKEND``)
+and a small subset of the GPU parity sweep (``test_ops_parity_sweep.py``): every op over two
+batch sizes, both row layouts, ownership masks and a CP split.
+"""
+
+import os
+import subprocess
+import sys
+
+# Triton chooses the interpreter when a kernel is defined: set it before sglang_cpkv.ops.triton.
+os.environ["TRITON_INTERPRET"] = "1"
+
+import logging
+
+import pytest
+import torch
+
+from sglang_cpkv import ops
+from sglang_cpkv.ops import reference
+from sglang_cpkv.ops import triton as triton_ops
+from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE, new_error_counter
+from sglang_cpkv.testing.ci_register import register_cpu_ci
+from sglang_cpkv.testing.ops_cases import ROW_LAYOUTS, current_locs, interleave_split, random_batch, random_rows, same_bytes, topk_locs, unique_targets
+
+register_cpu_ci(est_time=60, suite="cpkv-cpu")
+
+INDEX_DTYPES = [torch.int32, torch.int64]
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _both(op_name: str, *args, **triton_knobs):
+    """Run one op on the reference and on Triton with fresh counters: ``((ref_out, ref_err), (tri_out, tri_err))``."""
+    results = []
+    for impl, knobs in ((reference, {}), (triton_ops, triton_knobs)):
+        errors = new_error_counter("cpu")
+        results.append((getattr(impl, op_name)(*args, errors, **knobs), errors))
+    return results
+
+
+def test_kernels_run_in_the_interpreter():
+    assert triton_ops.INTERPRETED, "TRITON_INTERPRET=1 was set before import, the kernels must be interpreted"
+    assert ops.select_backend("cpu") == "triton"
+
+
+# --- build_page_inverse ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("block_c", [0, 8])  # 0: auto (one program per row); 8: several chunks per row
+def test_build_page_inverse_matches_reference(index_dtype, block_c):
+    gen = _gen(1)
+    batch = random_batch(3, 16, 40, 7, gen, shared_pages=(5,), pages_per_request=9)
+    table = batch.page_table.to(index_dtype)
+    (ref, ref_err), (tri, tri_err) = _both("build_page_inverse", table, 40, block_c=block_c, block_p=4 if block_c else 0)
+    assert torch.equal(ref, tri), (ref.view(3, 40), tri.view(3, 40))
+    assert torch.equal(ref_err, tri_err) and int(tri_err.sum()) == 0
+
+
+@pytest.mark.parametrize("block_c", [0, 4])
+def test_build_page_inverse_counts_bad_page_ids_once(block_c):
+    table = torch.tensor([[3, 12, -1, -1], [-7, 2, 40, 11]], dtype=torch.int32)
+    (ref, ref_err), (tri, tri_err) = _both("build_page_inverse", table, 12, block_c=block_c)
+    assert torch.equal(ref, tri)
+    assert tri_err.tolist() == ref_err.tolist() == [3, 0, 0]  # 12 and 40 are >= C, -7 < -1
+
+
+def test_build_page_inverse_empty_batch():
+    (ref, _), (tri, tri_err) = _both("build_page_inverse", torch.empty(0, 4, dtype=torch.int32), 12)
+    assert ref.shape == tri.shape == (0,) and int(tri_err.sum()) == 0
+
+
+# --- remap_locs -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loc_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("tiles", [(0, 0), (2, 4)])  # auto, or many small tiles with ragged edges
+def test_remap_topk_locs_matches_reference(loc_dtype, page_size, tiles):
+    gen = _gen(2)
+    batch = random_batch(3, page_size, 30, 6, gen, shared_pages=(4,))
+    inverse = reference.build_page_inverse(batch.page_table, 30, new_error_counter("cpu"))
+    locs, req = topk_locs(batch, 9, 13, gen)
+    (ref, ref_err), (tri, tri_err) = _both("remap_locs", locs.to(loc_dtype), req, inverse, 30, page_size, block_n=tiles[0], block_k=tiles[1])
+    assert tri.dtype == torch.int32 and tri.shape == locs.shape
+    assert torch.equal(ref, tri)
+    assert torch.equal(ref_err, tri_err)
+    assert (tri >= 0).any() and (tri == -1).any()  # the draw exercises both outcomes
+
+
+def test_remap_counts_bad_request_and_page_ids():
+    inverse = reference.build_page_inverse(torch.tensor([[1, 5], [9, 5]], dtype=torch.int32), 12, new_error_counter("cpu"))
+    # rows: request 0, padding row, request 7 (>= R), request -3 (< -1), request 1
+    locs = torch.tensor([[4, 48, -1], [4, 99, 7], [4, -1, 8], [21, -5, 36], [47, 50, 23]], dtype=torch.int32)
+    req = torch.tensor([0, -1, 7, -3, 1])
+    (ref, ref_err), (tri, tri_err) = _both("remap_locs", locs, req, inverse, 12, 4)
+    assert torch.equal(ref, tri)
+    expected = [0] * 3
+    expected[ERR_REQ_OUT_OF_RANGE] = 4  # two real locations in each of the rows of requests 7 and -3
+    expected[ERR_PAGE_OUT_OF_RANGE] = 2  # loc 48 (page 12) and loc 50 (page 12) with C = 12
+    assert tri_err.tolist() == ref_err.tolist() == expected
+    assert tri[0].tolist() == [0, -1, -1] and tri[4].tolist() == [-1, -1, 15]  # page 11: not request 1's
+
+
+@pytest.mark.parametrize("loc_dtype", INDEX_DTYPES)
+def test_remap_current_locs_1d(loc_dtype):
+    gen = _gen(3)
+    batch = random_batch(4, 16, 50, 5, gen)
+    inverse = reference.build_page_inverse(batch.page_table, 50, new_error_counter("cpu"))
+    locs, req = current_locs(batch, gen)
+    (ref, ref_err), (tri, tri_err) = _both("remap_locs", locs.to(loc_dtype), req, inverse, 50, 16)
+    assert torch.equal(ref, tri) and torch.equal(ref_err, tri_err) and (tri >= 0).all()
+
+
+def test_remap_takes_compact_request_ids_only():
+    inverse = torch.full((24,), -1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="one id per row"):
+        triton_ops.remap_locs(torch.zeros(4, 3, dtype=torch.int32), torch.zeros(4, 3, dtype=torch.int64), inverse, 12, 4, new_error_counter("cpu"))
+
+
+# --- copy_pages / scatter_rows ---------------------------------------------------------------
+
+
+def _guarded(rows: int, layout: str, gen: torch.Generator, page_size: int = 1):
+    """A random destination of ``rows`` pages (or rows) inside a buffer with a guard row each side."""
+    buffer = random_rows((rows + 2) * page_size, layout, gen).view(rows + 2, -1)
+    return buffer, buffer[1:-1]
+
+
+@pytest.mark.parametrize("layout", sorted(ROW_LAYOUTS))
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("block_words", [0, 64])
+def test_copy_pages_byte_exact_and_bounded(layout, index_dtype, block_words):
+    gen = _gen(4)
+    page_size = 4
+    src = random_rows(10 * page_size, layout, gen).view(10, -1)
+    # -1 on either side skips; 10 (= src pages), 6 (= dst pages) and -2 are bad and dropped.
+    src_page = torch.tensor([0, 9, 3, -1, 10, 2, 7, -2, 4, 3], dtype=index_dtype)
+    dst_page = torch.tensor([5, 0, 2, 1, 3, -1, 6, 4, -3, 4], dtype=index_dtype)
+    outs = []
+    for impl, knobs in ((reference, {}), (triton_ops, {"block_words": block_words})):
+        buffer, dst = _guarded(6, layout, _gen(5), page_size)
+        before = buffer.clone()
+        errors = new_error_counter("cpu")
+        impl.copy_pages(src, src_page, dst, dst_page, errors, **knobs)
+        assert same_bytes(buffer[0], before[0]) and same_bytes(buffer[-1], before[-1]), "a bad page id wrote outside dst"
+        outs.append((buffer, errors))
+    (ref, ref_err), (tri, tri_err) = outs
+    assert same_bytes(ref, tri)
+    assert tri_err.tolist() == ref_err.tolist() == [4, 0, 0]
+    assert same_bytes(tri[1 + 0], src[9]) and same_bytes(tri[1 + 4], src[3])
+
+
+@pytest.mark.parametrize("layout", sorted(ROW_LAYOUTS))
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("block_rows", [0, 2])
+def test_scatter_rows_byte_exact_and_bounded(layout, index_dtype, block_rows):
+    gen = _gen(6)
+    src = random_rows(9, layout, gen)
+    dst_loc = torch.tensor([3, -1, 0, 11, 5, -4, 1, 12, 7], dtype=index_dtype)  # dst has 12 rows
+    outs = []
+    for impl, knobs in ((reference, {}), (triton_ops, {"block_rows": block_rows})):
+        buffer, dst = _guarded(12, layout, _gen(7))
+        before = buffer.clone()
+        errors = new_error_counter("cpu")
+        impl.scatter_rows(src, dst_loc, dst, errors, **knobs)
+        assert same_bytes(buffer[0], before[0]) and same_bytes(buffer[-1], before[-1]), "a bad row wrote outside dst"
+        outs.append((buffer, errors))
+    (ref, ref_err), (tri, tri_err) = outs
+    assert same_bytes(ref, tri)
+    expected = [0] * 3
+    expected[ERR_LOC_OUT_OF_RANGE] = 2  # 12 (= M) and -4
+    assert tri_err.tolist() == ref_err.tolist() == expected
+    assert same_bytes(tri[1 + 11], src[3])
+
+
+def test_scatter_rows_unaligned_view_falls_back_to_narrower_words():
+    """A destination starting mid-word (odd byte offset) is still copied byte-exact."""
+    gen = _gen(8)
+    src = random_rows(3, "fp8_packed", gen)
+    flat = random_rows(1, "fp8_packed", gen).view(-1).repeat(8)
+    dst_ref = flat[1 : 1 + 7 * 656].view(7, 656).clone()
+    dst_tri = flat.clone()[1 : 1 + 7 * 656].view(7, 656)
+    loc = torch.tensor([6, 0, 2])
+    reference.scatter_rows(src, loc, dst_ref, new_error_counter("cpu"))
+    triton_ops.scatter_rows(src, loc, dst_tri, new_error_counter("cpu"))
+    assert same_bytes(dst_ref, dst_tri)
+
+
+def test_shape_and_dtype_errors_name_the_values():
+    errors = new_error_counter("cpu")
+    with pytest.raises(ValueError, match="one dtype and row width"):
+        triton_ops.scatter_rows(torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(2, dtype=torch.int64), torch.zeros(4, 4, dtype=torch.uint8), errors)
+    with pytest.raises(ValueError, match="int32 or int64"):
+        triton_ops.copy_pages(torch.zeros(2, 8), torch.zeros(1), torch.zeros(2, 8), torch.zeros(1), errors)
+    with pytest.raises(ValueError, match="contiguous int32"):
+        triton_ops.build_page_inverse(torch.zeros(1, 2, dtype=torch.int32), 4, torch.zeros(3, dtype=torch.int64))
+
+
+# --- the [[1,5],[9,5]] shared-page regression -------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_shared_partial_page_keeps_each_request_its_own_rows(backend, monkeypatch):
+    """Two requests hold page 5, partially filled, and both continue it with divergent current
+    tokens (the seed fork's state class). Through the dispatcher, each request's dense view must
+    hold its own history and its own current rows: with a 1-D inverse one request's current rows
+    land in the other's slot."""
+    monkeypatch.setenv(ops.BACKEND_ENV, backend)
+    assert ops.select_backend("cpu") == backend
+    page_size, capacity = 4, 12
+    table = torch.tensor([[1, 5], [9, 5]], dtype=torch.int32)
+    gen = _gen(9)
+    pool = random_rows(capacity * page_size, "bf16", gen)
+    errors = new_error_counter("cpu")
+    inverse = ops.build_page_inverse(table, capacity, errors)
+    dense = random_rows(4 * page_size, "bf16", gen)
+    ops.copy_pages(pool.view(capacity, -1), table.view(-1), dense.view(4, -1), torch.arange(4, dtype=torch.int32), errors)
+    # History: 6 tokens each (page 1 or 9, then 2 tokens of page 5); current: offsets 2, 3 of page 5.
+    cur_locs = torch.tensor([22, 23, 22, 23], dtype=torch.int32)
+    cur_req = torch.tensor([0, 0, 1, 1])
+    current = random_rows(4, "bf16", gen)
+    dense_locs = ops.remap_locs(cur_locs, cur_req, inverse, capacity, page_size, errors)
+    assert dense_locs.tolist() == [6, 7, 14, 15]
+    ops.scatter_rows(current, dense_locs, dense, errors)
+    assert errors.tolist() == [0, 0, 0]
+    for r, first_page in enumerate((1, 9)):
+        view = dense[r * 8 : r * 8 + 8]
+        history = torch.cat([pool[first_page * 4 : first_page * 4 + 4], pool[20:22]])
+        assert same_bytes(view[:6], history), f"request {r} lost its history"
+        assert same_bytes(view[6:8], current[2 * r : 2 * r + 2]), f"request {r} holds another request's current rows"
+
+
+# --- dispatcher --------------------------------------------------------------------------------
+
+
+def test_forced_backend_setting(monkeypatch):
+    for name in ("torch", "triton"):
+        monkeypatch.setenv(ops.BACKEND_ENV, name)
+        assert ops.select_backend("cpu") == name
+    monkeypatch.setenv(ops.BACKEND_ENV, "cuda")
+    with pytest.raises(RuntimeError, match="SGLANG_CPKV_OPS_BACKEND=cuda cannot run .* cpu tensors"):
+        ops.build_page_inverse(torch.zeros(1, 1, dtype=torch.int32), 4, new_error_counter("cpu"))
+    monkeypatch.setenv(ops.BACKEND_ENV, "fastest")
+    with pytest.raises(RuntimeError, match="must be one of auto, cuda, triton, torch, got 'fastest'"):
+        ops.select_backend("cpu")
+
+
+def test_forced_backend_is_the_one_that_runs(monkeypatch):
+    """Told apart by behaviour: the Triton wrapper refuses a destination whose rows are strided
+    (it writes rows as flat words), the reference writes it."""
+    src, loc = torch.ones(2, 3), torch.tensor([1, 0])
+    monkeypatch.setenv(ops.BACKEND_ENV, "torch")
+    dst = torch.zeros(2, 6)[:, ::2]
+    ops.scatter_rows(src, loc, dst, new_error_counter("cpu"))
+    assert torch.equal(dst, src)
+    for name in ("triton", "auto"):
+        monkeypatch.setenv(ops.BACKEND_ENV, name)
+        with pytest.raises(ValueError, match="dst rows must be contiguous"):
+            ops.scatter_rows(src, loc, torch.zeros(2, 6)[:, ::2], new_error_counter("cpu"))
+
+
+def test_backend_choice_logged_once(monkeypatch, caplog):
+    monkeypatch.setattr(ops, "_logged_backends", set())
+    monkeypatch.setenv(ops.BACKEND_ENV, "auto")
+    with caplog.at_level(logging.INFO, logger="sglang_cpkv.ops"):
+        for _ in range(3):
+            ops.select_backend("cpu")
+    assert [r.getMessage() for r in caplog.records] == ["CP shared-KV ops run on the triton backend (SGLANG_CPKV_OPS_BACKEND=auto, cpu tensors)"]
+
+
+def test_without_interpreter_cpu_ops_use_torch():
+    code = (
+        "import os, torch; from sglang_cpkv import ops\n"
+        "assert ops.select_backend('cpu') == 'torch', ops.select_backend('cpu')\n"
+        "os.environ['SGLANG_CPKV_OPS_BACKEND'] = 'triton'\n"
+        "try:\n    ops.select_backend('cpu')\nexcept RuntimeError as e:\n    print(e)\nelse:\n    raise SystemExit('forced triton ran without the interpreter')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", ops.BACKEND_ENV)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "only under its interpreter" in proc.stdout
+
+
+# --- CPU subset of the parity sweep ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch_rows", [1, 3])
+@pytest.mark.parametrize("layout", sorted(ROW_LAYOUTS))
+def test_sweep_subset_layer_sequence(batch_rows, layout):
+    """One layer's op sequence (inverse, owned-page materialize, CP-split fill, top-k remap) on
+    random sparse batches: Triton == torch for every output and counter."""
+    page_size, capacity, cp_size = 16, 64, 2
+    gen = _gen(100 + batch_rows)
+    batch = random_batch(batch_rows, page_size, capacity, 4, gen, shared_pages=(7,))
+    pool = random_rows(capacity * page_size, layout, gen).view(capacity, -1)
+    slots = batch.page_table.shape[1] * batch_rows
+    outputs = {}
+    for name, impl in (("torch", reference), ("triton", triton_ops)):
+        errors = new_error_counter("cpu")
+        inverse = impl.build_page_inverse(batch.page_table, capacity, errors)
+        dense = random_rows(slots * page_size, layout, _gen(11)).view(slots, -1)
+        table = batch.page_table.view(-1).to(torch.int64)
+        for rank in range(cp_size):  # each rank materializes the pages it owns (page % cp == rank)
+            owned = torch.where((table >= 0) & (table % cp_size == rank), table, -1)
+            impl.copy_pages(pool, owned, dense, torch.arange(slots), errors)
+        locs, req = current_locs(batch, _gen(12))
+        current = random_rows(locs.numel(), layout, _gen(13))
+        rows = dense.view(slots * page_size, -1)
+        for rank in range(cp_size):
+            rank_locs, rank_req = interleave_split(locs, cp_size, rank), interleave_split(req, cp_size, rank)
+            rank_rows = interleave_split(current, cp_size, rank, pad_value=0)
+            impl.scatter_rows(rank_rows, impl.remap_locs(rank_locs, rank_req, inverse, capacity, page_size, errors), rows, errors)
+        tk_locs, tk_req = topk_locs(batch, 6, 16, _gen(14))
+        outputs[name] = (inverse, dense, impl.remap_locs(tk_locs.to(torch.int32), tk_req, inverse, capacity, page_size, errors), errors)
+    for ref, tri in zip(outputs["torch"], outputs["triton"]):
+        assert same_bytes(ref, tri)
+    assert outputs["triton"][3].tolist() == [0, 0, 0]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
