@@ -1,0 +1,44 @@
+// copy_pages: whole pages from one paged tensor to another (materialize history pool pages into dense slots;
+// pack/unpack owned pages around the CP all-gather).
+#include "cp_shared_kv.h"
+#include "row_copy.cuh"
+
+namespace sglang_cpkv {
+
+template <typename PageIdT>
+cudaError_t copy_pages(const void* src,
+                       int64_t src_pages,
+                       int64_t src_page_stride,
+                       const PageIdT* src_page,
+                       void* dst,
+                       int64_t dst_pages,
+                       int64_t dst_page_stride,
+                       const PageIdT* dst_page,
+                       int64_t num_pairs,
+                       int64_t page_bytes,
+                       int32_t* errors,
+                       cudaStream_t stream) {
+  return detail::launch_copy_rows<PageIdT, PageIdT, /*kGatherSrc=*/true>(src,
+                                                                         src_pages,
+                                                                         src_page_stride,
+                                                                         src_page,
+                                                                         dst,
+                                                                         dst_pages,
+                                                                         dst_page_stride,
+                                                                         dst_page,
+                                                                         num_pairs,
+                                                                         page_bytes,
+                                                                         errors,
+                                                                         kErrPageOutOfRange,
+                                                                         /*programmatic_dependent=*/false,
+                                                                         stream);
+}
+
+template cudaError_t copy_pages<int32_t>(
+    const void*, int64_t, int64_t, const int32_t*, void*, int64_t, int64_t, const int32_t*, int64_t, int64_t, int32_t*,
+    cudaStream_t);
+template cudaError_t copy_pages<int64_t>(
+    const void*, int64_t, int64_t, const int64_t*, void*, int64_t, int64_t, const int64_t*, int64_t, int64_t, int32_t*,
+    cudaStream_t);
+
+}  // namespace sglang_cpkv

@@ -1,0 +1,121 @@
+// CP shared-KV ops: host launchers (the contract reviewers read).
+//
+// Device code and launchers know nothing of torch: they take raw pointers, sizes, strides and a stream,
+// enqueue work without ever synchronizing with the host (so they can be captured in a CUDA graph), and
+// return the launch's cudaError_t. torch_bindings.cc checks tensors and calls them.
+//
+// Terms are those of docs/design/cp-shared-kv-contract.md: capacity C (page ids of the pool), request row
+// r in [0, R), page index j in [0, P), dense slot r * P + j, per-request inverse int32 [R * C].
+// The torch reference (python/sglang_cpkv/ops/reference.py) is the truth each launcher reproduces exactly,
+// bad ids included: -1 is skipped silently; any other id outside its range is dropped (nothing written, or -1
+// written for remap) and counted with an atomic add in errors[kind] (python/sglang_cpkv/ops/errors.py).
+//
+// Each launcher is a template instantiated for the index types listed on it (int32_t and int64_t).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace sglang_cpkv {
+
+// Indices of the int32 error counter (same numbers as python/sglang_cpkv/ops/errors.py).
+constexpr int kErrPageOutOfRange = 0;
+constexpr int kErrReqOutOfRange = 1;
+constexpr int kErrLocOutOfRange = 2;
+constexpr int kNumErrorKinds = 3;
+
+// inverse[r * C + page_table[r, j]] = r * P + j; -1 everywhere else. Page ids >= C or < -1 are counted in
+// errors[kErrPageOutOfRange]. A page id twice in one row: one of its slots wins (unspecified which).
+// One launch: each block owns a range of one request's inverse, fills it with -1 and then writes the slots
+// of that request's pages that fall in its range, so no second kernel is needed to order fill and scatter.
+// PageIdT: int32_t, int64_t.
+template <typename PageIdT>
+cudaError_t build_page_inverse(const PageIdT* page_table,      // [R, P], row r at page_table + r * row_stride
+                               int64_t rows,                   // R
+                               int64_t pages_per_request,      // P
+                               int64_t page_table_row_stride,  // elements between rows (>= P)
+                               int64_t capacity,               // C
+                               int32_t* inverse,               // [R * C], written entirely
+                               int32_t* errors,                // [kNumErrorKinds]
+                               cudaStream_t stream);
+
+// dense[n, k] = inverse[req_id[n] * C + locs[n, k] / page_size] * page_size + locs[n, k] % page_size, or -1
+// when locs[n, k] < 0, req_id[n] == -1, the page is absent from request req_id[n]'s table, or the id is
+// bad: req_id outside [-1, R) counts errors[kErrReqOutOfRange], a page >= C counts errors[kErrPageOutOfRange]
+// (one count per element, as the reference). Request ids are compact, one per row (never broadcast).
+// LocT: int32_t, int64_t.
+template <typename LocT>
+cudaError_t remap_locs(const LocT* locs,          // [N, K], row n at locs + n * locs_row_stride, unit column stride
+                       int64_t num_rows,          // N
+                       int64_t row_len,           // K (1 for 1-D locs)
+                       int64_t locs_row_stride,   // elements between rows of locs (>= K)
+                       const int64_t* req_id,     // [N] request row of each row of locs, -1: padding row
+                       const int32_t* inverse,    // [R * C] from build_page_inverse
+                       int64_t batch_rows,        // R
+                       int64_t capacity,          // C
+                       int64_t page_size,         // tokens per page (> 0)
+                       int32_t* dense_locs,       // [N, K] contiguous, written entirely
+                       int32_t* errors,           // [kNumErrorKinds]
+                       cudaStream_t stream);
+
+// dst[dst_page[i]] = src[src_page[i]] (page_bytes bytes each) for every i where both ids are >= 0. An id >= its
+// tensor's page count or < -1 counts errors[kErrPageOutOfRange] once per pair and the pair is skipped.
+// Copies 16 bytes per access when every size, stride and base pointer allows it, else the widest that does.
+// PageIdT: int32_t, int64_t (src_page and dst_page share it).
+template <typename PageIdT>
+cudaError_t copy_pages(const void* src,             // [src_pages, page_bytes] bytes, page p at src + p * src_stride
+                       int64_t src_pages,           // pages of src
+                       int64_t src_page_stride,     // bytes between pages of src (>= page_bytes)
+                       const PageIdT* src_page,     // [S]
+                       void* dst,                   // [dst_pages, page_bytes] bytes
+                       int64_t dst_pages,           // pages of dst
+                       int64_t dst_page_stride,     // bytes between pages of dst (>= page_bytes)
+                       const PageIdT* dst_page,     // [S]
+                       int64_t num_pairs,           // S
+                       int64_t page_bytes,          // bytes of one page
+                       int32_t* errors,             // [kNumErrorKinds]
+                       cudaStream_t stream);
+
+// dst[dst_loc[i]] = src[i] (row_bytes bytes each) for every dst_loc[i] >= 0; a row >= dst_rows or < -1 counts
+// errors[kErrLocOutOfRange] and is skipped. Duplicate destinations: one of the rows wins (unspecified).
+// LocT: int32_t, int64_t.
+template <typename LocT>
+cudaError_t scatter_rows(const void* src,          // [N, row_bytes] bytes, row i at src + i * src_row_stride
+                         int64_t num_rows,         // N
+                         int64_t src_row_stride,   // bytes between rows of src (>= row_bytes)
+                         const LocT* dst_loc,      // [N]
+                         void* dst,                // [dst_rows, row_bytes] bytes
+                         int64_t dst_rows,         // M
+                         int64_t dst_row_stride,   // bytes between rows of dst (>= row_bytes)
+                         int64_t row_bytes,        // bytes of one row
+                         int32_t* errors,          // [kNumErrorKinds]
+                         cudaStream_t stream);
+
+// The per-layer dense view in one call: copy_pages(pool -> dense) of the history pages, then
+// scatter_rows(current -> dense rows) of the current rows, so that a current row wins over the history
+// page it lands in (the partial last page of a request under CURRENT_REUSE). The dense buffer is contiguous:
+// its page p is rows [p * rows_per_page, (p + 1) * rows_per_page) of its row view, with
+// rows_per_page = page_bytes / row_bytes. The scatter kernel is launched as a programmatic dependent of the
+// copy (Hopper and later): it loads its rows while the copy drains and waits for the copy's completion and
+// memory flush (griddepcontrol.wait) before its first store; older GPUs get two ordinary launches.
+// PageIdT, LocT: int32_t, int64_t each.
+template <typename PageIdT, typename LocT>
+cudaError_t materialize_and_fill(const void* pool,            // [pool_pages, page_bytes] bytes
+                                 int64_t pool_pages,          // pages of pool
+                                 int64_t pool_page_stride,    // bytes between pages of pool
+                                 const PageIdT* src_page,     // [S] pool pages to copy
+                                 const PageIdT* dst_page,     // [S] dense pages they go to
+                                 int64_t num_pairs,           // S
+                                 const void* current,         // [N, row_bytes] bytes, current KV rows
+                                 int64_t num_rows,            // N
+                                 int64_t current_row_stride,  // bytes between rows of current
+                                 const LocT* dst_loc,         // [N] dense rows of the current rows
+                                 void* dense,                 // [dense_pages, page_bytes] bytes, contiguous
+                                 int64_t dense_pages,         // pages of dense
+                                 int64_t page_bytes,          // bytes of one page (a multiple of row_bytes)
+                                 int64_t row_bytes,           // bytes of one row
+                                 int32_t* errors,             // [kNumErrorKinds]
+                                 cudaStream_t stream);
+
+}  // namespace sglang_cpkv

@@ -1,0 +1,199 @@
+// Device helpers shared by the CP shared-KV kernels: the indexed row copy behind copy_pages, scatter_rows and
+// materialize_and_fill, the error count, and the programmatic-dependent-launch hooks. No torch here.
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <initializer_list>
+
+namespace sglang_cpkv {
+namespace detail {
+
+// Threads per block and vectors per thread of the row copy: 256 x 4 x 16 B = 16 KiB per block, all loads of a
+// thread issued before its first store (enough bytes in flight to cover HBM latency at full occupancy).
+constexpr int kCopyThreads = 256;
+constexpr int kCopyUnroll = 4;
+constexpr int64_t kCopyVecsPerBlock = kCopyThreads * kCopyUnroll;
+
+/// \brief Adds one per calling thread to errors[kind] with one atomic per coalesced group of a warp.
+__device__ __forceinline__ void count_error(int32_t* errors, int kind) {
+  namespace cg = cooperative_groups;
+  cg::coalesced_group active = cg::coalesced_threads();
+  if (active.thread_rank() == 0) atomicAdd(errors + kind, static_cast<int32_t>(active.size()));
+}
+
+/// \brief Lets the grid launched after this one as a programmatic dependent start now (sm_90+; else no-op).
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+/// \brief Waits until the grids this one depends on have completed and their writes are visible (sm_90+;
+/// returns at once when launched without a programmatic dependency).
+__device__ __forceinline__ void wait_prior_grids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+/// \brief dst row dst_idx[i] = src row (kGatherSrc ? src_idx[i] : i), for i in [0, num_rows).
+///
+/// Rows are num_vecs_per_row vectors of VecT; the flat vector index runs over (i, column) so that consecutive
+/// threads touch consecutive bytes of a row. A pair with a negative id is skipped; an id >= its row count or
+/// < -1 is counted once in errors[err_kind] (by the thread holding column 0) and skipped.
+/// \tparam VecT        uint4 / uint2 / uint32_t / uint16_t / uint8_t: the widest access sizes and strides allow.
+/// \tparam SrcIdxT     index type of src_idx (unused without kGatherSrc).
+/// \tparam DstIdxT     index type of dst_idx.
+/// \tparam FlatT       uint32_t when num_rows * num_vecs_per_row fits, else uint64_t.
+/// \tparam kGatherSrc  src rows through src_idx (copy_pages) or in order (scatter_rows).
+/// \tparam kLaunchDependents  let a programmatic dependent grid start at once (first kernel of a fused pair).
+/// \tparam kWaitPrior  wait for the prior grid before the first store (second kernel of a fused pair).
+template <typename VecT,
+          typename SrcIdxT,
+          typename DstIdxT,
+          typename FlatT,
+          bool kGatherSrc,
+          bool kLaunchDependents,
+          bool kWaitPrior>
+__global__ void __launch_bounds__(kCopyThreads)
+    copy_rows_kernel(const char* __restrict__ src,        // [src_rows, row bytes], row at src + r * src_stride
+                     int64_t src_rows,                    // rows of src
+                     int64_t src_stride,                  // bytes between rows of src
+                     const SrcIdxT* __restrict__ src_idx, // [num_rows] (kGatherSrc only)
+                     char* __restrict__ dst,              // [dst_rows, row bytes]
+                     int64_t dst_rows,                    // rows of dst
+                     int64_t dst_stride,                  // bytes between rows of dst
+                     const DstIdxT* __restrict__ dst_idx, // [num_rows]
+                     FlatT num_rows,                      // rows to copy
+                     FlatT num_vecs_per_row,              // row bytes / sizeof(VecT)
+                     int32_t* __restrict__ errors,        // [kNumErrorKinds]
+                     int err_kind) {                      // counter index of a bad id
+  if constexpr (kLaunchDependents) allow_dependent_launch();
+  const FlatT total = num_rows * num_vecs_per_row;
+  const FlatT first = static_cast<FlatT>(blockIdx.x) * static_cast<FlatT>(kCopyVecsPerBlock) + threadIdx.x;
+  VecT vec[kCopyUnroll];
+  char* target[kCopyUnroll];
+#pragma unroll
+  for (int k = 0; k < kCopyUnroll; ++k) {
+    const FlatT flat = first + static_cast<FlatT>(k) * kCopyThreads;
+    target[k] = nullptr;
+    if (flat >= total) continue;
+    const FlatT row = flat / num_vecs_per_row;
+    const FlatT col = flat - row * num_vecs_per_row;
+    const int64_t s = kGatherSrc ? static_cast<int64_t>(src_idx[row]) : static_cast<int64_t>(row);
+    const int64_t d = static_cast<int64_t>(dst_idx[row]);
+    const bool bad = s >= src_rows || s < -1 || d >= dst_rows || d < -1;
+    if (bad) {
+      if (col == 0) count_error(errors, err_kind);
+      continue;
+    }
+    if (s < 0 || d < 0) continue;
+    vec[k] = *reinterpret_cast<const VecT*>(src + s * src_stride + static_cast<int64_t>(col) * sizeof(VecT));
+    target[k] = dst + d * dst_stride + static_cast<int64_t>(col) * sizeof(VecT);
+  }
+  if constexpr (kWaitPrior) wait_prior_grids();
+#pragma unroll
+  for (int k = 0; k < kCopyUnroll; ++k) {
+    if (target[k] != nullptr) *reinterpret_cast<VecT*>(target[k]) = vec[k];
+  }
+}
+
+/// \brief Widest access (16, 8, 4, 2 or 1 bytes) that divides every size, stride and address given.
+inline int widest_access(std::initializer_list<uint64_t> values) {
+  int width = 16;
+  for (uint64_t v : values) {
+    while (v % width != 0) width >>= 1;
+  }
+  return width;
+}
+
+/// \brief Launches copy_rows_kernel for one access width with the smallest flat index type that fits.
+template <typename VecT, typename SrcIdxT, typename DstIdxT, bool kGatherSrc, bool kLaunchDependents, bool kWaitPrior>
+cudaError_t launch_copy_rows_vec(const void* src,
+                                 int64_t src_rows,
+                                 int64_t src_stride,
+                                 const SrcIdxT* src_idx,
+                                 void* dst,
+                                 int64_t dst_rows,
+                                 int64_t dst_stride,
+                                 const DstIdxT* dst_idx,
+                                 int64_t num_rows,
+                                 int64_t row_bytes,
+                                 int32_t* errors,
+                                 int err_kind,
+                                 bool programmatic_dependent,
+                                 cudaStream_t stream) {
+  const int64_t vecs_per_row = row_bytes / static_cast<int64_t>(sizeof(VecT));
+  const int64_t total = num_rows * vecs_per_row;
+  if (total == 0) return cudaSuccess;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>((total + kCopyVecsPerBlock - 1) / kCopyVecsPerBlock));
+  config.blockDim = dim3(kCopyThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = programmatic_dependent ? 1 : 0;
+  const auto* src_bytes = static_cast<const char*>(src);
+  auto* dst_bytes = static_cast<char*>(dst);
+  // The last block's flat indices reach past total by less than one block.
+  if (total + kCopyVecsPerBlock <= static_cast<int64_t>(UINT32_MAX)) {
+    return cudaLaunchKernelEx(
+        &config,
+        copy_rows_kernel<VecT, SrcIdxT, DstIdxT, uint32_t, kGatherSrc, kLaunchDependents, kWaitPrior>,
+        src_bytes, src_rows, src_stride, src_idx, dst_bytes, dst_rows, dst_stride, dst_idx,
+        static_cast<uint32_t>(num_rows), static_cast<uint32_t>(vecs_per_row), errors, err_kind);
+  }
+  return cudaLaunchKernelEx(
+      &config,
+      copy_rows_kernel<VecT, SrcIdxT, DstIdxT, uint64_t, kGatherSrc, kLaunchDependents, kWaitPrior>,
+      src_bytes, src_rows, src_stride, src_idx, dst_bytes, dst_rows, dst_stride, dst_idx,
+      static_cast<uint64_t>(num_rows), static_cast<uint64_t>(vecs_per_row), errors, err_kind);
+}
+
+/// \brief The indexed row copy at the widest access the sizes, strides and addresses allow.
+template <typename SrcIdxT, typename DstIdxT, bool kGatherSrc, bool kLaunchDependents = false, bool kWaitPrior = false>
+cudaError_t launch_copy_rows(const void* src,
+                             int64_t src_rows,
+                             int64_t src_stride,
+                             const SrcIdxT* src_idx,
+                             void* dst,
+                             int64_t dst_rows,
+                             int64_t dst_stride,
+                             const DstIdxT* dst_idx,
+                             int64_t num_rows,
+                             int64_t row_bytes,
+                             int32_t* errors,
+                             int err_kind,
+                             bool programmatic_dependent,
+                             cudaStream_t stream) {
+  const int width = widest_access({static_cast<uint64_t>(row_bytes),
+                                   static_cast<uint64_t>(src_stride),
+                                   static_cast<uint64_t>(dst_stride),
+                                   reinterpret_cast<uint64_t>(src),
+                                   reinterpret_cast<uint64_t>(dst)});
+#define SGLANG_CPKV_LAUNCH_COPY_ROWS(VEC_T)                                                     \
+  launch_copy_rows_vec<VEC_T, SrcIdxT, DstIdxT, kGatherSrc, kLaunchDependents, kWaitPrior>(  \
+      src, src_rows, src_stride, src_idx, dst, dst_rows, dst_stride, dst_idx, num_rows, row_bytes, errors, \
+      err_kind, programmatic_dependent, stream)
+  switch (width) {
+    case 16:
+      return SGLANG_CPKV_LAUNCH_COPY_ROWS(uint4);
+    case 8:
+      return SGLANG_CPKV_LAUNCH_COPY_ROWS(uint2);
+    case 4:
+      return SGLANG_CPKV_LAUNCH_COPY_ROWS(uint32_t);
+    case 2:
+      return SGLANG_CPKV_LAUNCH_COPY_ROWS(uint16_t);
+    default:
+      return SGLANG_CPKV_LAUNCH_COPY_ROWS(uint8_t);
+  }
+#undef SGLANG_CPKV_LAUNCH_COPY_ROWS
+}
+
+}  // namespace detail
+}  // namespace sglang_cpkv

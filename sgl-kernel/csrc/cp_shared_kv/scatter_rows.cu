@@ -1,0 +1,41 @@
+// scatter_rows: rows to destination rows (fill current KV into each request's dense slots, CURRENT_REUSE
+// included; persist owned rows to the pool).
+#include "cp_shared_kv.h"
+#include "row_copy.cuh"
+
+namespace sglang_cpkv {
+
+template <typename LocT>
+cudaError_t scatter_rows(const void* src,
+                         int64_t num_rows,
+                         int64_t src_row_stride,
+                         const LocT* dst_loc,
+                         void* dst,
+                         int64_t dst_rows,
+                         int64_t dst_row_stride,
+                         int64_t row_bytes,
+                         int32_t* errors,
+                         cudaStream_t stream) {
+  // src rows are taken in order, so the src "index" type is irrelevant; LocT keeps the instantiation single.
+  return detail::launch_copy_rows<LocT, LocT, /*kGatherSrc=*/false>(src,
+                                                                   num_rows,
+                                                                   src_row_stride,
+                                                                   nullptr,
+                                                                   dst,
+                                                                   dst_rows,
+                                                                   dst_row_stride,
+                                                                   dst_loc,
+                                                                   num_rows,
+                                                                   row_bytes,
+                                                                   errors,
+                                                                   kErrLocOutOfRange,
+                                                                   /*programmatic_dependent=*/false,
+                                                                   stream);
+}
+
+template cudaError_t scatter_rows<int32_t>(
+    const void*, int64_t, int64_t, const int32_t*, void*, int64_t, int64_t, int64_t, int32_t*, cudaStream_t);
+template cudaError_t scatter_rows<int64_t>(
+    const void*, int64_t, int64_t, const int64_t*, void*, int64_t, int64_t, int64_t, int32_t*, cudaStream_t);
+
+}  // namespace sglang_cpkv

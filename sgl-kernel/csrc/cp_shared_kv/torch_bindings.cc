@@ -1,0 +1,427 @@
+// Torch registration of the CP shared-KV ops (namespace sglang_cpkv, never upstream's sgl_kernel).
+//
+// Each op: check tensors (messages name the tensor, the expected and the actual value), derive sizes and
+// strides from shapes, call the launcher of cp_shared_kv.h on the current stream, turn its cudaError_t into
+// an exception. Nothing here synchronizes with the host. Python side: python/sglang_cpkv/ops/cuda.py, whose
+// register_fake entries mirror the output shapes below.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <limits>
+
+#include "cp_shared_kv.h"
+
+namespace sglang_cpkv {
+namespace torch_ops {
+namespace {
+
+void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Tensor& anchor, const char* anchor_name) {
+  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
+  TORCH_CHECK(t.device() == anchor.device(),
+              name,
+              " must be on the device of ",
+              anchor_name,
+              " (",
+              anchor.device(),
+              "), got ",
+              t.device());
+}
+
+void check_index_dtype(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong,
+              name,
+              " must be int32 or int64, got ",
+              t.scalar_type());
+}
+
+void check_error_counter(const at::Tensor& errors, const at::Tensor& anchor, const char* anchor_name) {
+  check_cuda_tensor(errors, "errors", anchor, anchor_name);
+  TORCH_CHECK(errors.scalar_type() == at::kInt, "errors must be int32, got ", errors.scalar_type());
+  TORCH_CHECK(errors.dim() == 1 && errors.size(0) == kNumErrorKinds && errors.is_contiguous(),
+              "errors must be a contiguous [",
+              kNumErrorKinds,
+              "] counter, got shape ",
+              errors.sizes(),
+              " strides ",
+              errors.strides());
+}
+
+void check_index_vector(const at::Tensor& t, const char* name, int64_t expected_len, const char* len_source) {
+  check_index_dtype(t, name);
+  TORCH_CHECK(t.dim() == 1, name, " must be 1-D, got shape ", t.sizes());
+  TORCH_CHECK(t.size(0) == expected_len,
+              name,
+              " must have one entry per ",
+              len_source,
+              " (",
+              expected_len,
+              "), got ",
+              t.size(0));
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got stride ", t.strides());
+}
+
+// Bytes of one row of a [rows, ...] tensor whose trailing dims are contiguous (a row is one run of bytes).
+int64_t contiguous_row_bytes(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() >= 2, name, " must be [rows, ...] with at least 2 dims, got shape ", t.sizes());
+  int64_t expected_stride = 1;
+  for (int64_t d = t.dim() - 1; d >= 1; --d) {
+    TORCH_CHECK(t.size(d) == 1 || t.stride(d) == expected_stride,
+                name,
+                " must be contiguous after dim 0, got shape ",
+                t.sizes(),
+                " strides ",
+                t.strides());
+    expected_stride *= t.size(d);
+  }
+  return expected_stride * static_cast<int64_t>(t.element_size());
+}
+
+void check_same_rows(const at::Tensor& src, const char* src_name, const at::Tensor& dst, const char* dst_name) {
+  TORCH_CHECK(src.scalar_type() == dst.scalar_type(),
+              src_name,
+              " and ",
+              dst_name,
+              " must have one dtype, got ",
+              src.scalar_type(),
+              " and ",
+              dst.scalar_type());
+  TORCH_CHECK(src.sizes().slice(1) == dst.sizes().slice(1),
+              src_name,
+              " and ",
+              dst_name,
+              " must have one row shape, got ",
+              src.sizes(),
+              " and ",
+              dst.sizes());
+}
+
+void check_launch(cudaError_t status, const char* op) {
+  TORCH_CHECK(status == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(status));
+}
+
+}  // namespace
+
+at::Tensor build_page_inverse(const at::Tensor& page_table, int64_t capacity, at::Tensor& errors) {
+  check_cuda_tensor(page_table, "page_table", page_table, "page_table");
+  check_index_dtype(page_table, "page_table");
+  TORCH_CHECK(page_table.dim() == 2, "page_table must be [R, P], got shape ", page_table.sizes());
+  TORCH_CHECK(page_table.size(1) <= 1 || page_table.stride(1) == 1,
+              "page_table must have unit column stride, got strides ",
+              page_table.strides());
+  TORCH_CHECK(capacity >= 0, "capacity must be >= 0, got ", capacity);
+  check_error_counter(errors, page_table, "page_table");
+  const int64_t rows = page_table.size(0);
+  const int64_t pages_per_request = page_table.size(1);
+  TORCH_CHECK(rows <= 65535, "page_table has ", rows, " rows, more than the 65535 request rows supported");
+  TORCH_CHECK(rows * pages_per_request <= std::numeric_limits<int32_t>::max(),
+              "R * P = ",
+              rows * pages_per_request,
+              " dense slots do not fit the int32 inverse");
+  const c10::cuda::CUDAGuard device_guard(page_table.device());
+  at::Tensor inverse = at::empty({rows * capacity}, page_table.options().dtype(at::kInt));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t status;
+  if (page_table.scalar_type() == at::kInt) {
+    status = sglang_cpkv::build_page_inverse<int32_t>(page_table.data_ptr<int32_t>(),
+                                                       rows,
+                                                       pages_per_request,
+                                                       page_table.stride(0),
+                                                       capacity,
+                                                       inverse.data_ptr<int32_t>(),
+                                                       errors.data_ptr<int32_t>(),
+                                                       stream);
+  } else {
+    status = sglang_cpkv::build_page_inverse<int64_t>(page_table.data_ptr<int64_t>(),
+                                                       rows,
+                                                       pages_per_request,
+                                                       page_table.stride(0),
+                                                       capacity,
+                                                       inverse.data_ptr<int32_t>(),
+                                                       errors.data_ptr<int32_t>(),
+                                                       stream);
+  }
+  check_launch(status, "build_page_inverse");
+  return inverse;
+}
+
+at::Tensor remap_locs(const at::Tensor& locs,
+                      const at::Tensor& req_id,
+                      const at::Tensor& inverse,
+                      int64_t capacity,
+                      int64_t page_size,
+                      at::Tensor& errors) {
+  check_cuda_tensor(locs, "locs", locs, "locs");
+  check_index_dtype(locs, "locs");
+  TORCH_CHECK(locs.dim() == 1 || locs.dim() == 2, "locs must be [N] or [N, K], got shape ", locs.sizes());
+  const int64_t num_rows = locs.size(0);
+  const int64_t row_len = locs.dim() == 2 ? locs.size(1) : 1;
+  TORCH_CHECK(row_len <= 1 || locs.stride(1) == 1, "locs must have unit column stride, got strides ", locs.strides());
+  check_cuda_tensor(req_id, "req_id", locs, "locs");
+  TORCH_CHECK(req_id.scalar_type() == at::kLong, "req_id must be int64, got ", req_id.scalar_type());
+  TORCH_CHECK(req_id.dim() == 1 && req_id.size(0) == num_rows,
+              "req_id must have one id per row of locs: locs ",
+              locs.sizes(),
+              ", req_id ",
+              req_id.sizes());
+  TORCH_CHECK(req_id.is_contiguous(), "req_id must be contiguous, got stride ", req_id.strides());
+  check_cuda_tensor(inverse, "inverse", locs, "locs");
+  TORCH_CHECK(inverse.scalar_type() == at::kInt, "inverse must be int32, got ", inverse.scalar_type());
+  TORCH_CHECK(inverse.dim() == 1 && inverse.is_contiguous(),
+              "inverse must be a contiguous 1-D [R * C] tensor, got shape ",
+              inverse.sizes());
+  TORCH_CHECK(capacity > 0, "capacity must be > 0, got ", capacity);
+  TORCH_CHECK(inverse.numel() % capacity == 0,
+              "inverse must hold R * C entries with C = capacity = ",
+              capacity,
+              ", got ",
+              inverse.numel());
+  TORCH_CHECK(page_size > 0, "page_size must be > 0, got ", page_size);
+  check_error_counter(errors, locs, "locs");
+  const c10::cuda::CUDAGuard device_guard(locs.device());
+  at::Tensor dense_locs = at::empty(locs.sizes(), locs.options().dtype(at::kInt));
+  const int64_t locs_row_stride = locs.stride(0);
+  const int64_t batch_rows = inverse.numel() / capacity;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t status;
+  if (locs.scalar_type() == at::kInt) {
+    status = sglang_cpkv::remap_locs<int32_t>(locs.data_ptr<int32_t>(),
+                                               num_rows,
+                                               row_len,
+                                               locs_row_stride,
+                                               req_id.data_ptr<int64_t>(),
+                                               inverse.data_ptr<int32_t>(),
+                                               batch_rows,
+                                               capacity,
+                                               page_size,
+                                               dense_locs.data_ptr<int32_t>(),
+                                               errors.data_ptr<int32_t>(),
+                                               stream);
+  } else {
+    status = sglang_cpkv::remap_locs<int64_t>(locs.data_ptr<int64_t>(),
+                                               num_rows,
+                                               row_len,
+                                               locs_row_stride,
+                                               req_id.data_ptr<int64_t>(),
+                                               inverse.data_ptr<int32_t>(),
+                                               batch_rows,
+                                               capacity,
+                                               page_size,
+                                               dense_locs.data_ptr<int32_t>(),
+                                               errors.data_ptr<int32_t>(),
+                                               stream);
+  }
+  check_launch(status, "remap_locs");
+  return dense_locs;
+}
+
+void copy_pages(
+    const at::Tensor& src, const at::Tensor& src_page, at::Tensor& dst, const at::Tensor& dst_page, at::Tensor& errors) {
+  check_cuda_tensor(src, "src", src, "src");
+  check_cuda_tensor(dst, "dst", src, "src");
+  check_same_rows(src, "src", dst, "dst");
+  const int64_t page_bytes = contiguous_row_bytes(src, "src");
+  contiguous_row_bytes(dst, "dst");
+  TORCH_CHECK(page_bytes > 0, "src pages must not be empty, got shape ", src.sizes());
+  check_cuda_tensor(src_page, "src_page", src, "src");
+  check_cuda_tensor(dst_page, "dst_page", src, "src");
+  check_index_vector(src_page, "src_page", src_page.numel(), "src_page entry");
+  check_index_vector(dst_page, "dst_page", src_page.numel(), "src_page entry");
+  TORCH_CHECK(src_page.scalar_type() == dst_page.scalar_type(),
+              "src_page and dst_page must have one dtype, got ",
+              src_page.scalar_type(),
+              " and ",
+              dst_page.scalar_type());
+  check_error_counter(errors, src, "src");
+  const c10::cuda::CUDAGuard device_guard(src.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t element = static_cast<int64_t>(src.element_size());
+  cudaError_t status;
+  if (src_page.scalar_type() == at::kInt) {
+    status = sglang_cpkv::copy_pages<int32_t>(src.data_ptr(),
+                                               src.size(0),
+                                               src.stride(0) * element,
+                                               src_page.data_ptr<int32_t>(),
+                                               dst.data_ptr(),
+                                               dst.size(0),
+                                               dst.stride(0) * element,
+                                               dst_page.data_ptr<int32_t>(),
+                                               src_page.numel(),
+                                               page_bytes,
+                                               errors.data_ptr<int32_t>(),
+                                               stream);
+  } else {
+    status = sglang_cpkv::copy_pages<int64_t>(src.data_ptr(),
+                                               src.size(0),
+                                               src.stride(0) * element,
+                                               src_page.data_ptr<int64_t>(),
+                                               dst.data_ptr(),
+                                               dst.size(0),
+                                               dst.stride(0) * element,
+                                               dst_page.data_ptr<int64_t>(),
+                                               src_page.numel(),
+                                               page_bytes,
+                                               errors.data_ptr<int32_t>(),
+                                               stream);
+  }
+  check_launch(status, "copy_pages");
+}
+
+void scatter_rows(const at::Tensor& src, const at::Tensor& dst_loc, at::Tensor& dst, at::Tensor& errors) {
+  check_cuda_tensor(src, "src", src, "src");
+  check_cuda_tensor(dst, "dst", src, "src");
+  check_same_rows(src, "src", dst, "dst");
+  const int64_t row_bytes = contiguous_row_bytes(src, "src");
+  contiguous_row_bytes(dst, "dst");
+  TORCH_CHECK(row_bytes > 0, "src rows must not be empty, got shape ", src.sizes());
+  check_cuda_tensor(dst_loc, "dst_loc", src, "src");
+  check_index_vector(dst_loc, "dst_loc", src.size(0), "src row");
+  check_error_counter(errors, src, "src");
+  const c10::cuda::CUDAGuard device_guard(src.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t element = static_cast<int64_t>(src.element_size());
+  cudaError_t status;
+  if (dst_loc.scalar_type() == at::kInt) {
+    status = sglang_cpkv::scatter_rows<int32_t>(src.data_ptr(),
+                                                 src.size(0),
+                                                 src.stride(0) * element,
+                                                 dst_loc.data_ptr<int32_t>(),
+                                                 dst.data_ptr(),
+                                                 dst.size(0),
+                                                 dst.stride(0) * element,
+                                                 row_bytes,
+                                                 errors.data_ptr<int32_t>(),
+                                                 stream);
+  } else {
+    status = sglang_cpkv::scatter_rows<int64_t>(src.data_ptr(),
+                                                 src.size(0),
+                                                 src.stride(0) * element,
+                                                 dst_loc.data_ptr<int64_t>(),
+                                                 dst.data_ptr(),
+                                                 dst.size(0),
+                                                 dst.stride(0) * element,
+                                                 row_bytes,
+                                                 errors.data_ptr<int32_t>(),
+                                                 stream);
+  }
+  check_launch(status, "scatter_rows");
+}
+
+template <typename PageIdT, typename LocT>
+cudaError_t call_materialize_and_fill(const at::Tensor& pool,
+                                      const at::Tensor& src_page,
+                                      at::Tensor& dense,
+                                      const at::Tensor& dst_page,
+                                      const at::Tensor& current,
+                                      const at::Tensor& dst_loc,
+                                      at::Tensor& errors,
+                                      int64_t page_bytes,
+                                      int64_t row_bytes,
+                                      cudaStream_t stream) {
+  const int64_t element = static_cast<int64_t>(pool.element_size());
+  return sglang_cpkv::materialize_and_fill<PageIdT, LocT>(pool.data_ptr(),
+                                                          pool.size(0),
+                                                          pool.stride(0) * element,
+                                                          src_page.data_ptr<PageIdT>(),
+                                                          dst_page.data_ptr<PageIdT>(),
+                                                          src_page.numel(),
+                                                          current.data_ptr(),
+                                                          current.size(0),
+                                                          current.stride(0) * element,
+                                                          dst_loc.data_ptr<LocT>(),
+                                                          dense.data_ptr(),
+                                                          dense.size(0),
+                                                          page_bytes,
+                                                          row_bytes,
+                                                          errors.data_ptr<int32_t>(),
+                                                          stream);
+}
+
+void materialize_and_fill(const at::Tensor& pool,
+                          const at::Tensor& src_page,
+                          at::Tensor& dense,
+                          const at::Tensor& dst_page,
+                          const at::Tensor& current,
+                          const at::Tensor& dst_loc,
+                          at::Tensor& errors) {
+  check_cuda_tensor(pool, "pool", pool, "pool");
+  check_cuda_tensor(dense, "dense", pool, "pool");
+  check_cuda_tensor(current, "current", pool, "pool");
+  check_same_rows(pool, "pool", dense, "dense");
+  TORCH_CHECK(current.scalar_type() == pool.scalar_type(),
+              "current and pool must have one dtype, got ",
+              current.scalar_type(),
+              " and ",
+              pool.scalar_type());
+  const int64_t page_bytes = contiguous_row_bytes(pool, "pool");
+  TORCH_CHECK(dense.is_contiguous(), "dense must be contiguous (its row view is dense.view(-1, D)), got strides ",
+              dense.strides());
+  const int64_t row_bytes = contiguous_row_bytes(current, "current");
+  TORCH_CHECK(row_bytes > 0 && page_bytes % row_bytes == 0,
+              "a page of pool (",
+              page_bytes,
+              " bytes) must be a whole number of current rows (",
+              row_bytes,
+              " bytes)");
+  check_cuda_tensor(src_page, "src_page", pool, "pool");
+  check_cuda_tensor(dst_page, "dst_page", pool, "pool");
+  check_index_vector(src_page, "src_page", src_page.numel(), "src_page entry");
+  check_index_vector(dst_page, "dst_page", src_page.numel(), "src_page entry");
+  TORCH_CHECK(src_page.scalar_type() == dst_page.scalar_type(),
+              "src_page and dst_page must have one dtype, got ",
+              src_page.scalar_type(),
+              " and ",
+              dst_page.scalar_type());
+  check_cuda_tensor(dst_loc, "dst_loc", pool, "pool");
+  check_index_vector(dst_loc, "dst_loc", current.size(0), "current row");
+  check_error_counter(errors, pool, "pool");
+  const c10::cuda::CUDAGuard device_guard(pool.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const bool page_id_int32 = src_page.scalar_type() == at::kInt;
+  const bool loc_int32 = dst_loc.scalar_type() == at::kInt;
+  cudaError_t status;
+  if (page_id_int32 && loc_int32) {
+    status = call_materialize_and_fill<int32_t, int32_t>(
+        pool, src_page, dense, dst_page, current, dst_loc, errors, page_bytes, row_bytes, stream);
+  } else if (page_id_int32) {
+    status = call_materialize_and_fill<int32_t, int64_t>(
+        pool, src_page, dense, dst_page, current, dst_loc, errors, page_bytes, row_bytes, stream);
+  } else if (loc_int32) {
+    status = call_materialize_and_fill<int64_t, int32_t>(
+        pool, src_page, dense, dst_page, current, dst_loc, errors, page_bytes, row_bytes, stream);
+  } else {
+    status = call_materialize_and_fill<int64_t, int64_t>(
+        pool, src_page, dense, dst_page, current, dst_loc, errors, page_bytes, row_bytes, stream);
+  }
+  check_launch(status, "materialize_and_fill");
+}
+
+}  // namespace torch_ops
+}  // namespace sglang_cpkv
+
+TORCH_LIBRARY(sglang_cpkv, m) {
+  // Per batch: page table [R, P] -> per-request inverse int32 [R * C]; counts bad page ids.
+  m.def("build_page_inverse(Tensor page_table, int capacity, Tensor(a!) errors) -> Tensor");
+  // Per batch / per layer: pool locations [N] or [N, K] of request req_id[n] -> dense locations (int32).
+  m.def(
+      "remap_locs(Tensor locs, Tensor req_id, Tensor inverse, int capacity, int page_size, Tensor(a!) errors) -> "
+      "Tensor");
+  // Per layer: dst[dst_page[i]] = src[src_page[i]], whole pages, in place.
+  m.def("copy_pages(Tensor src, Tensor src_page, Tensor(a!) dst, Tensor dst_page, Tensor(b!) errors) -> ()");
+  // Per layer: dst[dst_loc[i]] = src[i], rows, in place.
+  m.def("scatter_rows(Tensor src, Tensor dst_loc, Tensor(a!) dst, Tensor(b!) errors) -> ()");
+  // Per layer: copy_pages(pool -> dense) then scatter_rows(current -> dense rows), current rows winning.
+  m.def(
+      "materialize_and_fill(Tensor pool, Tensor src_page, Tensor(a!) dense, Tensor dst_page, Tensor current, "
+      "Tensor dst_loc, Tensor(b!) errors) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(sglang_cpkv, CUDA, m) {
+  m.impl("build_page_inverse", &sglang_cpkv::torch_ops::build_page_inverse);
+  m.impl("remap_locs", &sglang_cpkv::torch_ops::remap_locs);
+  m.impl("copy_pages", &sglang_cpkv::torch_ops::copy_pages);
+  m.impl("scatter_rows", &sglang_cpkv::torch_ops::scatter_rows);
+  m.impl("materialize_and_fill", &sglang_cpkv::torch_ops::materialize_and_fill);
+}
