@@ -1,0 +1,63 @@
+"""Resolve upstream ``ServerArgs`` for a list of command lines on a CPU machine; print JSON.
+
+    echo '[{"argv": [...], "env": {"NAME": "1"}}, ...]' | python -m sglang_cpkv.integration.resolve_server_args
+
+Run it with the tree to test first on ``PYTHONPATH`` (see :mod:`.upstream_trees`). Each case
+resolves a fresh record (``prepare_server_args`` then ``resolve_once``) with its ``env`` set for
+the duration; the output is one JSON object per case, in order: ``{"resolved": {field: repr}}``
+with every record field as the resolution left it, or ``{"error": type, "message": str}``.
+
+On CPU the DSA branches need what a GPU host would report: the device capability is pinned to
+``--capability`` (default 9.0, Hopper); the model comes from a
+local ``config.json`` (pass ``--skip-tokenizer-init`` and ``--device cuda`` in ``argv``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _resolve(case: dict) -> dict:
+    from sglang.srt.arg_groups.arg_utils import record_fields
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+    from sglang.srt.server_args import prepare_server_args
+
+    saved = {name: os.environ.get(name) for name in case.get("env", {})}
+    os.environ.update(case.get("env", {}))
+    try:
+        server_args = prepare_server_args(case["argv"])
+        server_args.resolve_once()
+        view = resolved_view(server_args)
+        return {"resolved": {f.name: repr(getattr(view, f.name)) for f in record_fields(type(server_args))}}
+    except (Exception, SystemExit) as exc:  # the refusal is the result (argparse exits on an unknown flag)
+        return {"error": type(exc).__name__, "message": str(exc)}
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--capability", default="9.0", help="device capability MAJOR.MINOR to report")
+    args = parser.parse_args()
+    major, minor = (int(x) for x in args.capability.split("."))
+
+    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+
+    install_torchvision_stub()
+    import torch
+
+    torch.cuda.get_device_capability = lambda *a, **k: (major, minor)
+    cases = json.load(sys.stdin)
+    json.dump([_resolve(case) for case in cases], sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

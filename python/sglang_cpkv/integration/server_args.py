@@ -1,0 +1,86 @@
+"""Start-up validation of ``--enable-cp-shared-kv`` (called from upstream's resolution pipeline).
+
+The patch ``patches/core/add-cp-shared-kv-server-flag.patch`` adds the field
+``enable_cp_shared_kv`` to ``srt/arg_groups/fields/parallel.py`` and runs
+:func:`validate_cp_shared_kv_args` right after ``handle_kv_cache_sharding`` in
+``srt/arg_groups/pipeline.py``: by then the DSA model overrides, the CP size, the page size and the
+DSA prefill/decode backends are resolved. With the flag off the hook returns at once.
+
+The mode keeps only the pages a CP rank owns (``page_id % cp``) in that rank's pool, so the
+server must be a P/D prefill worker whose every CP rank transfers its pages; the hooks cover the
+DSA ``forward_extend`` path of the interleave strategy with page size 64.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FLAG = "--enable-cp-shared-kv"
+REQUIRED_PAGE_SIZE = 64
+REQUIRED_CP_STRATEGY = "interleave"
+# DSA prefill backends whose cache write and KV read go through DeepseekSparseAttnBackend.forward_extend
+# (the hooked path). trtllm writes from _forward_trtllm; the others are not DSA CUDA prefill paths we cover.
+SUPPORTED_DSA_PREFILL_BACKENDS = ("flashmla_sparse", "flashmla_kv", "flashmla_auto")
+# Draft models whose prefill-time extend runs through the same DSA backend (and so the same hooks).
+SUPPORTED_SPECULATIVE_ALGORITHMS = (None, "EAGLE", "NEXTN")
+ALL_CP_RANKS_TRANSFER_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
+
+
+def _refuse(reason: str) -> None:
+    raise ValueError(f"{FLAG}: {reason}")
+
+
+def validate_cp_shared_kv_args(server_args: Any) -> None:
+    """Refuse every configuration the CP shared-KV hooks do not cover; a no-op with the flag off.
+
+    Raises:
+        ValueError: naming the flag, the offending setting and its value.
+    """
+    from sglang.srt.arg_groups.model_override_base import attention_backends_of, model_config_of, resolving_view
+    from sglang.srt.configs.model_config import is_deepseek_dsa
+    from sglang.srt.environ import envs
+
+    cfg = resolving_view(server_args)
+    if not cfg.enable_cp_shared_kv:
+        return
+
+    if cfg.disaggregation_mode != "prefill":
+        _refuse(
+            f"requires a P/D prefill server (--disaggregation-mode prefill), got {cfg.disaggregation_mode!r}: "
+            "each CP rank keeps only the pages it owns, so a rank cannot decode from its own pool"
+        )
+    architectures = getattr(model_config_of(server_args).hf_config, "architectures", None) or ["<none>"]
+    if not is_deepseek_dsa(model_config_of(server_args).hf_config):
+        _refuse(f"requires a DSA model (DeepSeek-V3.2, GLM-5.x: an architecture with index_topk), got {architectures[0]}")
+    prefill_backend, _ = attention_backends_of(cfg)
+    if prefill_backend != "dsa":
+        _refuse(f"requires the dsa attention backend, got prefill attention backend {prefill_backend!r}")
+    if cfg.device != "cuda":
+        _refuse(f"requires --device cuda, got {cfg.device!r}")
+    if not cfg.enable_prefill_cp or cfg.attn_cp_size <= 1:
+        _refuse(
+            f"requires prefill context parallelism (--enable-prefill-cp with attn_cp_size > 1), got "
+            f"enable_prefill_cp={cfg.enable_prefill_cp}, attn_cp_size={cfg.attn_cp_size}"
+        )
+    if cfg.cp_strategy != REQUIRED_CP_STRATEGY:
+        _refuse(f"requires --cp-strategy {REQUIRED_CP_STRATEGY}, got {cfg.cp_strategy!r}")
+    if cfg.pp_size != 1:
+        _refuse(f"requires --pp-size 1, got {cfg.pp_size}")
+    if cfg.page_size != REQUIRED_PAGE_SIZE:
+        _refuse(f"requires page size {REQUIRED_PAGE_SIZE} (DSA index_kpool 1), got {cfg.page_size}")
+    if cfg.dsa_prefill_backend not in SUPPORTED_DSA_PREFILL_BACKENDS:
+        _refuse(f"supports --dsa-prefill-backend in {SUPPORTED_DSA_PREFILL_BACKENDS}, got {cfg.dsa_prefill_backend!r}")
+    if cfg.enable_kv_cache_sharding:
+        _refuse("cannot be combined with --enable-kv-cache-sharding (another page-owner scheme over the same pool)")
+    if cfg.enable_dsa_cache_layer_split:
+        _refuse("cannot be combined with --enable-dsa-cache-layer-split (layer ownership over the same pool)")
+    if cfg.speculative_algorithm not in SUPPORTED_SPECULATIVE_ALGORITHMS:
+        _refuse(
+            f"supports --speculative-algorithm in {SUPPORTED_SPECULATIVE_ALGORITHMS} (DSA NextN drafts, "
+            f"whose prefill-time extend runs through the hooked DSA backend), got {cfg.speculative_algorithm!r}"
+        )
+    if not envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.get():
+        _refuse(
+            f"requires {ALL_CP_RANKS_TRANSFER_ENV}=1 on this prefill server (and on its decode servers): "
+            "every CP rank sends the pages it owns"
+        )

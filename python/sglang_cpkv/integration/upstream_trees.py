@@ -1,0 +1,74 @@
+"""Pristine and patched trees of the pinned upstream, for comparing their behaviour in tests.
+
+The shared environment's ``sglang`` is installed with the queue applied (``scripts/setup_env.sh``),
+or not yet; a test that must compare "upstream as pinned" with "upstream with our queue" needs
+both, side by side, without touching the install. A tree here is a directory holding an
+``sglang`` package made of symlinks to the installed files, except that every file the queue
+touches is a real file: the wheel's pristine bytes (:func:`pristine_tree`), then the queue
+applied to them (:func:`patched_tree`). Building one takes about a second. Import it in a
+subprocess with the tree first on ``PYTHONPATH``.
+
+Byte-code: a directory without a touched file links its ``__pycache__`` to the install's, so
+the untouched modules compile once for the install and every tree (an import of the installed
+package writes the same files); a directory with a touched file keeps its own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from sglang_cpkv import overlay
+
+
+def installed_sglang_root() -> Path:
+    """The installed ``sglang`` package directory, found without importing it."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("sglang is not installed in this environment (run scripts/setup_env.sh)")
+    return Path(spec.origin).parent
+
+
+def pristine_tree(dest: Path) -> Path:
+    """``dest/sglang``: the installed tree with every queue-touched file restored from the pinned wheel.
+
+    Returns ``dest`` (the directory to put on ``PYTHONPATH``).
+    """
+    root = overlay.find_queue_root()
+    pin = overlay.load_pin(root)
+    queue = overlay.load_queue(root)
+    wheel = overlay.pinned_wheel(root, pin)
+    package = dest / overlay.PACKAGE_DIR
+    touched = sorted(set(queue.manifest.get("pristine_sha256", {})) | set(queue.touched()))
+    _symlink_tree(installed_sglang_root(), package, {str(Path(rel).parent) for rel in touched})
+    for rel, data in overlay.read_wheel_files(wheel, touched).items():
+        if data is None:
+            raise RuntimeError(f"the pinned wheel {wheel.name} has no sglang/{rel}, which the queue touches")
+        target = package / rel
+        target.unlink()
+        target.write_bytes(data)
+    record = package / overlay.RECORD_NAME
+    if record.is_symlink() or record.exists():
+        record.unlink()
+    return dest
+
+
+def patched_tree(dest: Path) -> Path:
+    """``dest/sglang``: :func:`pristine_tree` with the whole queue applied. Returns ``dest``."""
+    pristine_tree(dest)
+    overlay.apply_queue(dest / overlay.PACKAGE_DIR, overlay.find_queue_root())
+    return dest
+
+
+def _symlink_tree(src: Path, dst: Path, dirs_with_touched_files: set[str]) -> None:
+    for dirpath, dirnames, filenames in os.walk(src):
+        dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+        rel = Path(dirpath).relative_to(src)
+        (dst / rel).mkdir(parents=True, exist_ok=True)
+        for name in filenames:
+            os.symlink(Path(dirpath) / name, dst / rel / name)
+        if str(rel) not in dirs_with_touched_files and any(n.endswith(".py") for n in filenames):
+            cache = Path(dirpath) / "__pycache__"
+            cache.mkdir(exist_ok=True)
+            os.symlink(cache, dst / rel / "__pycache__")

@@ -1,0 +1,212 @@
+"""``--enable-cp-shared-kv`` against the real upstream ``ServerArgs`` resolution (CPU).
+
+Two upstream trees are built beside the install (:mod:`sglang_cpkv.integration.upstream_trees`):
+the pinned wheel's pristine files and the same files with our queue applied. Each resolves the
+same command lines in its own process (:mod:`sglang_cpkv.integration.resolve_server_args`), with a
+local DSA ``config.json`` and a Hopper device capability. Checked:
+
+* flag off: every resolved field of the patched tree equals the pristine tree's, for DSA with and
+  without prefill CP and for a non-DSA model (the hook is a no-op);
+* flag on with a supported configuration: accepted, and nothing else changes;
+* each unsupported combination: refused with the error naming it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_cpkv.testing.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=45, suite="cpkv-cpu")
+
+FLAG = "--enable-cp-shared-kv"
+ALL_RANKS_ENV = {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1"}
+DSA_CONFIG = {
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v32",
+    "index_topk": 2048,
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+    "hidden_size": 7168,
+    "num_attention_heads": 128,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+    "max_position_embeddings": 163840,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "torch_dtype": "bfloat16",
+    "rope_theta": 10000,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+}
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "torch_dtype": "bfloat16",
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+}
+CP = ["--enable-prefill-cp", "--cp-strategy", "interleave"]
+PREFILL = ["--disaggregation-mode", "prefill"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    paths = {}
+    # DSA pages are 64 * index_kpool tokens (upstream forces it over --page-size): kpool 2 -> 128.
+    kpool2 = {**DSA_CONFIG, "index_kpool": 2}
+    for name, config in (("dsa", DSA_CONFIG), ("dsa_kpool2", kpool2), ("llama", LLAMA_CONFIG)):
+        path = tmp_path_factory.mktemp(name)
+        (path / "config.json").write_text(json.dumps(config))
+        paths[name] = str(path)
+    return paths
+
+
+def _argv(models, model, *extra):
+    # A fixed seed: upstream draws a random one per process otherwise.
+    return ["--model-path", models[model], "--skip-tokenizer-init", "--device", "cuda", "--tp", "8", "--random-seed", "1", *extra]
+
+
+def _start_resolving(tree: Path, cases: list[dict]) -> subprocess.Popen:
+    python_dir = Path(__file__).resolve().parents[3] / "python"
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{python_dir}"}
+    for name in ALL_RANKS_ENV:
+        env.pop(name, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sglang_cpkv.integration.resolve_server_args"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    proc.stdin.write(json.dumps(cases))
+    proc.stdin.close()
+    return proc
+
+
+def _results(proc: subprocess.Popen) -> list[dict]:
+    out = proc.stdout.read()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=600) == 0, err[-4000:]
+    return json.loads(out)
+
+
+def _flag_off_cases(models):
+    return [
+        {"argv": _argv(models, "dsa")},
+        {"argv": _argv(models, "dsa", *CP)},
+        {"argv": _argv(models, "dsa", *CP, *PREFILL), "env": ALL_RANKS_ENV},
+        {"argv": _argv(models, "dsa", *CP, "--attn-cp-size", "4", "--dsa-prefill-backend", "flashmla_kv")},
+        {"argv": _argv(models, "llama")},
+    ]
+
+
+def _valid_case(models):
+    return {"argv": _argv(models, "dsa", *CP, *PREFILL, FLAG), "env": ALL_RANKS_ENV}
+
+
+# (name, model, extra argv, env, a fragment of the expected error)
+BAD_CASES = [
+    ("decode role", "dsa", ["--disaggregation-mode", "decode", FLAG], ALL_RANKS_ENV, "--disaggregation-mode prefill), got 'decode'"),
+    ("no disaggregation", "dsa", [*CP, FLAG], ALL_RANKS_ENV, "--disaggregation-mode prefill), got 'null'"),
+    ("prefill CP off", "dsa", [*PREFILL, FLAG], ALL_RANKS_ENV, "enable_prefill_cp=False, attn_cp_size=1"),
+    ("zigzag", "dsa", ["--enable-prefill-cp", "--cp-strategy", "zigzag", *PREFILL, FLAG], ALL_RANKS_ENV, None),
+    ("page size 128", "dsa_kpool2", [*CP, *PREFILL, FLAG], ALL_RANKS_ENV, "page size 64 (DSA index_kpool 1), got 128"),
+    ("trtllm prefill", "dsa", [*CP, *PREFILL, "--dsa-prefill-backend", "trtllm", FLAG], ALL_RANKS_ENV, "got 'trtllm'"),
+    ("tilelang prefill", "dsa", [*CP, *PREFILL, "--dsa-prefill-backend", "tilelang", FLAG], ALL_RANKS_ENV, "got 'tilelang'"),
+    ("layer split", "dsa", [*CP, *PREFILL, "--enable-dsa-cache-layer-split", "--disaggregation-transfer-backend", "mooncake", FLAG], ALL_RANKS_ENV, "--enable-dsa-cache-layer-split"),
+    ("single CP rank sends", "dsa", [*CP, *PREFILL, FLAG], {}, "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1"),
+]
+
+
+@pytest.fixture(scope="module")
+def results(models, tmp_path_factory):
+    from sglang_cpkv.integration.upstream_trees import patched_tree, pristine_tree
+
+    off = _flag_off_cases(models)
+    non_dsa = {"argv": _argv(models, "llama", *CP, *PREFILL, FLAG), "env": ALL_RANKS_ENV}
+    bad = [{"argv": _argv(models, model, *extra), "env": env} for _, model, extra, env, _ in BAD_CASES]
+    # Both trees resolve at once (two processes; the imports dominate).
+    patched_proc = _start_resolving(patched_tree(tmp_path_factory.mktemp("patched")), off + [_valid_case(models), non_dsa] + bad)
+    pristine_proc = _start_resolving(pristine_tree(tmp_path_factory.mktemp("pristine")), off + [_valid_case(models)])
+    patched, pristine = _results(patched_proc), _results(pristine_proc)
+    n = len(off)
+    return {
+        "pristine_off": pristine[:n],
+        "patched_off": patched[:n],
+        "pristine_valid": pristine[n],
+        "patched_valid": patched[n],
+        "non_dsa": patched[n + 1],
+        "bad": dict(zip([name for name, *_ in BAD_CASES], patched[n + 2 :])),
+    }
+
+
+def _without_flag(resolved: dict) -> dict:
+    return {k: v for k, v in resolved.items() if k != "enable_cp_shared_kv"}
+
+
+def test_patched_tree_has_the_flag_and_pristine_does_not(results):
+    assert results["patched_off"][0]["resolved"]["enable_cp_shared_kv"] == "False"
+    assert "enable_cp_shared_kv" not in results["pristine_off"][0]["resolved"]
+    # The pristine parser does not know the flag at all.
+    assert results["pristine_valid"]["error"] == "SystemExit"
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_flag_off_resolves_exactly_like_pristine_upstream(results, case):
+    pristine, patched = results["pristine_off"][case], results["patched_off"][case]
+    assert "resolved" in pristine, pristine
+    assert "resolved" in patched, patched
+    assert _without_flag(patched["resolved"]) == pristine["resolved"]
+
+
+def test_flag_on_supported_configuration_is_accepted_and_changes_nothing_else(results):
+    valid = results["patched_valid"]
+    assert "resolved" in valid, valid
+    assert valid["resolved"]["enable_cp_shared_kv"] == "True"
+    assert valid["resolved"]["attn_cp_size"] == "8"
+    assert valid["resolved"]["page_size"] == "64"
+    # Same command line without the flag (case 2 of the flag-off set) resolves to the same values.
+    assert _without_flag(valid["resolved"]) == _without_flag(results["patched_off"][2]["resolved"])
+
+
+def test_non_dsa_model_is_refused(results):
+    got = results["non_dsa"]
+    assert got.get("error") == "ValueError", got
+    assert "requires a DSA model" in got["message"] and "LlamaForCausalLM" in got["message"]
+
+
+@pytest.mark.parametrize("name, model, extra, env, fragment", BAD_CASES, ids=[c[0] for c in BAD_CASES])
+def test_unsupported_combination_is_refused(results, name, model, extra, env, fragment):
+    got = results["bad"][name]
+    assert "error" in got, f"{name}: accepted, expected a refusal"
+    if name == "zigzag":
+        # Upstream refuses DeepSeek-V3.2 + zigzag before our hook; either refusal names zigzag.
+        assert "zigzag" in got["message"], got
+        return
+    assert got["error"] == "ValueError", got
+    assert got["message"].startswith(FLAG), got
+    assert fragment in got["message"], got
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
