@@ -8,6 +8,7 @@ and the pristine sha256 of every touched file) and the unified diffs themselves.
     python -m sglang_cpkv.overlay fetch [--python-tag cp311] [--dest DIR]   # prints the wheel path
     python -m sglang_cpkv.overlay apply --sglang-root DIR                   # in-tree, idempotent
     python -m sglang_cpkv.overlay check [--wheel PATH]                      # whole queue vs the pin
+    python -m sglang_cpkv.overlay show --file srt/x.py > /tmp/x.py          # the file as the queue leaves it
     python -m sglang_cpkv.overlay diff --file srt/x.py --edited /tmp/x.py   # write a new patch
     python -m sglang_cpkv.overlay pin-hashes                                # record pristine hashes
     python -m sglang_cpkv.overlay rebase --to 0.5.24 [--report PATH]        # move the pin
@@ -616,13 +617,13 @@ def require_valid(queue: Queue, pin: Pin) -> None:
 def apply_queue(sglang_root: Path, queue_root: Path) -> str:
     """Apply the queue in-tree to ``sglang_root``; return what happened (a no-op when already applied)."""
     pin = load_pin(queue_root)
-    queue = load_queue(queue_root)
-    require_valid(queue, pin)
     if not sglang_root.is_dir():
         raise OverlayError(f"--sglang-root {sglang_root} is not a directory")
     found = tree_version(sglang_root)
     if found != pin.version:
         raise OverlayError(f"upstream version mismatch in {sglang_root}: expected {pin.package} {pin.version} (UPSTREAM.toml), found {found}")
+    queue = load_queue(queue_root)
+    require_valid(queue, pin)
     patches = queue.parsed()
     pristine: dict[str, str] = queue.manifest["pristine_sha256"]
     current: dict[str, bytes] = {}
@@ -784,13 +785,14 @@ def classify(files: dict[str, list[str]], patch: Patch) -> Verdict:
         return Verdict(patch.name, "conflict", reason, strict_failure)
 
 
-def render_report(old: str, new: str, root: Path, wheels: dict[str, WheelPin], verdicts: list[Verdict], ok: bool, pin_diff: str) -> str:
+def render_report(old: str, new: str, root: Path, wheels: dict[str, WheelPin], verdicts: list[Verdict], ok: bool, pin_diff: str, unpinned_kernels: list[str]) -> str:
     lines = [
         f"# Rebase report: sglang {old} -> {new}",
         "",
         f"- queue: `{root}` ({len(verdicts)} patches in `patches/series`)",
         *[f"- wheel {tag}: `{w.filename}` sha256 `{w.sha256}`" for tag, w in sorted(wheels.items())],
         f"- result: {'SUCCESS: UPSTREAM.toml, manifest and refreshed patches updated' if ok else 'FAILED: nothing was changed'}",
+        *([f"- [kernels] not pinned by the {new} wheel's metadata, left as they were (check them): {', '.join(unpinned_kernels)}"] if unpinned_kernels else []),
         "",
         "| # | patch | verdict | details |",
         "|---|---|---|---|",
@@ -836,14 +838,16 @@ def rebase(root: Path, version: str, report_path: Path | None = None) -> tuple[b
         verdict = classify(files, patch)
         verdicts.append(verdict)
         if verdict.kind == "offsets":
-            refreshed[patch.name] = patch.header + "".join(make_diff(rel, "".join(before[rel]), "".join(files[rel])) for rel in patch.touches)
+            refreshed[patch.name] = patch.header + "".join(make_diff(rel, "".join(before[rel]), "".join(files[rel])) for rel in dict.fromkeys(patch.touches))
     ok = all(v.kind != "conflict" for v in verdicts)
     pin_text = (root / "UPSTREAM.toml").read_text(encoding="utf-8")
     requirements = wheel_requirements(first)
-    kernels = {k: requirements[k.lower().replace("_", "-")] for k in tomllib.loads(pin_text).get("kernels", {}) if k.lower().replace("_", "-") in requirements}
+    kernels_table = tomllib.loads(pin_text).get("kernels", {})
+    kernels = {k: requirements[k.lower().replace("_", "-")] for k in kernels_table if k.lower().replace("_", "-") in requirements}
+    unpinned_kernels = [k for k in kernels_table if k not in kernels]
     new_pin_text = rewrite_pin_text(pin_text, pin.version, version, new_wheels, kernels)
     pin_diff = "".join(difflib.unified_diff(pin_text.splitlines(True), new_pin_text.splitlines(True), "UPSTREAM.toml", "UPSTREAM.toml"))
-    report = render_report(pin.version, version, root, new_wheels, verdicts, ok, pin_diff)
+    report = render_report(pin.version, version, root, new_wheels, verdicts, ok, pin_diff, unpinned_kernels)
     if report_path is not None:
         report_path.parent.mkdir(parents=True, exist_ok=True)
         report_path.write_text(report, encoding="utf-8")
@@ -894,6 +898,9 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("--file", action="append", required=True, dest="files", help="upstream path relative to the sglang package, e.g. srt/server_args.py")
     diff.add_argument("--edited", action="append", required=True, type=Path, help="the edited copy (one per --file, same order)")
     diff.add_argument("--pristine", action="store_true", help="diff against the pinned file itself, not the file as the current series leaves it")
+    show = sub.add_parser("show", help="print an upstream file as the current series leaves it (the base `diff` uses)")
+    show.add_argument("--file", required=True, help="upstream path relative to the sglang package")
+    show.add_argument("--pristine", action="store_true", help="print the pinned file itself")
     sub.add_parser("pin-hashes", help="record the pristine sha256 of every touched file in manifest.json")
     reb = sub.add_parser("rebase", help="move the pin and the queue onto another upstream release")
     reb.add_argument("--to", required=True, dest="version", help="the upstream version, e.g. 0.5.24")
@@ -916,6 +923,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if len(args.files) != len(args.edited):
                 raise OverlayError("give one --edited per --file")
             sys.stdout.write(diff_files(root, list(zip(args.files, args.edited)), args.pristine))
+        elif args.command == "show":
+            sys.stdout.write(queue_state(root, load_pin(root), [args.file], through_queue=not args.pristine)[args.file])
         elif args.command == "pin-hashes":
             log(pin_hashes(root))
         elif args.command == "rebase":

@@ -285,8 +285,13 @@ def test_diff_cli_writes_a_patch_on_top_of_the_current_series(tmp_path: Path, te
     """A new patch on a file the series already touches is made against the file as the series leaves it."""
     tree = _tree(wheel, tmp_path / "site", [SERVER_ARGS, COMPILE_UTILS])
     overlay.apply_queue(tree, test_queue)
+    env = {**os.environ, "SGLANG_CPKV_CACHE": str(cache)}
+    show = subprocess.run([sys.executable, "-m", "sglang_cpkv.overlay", "--queue-root", str(test_queue), "show", "--file", SERVER_ARGS],
+                          capture_output=True, text=True, env=env)  # fmt: skip
+    assert show.returncode == 0, show.stderr
+    assert show.stdout == (tree / SERVER_ARGS).read_text(), "`show` prints the file as the series leaves it"
     edited = tmp_path / "server_args.py"
-    edited.write_text(_insert_after((tree / SERVER_ARGS).read_text(), 120, "# cpkv test hook three\n"))
+    edited.write_text(_insert_after(show.stdout, 120, "# cpkv test hook three\n"))
     proc = subprocess.run([sys.executable, "-m", "sglang_cpkv.overlay", "--queue-root", str(test_queue), "diff", "--file", SERVER_ARGS, "--edited", str(edited)],
                           capture_output=True, text=True, env={**os.environ, "SGLANG_CPKV_CACHE": str(cache)})  # fmt: skip
     assert proc.returncode == 0, proc.stderr
