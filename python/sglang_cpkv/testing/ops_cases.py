@@ -124,3 +124,88 @@ def unique_targets(count: int, targets: int, gen: torch.Generator, *, skip: floa
     idx = torch.randperm(targets, generator=gen)[:count]
     idx[torch.rand(count, generator=gen) < skip] = -1
     return idx
+
+
+def run_layer_sequence(
+    impl,
+    batch: PagedBatch,
+    layout: str,
+    *,
+    cp_size: int = 1,
+    topk_shape: tuple[int, int] = (6, 16),
+    skip: float = 0.0,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+) -> dict[str, torch.Tensor]:
+    """One batch's and one layer's op sequence through ``impl`` (a module with the four ops).
+
+    Inverse build; history materialize, one pass per CP rank over the pages it owns (the others
+    masked with -1); current fill, each rank remapping and scattering its interleave share with
+    -1 padding (a fraction ``skip`` of current tokens has no location); a top-k remap (int32
+    locations). Inputs depend only on ``seed`` and the batch, so two backends see the same bytes.
+
+    Returns the outputs and the inputs the truth needs: ``inverse``, ``dense`` ([R*P, page]),
+    ``topk_dense``, ``errors``, and ``pool``, ``current``, ``locs``, ``req``, ``dense_before``.
+    """
+    page_size, capacity = batch.page_size, batch.capacity
+    rows, width = batch.page_table.shape
+    slots = rows * width
+    gen = torch.Generator().manual_seed(seed)
+    pool = random_rows(capacity * page_size, layout, gen, device).view(capacity, -1)
+    dense = random_rows(slots * page_size, layout, gen, device).view(slots, -1)
+    dense_before = dense.clone()
+    locs, req = current_locs(batch, gen)
+    locs[torch.rand(locs.numel(), generator=gen) < skip] = -1
+    current = random_rows(locs.numel(), layout, gen, device)
+    tk_locs, tk_req = topk_locs(batch, *topk_shape, gen)
+    locs, req = locs.to(device), req.to(device)
+
+    errors = torch.zeros(3, dtype=torch.int32, device=device)
+    table = batch.page_table.to(device)
+    inverse = impl.build_page_inverse(table, capacity, errors)
+    flat = table.view(-1).to(torch.int64)
+    slot_ids = torch.arange(slots, dtype=torch.int32, device=device)
+    for rank in range(cp_size):
+        owned = torch.where((flat >= 0) & (flat % cp_size == rank), flat, -1).to(torch.int32)
+        impl.copy_pages(pool, owned, dense, slot_ids, errors)
+    dense_rows = dense.view(slots * page_size, -1)
+    for rank in range(cp_size):
+        rank_locs = interleave_split(locs, cp_size, rank)
+        rank_req = interleave_split(req, cp_size, rank)
+        rank_rows = interleave_split(current, cp_size, rank, pad_value=0)
+        dense_locs = impl.remap_locs(rank_locs, rank_req, inverse, capacity, page_size, errors)
+        impl.scatter_rows(rank_rows, dense_locs, dense_rows, errors)
+    topk_dense = impl.remap_locs(tk_locs.to(torch.int32).to(device), tk_req.to(device), inverse, capacity, page_size, errors)
+    return {
+        "inverse": inverse,
+        "dense": dense,
+        "topk_dense": topk_dense,
+        "errors": errors,
+        "pool": pool,
+        "current": current,
+        "locs": locs,
+        "req": req,
+        "dense_before": dense_before,
+    }
+
+
+def truth_dense(batch: PagedBatch, run: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The contract's dense views after :func:`run_layer_sequence`, by brute force (no inverse):
+    slot ``r*P + j`` holds pool page ``page_table[r, j]``, then each current token of request
+    ``r`` overwrites its own slot's row. Slots past a request's pages keep their bytes."""
+    ps = batch.page_size
+    table = batch.page_table.tolist()
+    width = batch.page_table.shape[1]
+    dense = run["dense_before"].cpu().clone()
+    pool = run["pool"].cpu()
+    for r, pages in enumerate(table):
+        for j, page in enumerate(pages):
+            if page >= 0:
+                dense[r * width + j] = pool[page]
+    rows = dense.view(dense.shape[0] * ps, -1)
+    current = run["current"].cpu()
+    for i, (loc, r) in enumerate(zip(run["locs"].tolist(), run["req"].tolist())):
+        if loc >= 0:
+            j = table[r].index(loc // ps)
+            rows[(r * width + j) * ps + loc % ps] = current[i]
+    return dense

@@ -22,7 +22,7 @@ from sglang_cpkv.ops import reference
 from sglang_cpkv.ops import triton as triton_ops
 from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE, new_error_counter
 from sglang_cpkv.testing.ci_register import register_cpu_ci
-from sglang_cpkv.testing.ops_cases import ROW_LAYOUTS, current_locs, interleave_split, random_batch, random_rows, same_bytes, topk_locs, unique_targets
+from sglang_cpkv.testing.ops_cases import ROW_LAYOUTS, current_locs, random_batch, random_rows, run_layer_sequence, same_bytes, topk_locs, truth_dense
 
 register_cpu_ci(est_time=60, suite="cpkv-cpu")
 
@@ -292,34 +292,17 @@ def test_without_interpreter_cpu_ops_use_torch():
 @pytest.mark.parametrize("batch_rows", [1, 3])
 @pytest.mark.parametrize("layout", sorted(ROW_LAYOUTS))
 def test_sweep_subset_layer_sequence(batch_rows, layout):
-    """One layer's op sequence (inverse, owned-page materialize, CP-split fill, top-k remap) on
-    random sparse batches: Triton == torch for every output and counter."""
-    page_size, capacity, cp_size = 16, 64, 2
-    gen = _gen(100 + batch_rows)
-    batch = random_batch(batch_rows, page_size, capacity, 4, gen, shared_pages=(7,))
-    pool = random_rows(capacity * page_size, layout, gen).view(capacity, -1)
-    slots = batch.page_table.shape[1] * batch_rows
-    outputs = {}
-    for name, impl in (("torch", reference), ("triton", triton_ops)):
-        errors = new_error_counter("cpu")
-        inverse = impl.build_page_inverse(batch.page_table, capacity, errors)
-        dense = random_rows(slots * page_size, layout, _gen(11)).view(slots, -1)
-        table = batch.page_table.view(-1).to(torch.int64)
-        for rank in range(cp_size):  # each rank materializes the pages it owns (page % cp == rank)
-            owned = torch.where((table >= 0) & (table % cp_size == rank), table, -1)
-            impl.copy_pages(pool, owned, dense, torch.arange(slots), errors)
-        locs, req = current_locs(batch, _gen(12))
-        current = random_rows(locs.numel(), layout, _gen(13))
-        rows = dense.view(slots * page_size, -1)
-        for rank in range(cp_size):
-            rank_locs, rank_req = interleave_split(locs, cp_size, rank), interleave_split(req, cp_size, rank)
-            rank_rows = interleave_split(current, cp_size, rank, pad_value=0)
-            impl.scatter_rows(rank_rows, impl.remap_locs(rank_locs, rank_req, inverse, capacity, page_size, errors), rows, errors)
-        tk_locs, tk_req = topk_locs(batch, 6, 16, _gen(14))
-        outputs[name] = (inverse, dense, impl.remap_locs(tk_locs.to(torch.int32), tk_req, inverse, capacity, page_size, errors), errors)
-    for ref, tri in zip(outputs["torch"], outputs["triton"]):
-        assert same_bytes(ref, tri)
-    assert outputs["triton"][3].tolist() == [0, 0, 0]
+    """One layer's op sequence (inverse, owned-page materialize per CP rank, CP-split fill with
+    padding, int32 top-k remap) on random sparse batches sharing a page: Triton == torch for
+    every output and counter, and both equal the brute-force truth."""
+    batch = random_batch(batch_rows, 16, 64, 4, _gen(100 + batch_rows), shared_pages=(7,))
+    kwargs = dict(cp_size=2, skip=0.1, seed=batch_rows)
+    ref = run_layer_sequence(reference, batch, layout, **kwargs)
+    tri = run_layer_sequence(triton_ops, batch, layout, **kwargs)
+    for key in ("inverse", "dense", "topk_dense", "errors"):
+        assert same_bytes(ref[key], tri[key]), key
+    assert tri["errors"].tolist() == [0, 0, 0]
+    assert same_bytes(tri["dense"], truth_dense(batch, tri))
 
 
 if __name__ == "__main__":
