@@ -1,0 +1,55 @@
+# Shared by the scripts/pd launchers (sourced, not run). Every command is built and checked by one
+# Python module, sglang_cpkv.pd_launch; these scripts only pick the interpreter and the role.
+#
+#   PD_PYTHON         the interpreter that runs the servers and the router: it has sglang (with our patch
+#                     queue applied), sglang_router and sglang_cpkv. Default: python3 on PATH.
+#   PD_LAUNCH_PYTHON  the interpreter that runs the launcher itself (default: PD_PYTHON).
+#   PD_ENV_FILE       optional file of `export PD_...=...` lines sourced first (e.g. scripts/pd/glm51-fp8-b300.env).
+# All PD_* variables are described in python/sglang_cpkv/pd_launch.py.
+
+pd_repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+
+if [ -n "${PD_ENV_FILE:-}" ]; then
+  # shellcheck disable=SC1090
+  . "$PD_ENV_FILE"
+fi
+
+export PD_PYTHON="${PD_PYTHON:-python3}"
+pd_python="${PD_LAUNCH_PYTHON:-$PD_PYTHON}"
+
+# Use the installed sglang_cpkv when there is one (the image); otherwise this checkout's copy.
+if ! "$pd_python" -c 'import sglang_cpkv.pd_launch' >/dev/null 2>&1; then
+  export PYTHONPATH="$pd_repo_root/python${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+pd_cli() {
+  exec "$pd_python" -m sglang_cpkv.pd_launch "$@"
+}
+
+pd_usage() {
+  cat >&2 <<USAGE
+usage: $(basename "$0") [--dry-run | --foreground | --no-wait | stop | status]
+  (no option)   start the $1 in the background, log to \$PD_LOG_DIR, wait for /health
+  --dry-run     print the command and validate its flags with upstream's parser (CPU, no GPU)
+  --foreground  run in the foreground (output to stdout and the log)
+  --no-wait     start without waiting for /health
+  stop          stop the $1 this launcher started (by its recorded process group)
+  status        recorded pid and health
+USAGE
+}
+
+# pd_role_main ROLE [ARG]: the whole body of run_prefill.sh / run_decode.sh / run_router.sh.
+pd_role_main() {
+  local role="$1"
+  shift
+  case "${1:-}" in
+    "") pd_cli start "$role" ;;
+    --dry-run) pd_cli dry-run "$role" ;;
+    --foreground) pd_cli run "$role" ;;
+    --no-wait) pd_cli start --no-wait "$role" ;;
+    stop) pd_cli stop "$role" ;;
+    status) pd_cli status "$role" ;;
+    -h | --help) pd_usage "$role"; return 0 ;;
+    *) pd_usage "$role"; return 2 ;;
+  esac
+}
