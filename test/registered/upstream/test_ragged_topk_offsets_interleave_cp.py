@@ -183,7 +183,7 @@ def run_rank(extend_lens, prefix_lens, cp_size, cp_rank, kv_cache_fp8):
         ):
             gathered_chunk_slots = strategy.gather_kv_cache(local_rows_by_rank[cp_rank], batch)
         method = backend.get_topk_transform_method(batch.forward_mode)
-    return backend.forward_metadata, gathered_chunk_slots, method, req_to_token
+    return backend, gathered_chunk_slots, method, req_to_token
 
 
 def local_queries(extend_lens, prefix_lens, cp_size, cp_rank):
@@ -218,6 +218,29 @@ def misread_keys(read_slots: torch.Tensor, queries, req_to_token) -> list[str]:
     return wrong
 
 
+def indexer_window_errors(metadata, queries, seq_lens) -> list[str]:
+    """Where the indexer scores each query: its own request's keys in the kept requests' concatenated index K.
+
+    The indexer reads the index K of the kept requests' full sequences, request-major
+    (``get_index_k_scale_buffer(indexer_seq_lens, block_tables=...)`` over the kept rows), and scores
+    local query ``j`` on ``[ks[j], ke[j])``.
+    """
+    kept = sorted({i for i, _ in queries})
+    kept_starts = {i: sum(seq_lens[k] for k in kept[: kept.index(i)]) for i in kept}
+    ks, ke = (x.tolist() for x in metadata.indexer_k_start_end)
+    rows = metadata.token_to_batch_idx.tolist()
+    errors = []
+    if metadata.indexer_seq_lens_cpu.tolist() != [seq_lens[i] for i in kept]:
+        errors.append(f"indexer_seq_lens_cpu={metadata.indexer_seq_lens_cpu.tolist()} for kept requests {kept}")
+    for j, (i, q) in enumerate(queries):
+        if (ks[j], ke[j] - ks[j], rows[j]) != (kept_starts[i], q + 1, kept.index(i)):
+            errors.append(
+                f"query (req {i}, pos {q}): ks={ks[j]} len={ke[j] - ks[j]} row={rows[j]}, "
+                f"want ks={kept_starts[i]} len={q + 1} row={kept.index(i)}"
+            )
+    return errors
+
+
 def ragged_read_slots(metadata, gathered_chunk_slots, has_prefix, topk) -> torch.Tensor:
     """Cache slot of the KV row the RAGGED kernel reads for each top-k entry (-2 when out of the buffer)."""
     dense_kv_slots = metadata.page_table_1_flattened if has_prefix else gathered_chunk_slots
@@ -236,12 +259,15 @@ def test_ragged_no_prefix_reads_own_request_keys(extend_lens, cp_size):
     prefix_lens = [0] * len(extend_lens)
     failures = []
     for cp_rank in range(cp_size):
-        metadata, gathered, method, req_to_token = run_rank(extend_lens, prefix_lens, cp_size, cp_rank, True)
+        backend, gathered, method, req_to_token = run_rank(extend_lens, prefix_lens, cp_size, cp_rank, True)
         assert method == TopkTransformMethod.RAGGED
+        metadata = backend.forward_metadata
         queries = local_queries(extend_lens, prefix_lens, cp_size, cp_rank)
         assert gathered.tolist() == torch.cat([req_to_token[i, :e] for i, e in enumerate(extend_lens)]).tolist(), (
             "the gathered chunk is not the current chunk of every request in token order"
         )
+        seq_lens = [e + p for e, p in zip(extend_lens, prefix_lens)]
+        assert not indexer_window_errors(metadata, queries, seq_lens), indexer_window_errors(metadata, queries, seq_lens)
         topk = all_causal_positions(queries)
         wrong = misread_keys(ragged_read_slots(metadata, gathered, False, topk), queries, req_to_token)
         if wrong:
@@ -257,9 +283,12 @@ def test_ragged_no_prefix_reads_own_request_keys(extend_lens, cp_size):
 )
 def test_ragged_prefix_reads_own_request_keys(extend_lens, prefix_lens, cp_size):
     for cp_rank in range(cp_size):
-        metadata, gathered, method, req_to_token = run_rank(extend_lens, prefix_lens, cp_size, cp_rank, True)
+        backend, gathered, method, req_to_token = run_rank(extend_lens, prefix_lens, cp_size, cp_rank, True)
         assert method == TopkTransformMethod.RAGGED
+        metadata = backend.forward_metadata
         queries = local_queries(extend_lens, prefix_lens, cp_size, cp_rank)
+        seq_lens = [e + p for e, p in zip(extend_lens, prefix_lens)]
+        assert not indexer_window_errors(metadata, queries, seq_lens), indexer_window_errors(metadata, queries, seq_lens)
         topk = all_causal_positions(queries)
         wrong = misread_keys(ragged_read_slots(metadata, gathered, True, topk), queries, req_to_token)
         assert not wrong, f"rank {cp_rank}: {len(wrong)} misreads, first: {wrong[0]}"
@@ -268,8 +297,9 @@ def test_ragged_prefix_reads_own_request_keys(extend_lens, prefix_lens, cp_size)
 @pytest.mark.parametrize("extend_lens,prefix_lens,cp_size", [([1, 10], [0, 0], 2), ([3, 64, 5], [5, 0, 7], 8)])
 def test_paged_reads_own_request_keys(extend_lens, prefix_lens, cp_size):
     for cp_rank in range(cp_size):
-        metadata, _, method, req_to_token = run_rank(extend_lens, prefix_lens, cp_size, cp_rank, False)
+        backend, _, method, req_to_token = run_rank(extend_lens, prefix_lens, cp_size, cp_rank, False)
         assert method == TopkTransformMethod.PAGED
+        metadata = backend.forward_metadata
         queries = local_queries(extend_lens, prefix_lens, cp_size, cp_rank)
         topk = all_causal_positions(queries)
         slots = transform_index_page_table_prefill(
@@ -282,6 +312,59 @@ def test_paged_reads_own_request_keys(extend_lens, prefix_lens, cp_size):
         )
         wrong = misread_keys(slots, queries, req_to_token)
         assert not wrong, f"rank {cp_rank}: {len(wrong)} misreads, first: {wrong[0]}"
+
+
+def cp_gathered_ragged_topk(extend_lens, prefix_lens, cp_size):
+    """Every rank's RAGGED top-k rows restored to global token order (what cp_gather_after_forward
+    hands the MTP seed export), plus each rank's backend and the (request, position) of every row."""
+    backends, num_tokens = [], sum(extend_lens)
+    width = max(p + e for e, p in zip(extend_lens, prefix_lens))
+    gathered_topk = torch.full((num_tokens, width), -1, dtype=torch.int32)
+    queries_in_token_order = [None] * num_tokens
+    for cp_rank in range(cp_size):
+        backend, _, method, req_to_token = run_rank(extend_lens, prefix_lens, cp_size, cp_rank, True)
+        assert method == TopkTransformMethod.RAGGED
+        queries = local_queries(extend_lens, prefix_lens, cp_size, cp_rank)
+        topk = all_causal_positions(queries)
+        rows = torch.where(topk != -1, topk + backend.forward_metadata.topk_indices_offset.unsqueeze(1), topk)
+        for j, query in enumerate(queries):  # local row j is global token cp_rank + j * cp_size
+            gathered_topk[cp_rank + j * cp_size, : rows.shape[1]] = rows[j]
+            queries_in_token_order[cp_rank + j * cp_size] = query
+        backends.append(backend)
+    return backends, gathered_topk, queries_in_token_order, req_to_token
+
+
+def seed_export_errors(extend_lens, prefix_lens, cp_size) -> list[str]:
+    """prepare_mtp_seed_indices on every rank over the CP-gathered fused RAGGED top-k: slots must be the queries' own keys."""
+    backends, gathered_topk, queries, req_to_token = cp_gathered_ragged_topk(extend_lens, prefix_lens, cp_size)
+    failures = []
+    for cp_rank, backend in enumerate(backends):
+        backend.use_fused_topk = True  # the seed conversion applies to fused RAGGED output
+        try:
+            slots = backend.prepare_mtp_seed_indices(gathered_topk, ForwardMode.EXTEND)
+        except IndexError as exc:
+            failures.append(f"rank {cp_rank}: seed export raised IndexError ({exc})")
+            continue
+        wrong = misread_keys(slots, queries, req_to_token)
+        if wrong:
+            failures.append(f"rank {cp_rank}: {len(wrong)} wrong seed slots, first: {wrong[0]}")
+    return failures
+
+
+@pytest.mark.parametrize("extend_lens,cp_size", DROPPING_BATCHES)
+def test_mtp_seed_export_no_prefix_maps_to_own_request_slots(extend_lens, cp_size):
+    failures = seed_export_errors(extend_lens, [0] * len(extend_lens), cp_size)
+    assert not failures, f"extend {extend_lens} at cp={cp_size}:\n" + "\n".join(failures)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open upstream issue (docs/upstream-findings.md, finding 2): with a cached prefix each rank's RAGGED "
+    "rows address its own kept-request layout, and the seed export maps the CP-gathered rows through one rank's table",
+)
+def test_mtp_seed_export_prefix_maps_to_own_request_slots():
+    failures = seed_export_errors([1, 10], [0, 4], 2)
+    assert not failures, "\n".join(failures)
 
 
 if __name__ == "__main__":
