@@ -33,7 +33,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -109,7 +108,9 @@ def find_queue_root(explicit: str | None = None) -> Path:
     for candidate in [here.parents[2], *[Path.cwd(), *Path.cwd().parents]]:
         if _is_queue_root(candidate):
             return candidate
-    raise OverlayError("cannot find the queue root (UPSTREAM.toml + patches/): pass --queue-root or set SGLANG_CPKV_ROOT")
+    raise OverlayError(
+        "cannot find the queue root (UPSTREAM.toml + patches/): pass --queue-root or set SGLANG_CPKV_ROOT"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +145,9 @@ def load_pin(root: Path) -> Pin:
         raise OverlayError(f"{path}: malformed [upstream] table ({exc!r})") from exc
 
 
-def rewrite_pin_text(text: str, old_version: str, version: str, wheels: dict[str, WheelPin], kernels: dict[str, str]) -> str:
+def rewrite_pin_text(
+    text: str, old_version: str, version: str, wheels: dict[str, WheelPin], kernels: dict[str, str]
+) -> str:
     """Rewrite the pin's values in place, keeping its comments and layout.
 
     Sets ``[upstream] version``, each ``[upstream.wheels.TAG]`` filename/sha256, each ``[kernels]``
@@ -196,15 +199,31 @@ def pip_download(package: str, version: str, tag: str, platform: str, dest: Path
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest, prefix=".download-") as tmp:
         cmd = [
-            sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-            "--implementation", "cp", "--python-version", f"{tag[2]}.{tag[3:]}", "--abi", tag,
-            "--platform", platform, "--dest", tmp, f"{package}=={version}",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--implementation",
+            "cp",
+            "--python-version",
+            f"{tag[2]}.{tag[3:]}",
+            "--abi",
+            tag,
+            "--platform",
+            platform,
+            "--dest",
+            tmp,
+            f"{package}=={version}",
+        ]
         log(f"downloading {package}=={version} ({tag}, {platform})")
         proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
         got = sorted(Path(tmp).glob("*.whl"))
         if proc.returncode != 0 or len(got) != 1:
-            raise OverlayError(f"pip download of {package}=={version} for {tag}/{platform} failed (exit {proc.returncode})")
+            raise OverlayError(
+                f"pip download of {package}=={version} for {tag}/{platform} failed (exit {proc.returncode})"
+            )
         target = dest / got[0].name
         os.replace(got[0], target)
     return target
@@ -280,7 +299,9 @@ def tree_version(sglang_root: Path) -> str:
         match = re.search(r"^Version: (\S+)", meta.read_text(encoding="utf-8"), re.M)
         if match:
             return match.group(1)
-    raise OverlayError(f"{sglang_root}: cannot read the upstream version (no {' / '.join(VERSION_FILES)} with __version__, no dist-info)")
+    raise OverlayError(
+        f"{sglang_root}: cannot read the upstream version (no {' / '.join(VERSION_FILES)} with __version__, no dist-info)"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -412,8 +433,11 @@ def parse_patch(text: str, name: str) -> Patch:
     return Patch(name, "".join(header), files)
 
 
-def _find_block(lines: Sequence[str], block: Sequence[str], expected: int, lower: int, allow_offset: bool) -> int | None:
+def _find_block(
+    lines: Sequence[str], block: Sequence[str], expected: int, lower: int, allow_offset: bool
+) -> int | None:
     """Index where ``block`` occurs in ``lines``: at ``expected`` or, with offsets, the nearest one at/after ``lower``."""
+
     def matches(at: int) -> bool:
         return lower <= at <= len(lines) - len(block) and list(lines[at : at + len(block)]) == list(block)
 
@@ -428,7 +452,9 @@ def _find_block(lines: Sequence[str], block: Sequence[str], expected: int, lower
     return None
 
 
-def apply_file_patch(lines: list[str], fp: FilePatch, patch_name: str, allow_offset: bool) -> tuple[list[str], list[int]]:
+def apply_file_patch(
+    lines: list[str], fp: FilePatch, patch_name: str, allow_offset: bool
+) -> tuple[list[str], list[int]]:
     """Apply one file's hunks; return the new lines and each hunk's offset (0 when exact)."""
     out: list[str] = []
     cursor = 0  # next unconsumed index of ``lines``
@@ -438,7 +464,11 @@ def apply_file_patch(lines: list[str], fp: FilePatch, patch_name: str, allow_off
         stated = hunk.old_start - 1 if hunk.old_len else hunk.old_start
         at = _find_block(lines, hunk.old_lines, stated + carried, cursor, allow_offset)
         if at is None:
-            reason = "context does not match at the stated line" if not allow_offset else "context not found anywhere in the file"
+            reason = (
+                "context does not match at the stated line"
+                if not allow_offset
+                else "context not found anywhere in the file"
+            )
             raise HunkFailure(patch_name, fp.path, index, hunk, reason)
         carried = at - stated
         offsets.append(carried)
@@ -449,7 +479,9 @@ def apply_file_patch(lines: list[str], fp: FilePatch, patch_name: str, allow_off
     return out, offsets
 
 
-def apply_patch(files: dict[str, list[str]], patch: Patch, allow_offset: bool = False, reverse: bool = False) -> dict[str, list[int]]:
+def apply_patch(
+    files: dict[str, list[str]], patch: Patch, allow_offset: bool = False, reverse: bool = False
+) -> dict[str, list[int]]:
     """Apply ``patch`` to ``files`` (``path -> lines``) in place, all or nothing; return offsets per file."""
     staged: dict[str, list[str]] = {}
     offsets: dict[str, list[int]] = {}
@@ -458,7 +490,9 @@ def apply_patch(files: dict[str, list[str]], patch: Patch, allow_offset: bool = 
             raise OverlayError(f"{patch.name}: {fp.path} does not exist upstream")
         if reverse:
             fp = FilePatch(fp.path, [h.reversed() for h in fp.hunks])
-        staged[fp.path], offsets[fp.path] = apply_file_patch(staged.get(fp.path, files[fp.path]), fp, patch.name, allow_offset)
+        staged[fp.path], offsets[fp.path] = apply_file_patch(
+            staged.get(fp.path, files[fp.path]), fp, patch.name, allow_offset
+        )
     files.update(staged)
     return offsets
 
@@ -467,9 +501,12 @@ def make_diff(rel_path: str, before: str, after: str) -> str:
     """A ``-p1`` unified diff of one upstream file, quilt-refresh style (no timestamps, 3 lines of context)."""
     out = []
     for line in difflib.unified_diff(
-        split_lines(before), split_lines(after),
-        f"a/{PACKAGE_DIR}/{rel_path}", f"b/{PACKAGE_DIR}/{rel_path}", n=DIFF_CONTEXT,
-    ):  # fmt: skip
+        split_lines(before),
+        split_lines(after),
+        f"a/{PACKAGE_DIR}/{rel_path}",
+        f"b/{PACKAGE_DIR}/{rel_path}",
+        n=DIFF_CONTEXT,
+    ):
         out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
     return "".join(out)
 
@@ -543,8 +580,14 @@ def validate_queue(queue: Queue, pin: Pin) -> list[str]:
     for name in sorted({n for n in queue.series if queue.series.count(n) > 1}):
         errors.append(f"patch appears more than once in series: {name}")
     entries = queue.manifest.get("patches")
-    if not isinstance(entries, list) or not isinstance(queue.manifest.get("history"), list) or not isinstance(queue.manifest.get("pristine_sha256"), dict):
-        return errors + ["manifest.json must be an object with lists 'patches' and 'history' and an object 'pristine_sha256'"]
+    if (
+        not isinstance(entries, list)
+        or not isinstance(queue.manifest.get("history"), list)
+        or not isinstance(queue.manifest.get("pristine_sha256"), dict)
+    ):
+        return errors + [
+            "manifest.json must be an object with lists 'patches' and 'history' and an object 'pristine_sha256'"
+        ]
     by_name: dict[str, dict] = {}
     for entry in entries:
         name = entry.get("patch") if isinstance(entry, dict) else None
@@ -571,10 +614,16 @@ def validate_queue(queue: Queue, pin: Pin) -> list[str]:
             elif not isinstance(value, str) or not value.strip():
                 errors.append(f"{name}: missing or empty '{field}'")
         forwarded = entry.get("forwarded")
-        if isinstance(forwarded, str) and forwarded not in ("no", "not-needed", "to forward") and not forwarded.startswith(("https://", "http://")):
+        if (
+            isinstance(forwarded, str)
+            and forwarded not in ("no", "not-needed", "to forward")
+            and not forwarded.startswith(("https://", "http://"))
+        ):
             errors.append(f"{name}: 'forwarded' must be no | not-needed | to forward | a URL, found {forwarded!r}")
         if entry.get("last_refreshed") not in (None, pin.version):
-            errors.append(f"{name}: last_refreshed {entry.get('last_refreshed')!r} is not the pinned {pin.version} (run `overlay rebase`)")
+            errors.append(
+                f"{name}: last_refreshed {entry.get('last_refreshed')!r} is not the pinned {pin.version} (run `overlay rebase`)"
+            )
         path = pdir / name
         if name not in queue.series:
             continue
@@ -591,9 +640,15 @@ def validate_queue(queue: Queue, pin: Pin) -> list[str]:
             continue
         touched.update(patch.touches)
         if isinstance(entry.get("touches"), list) and sorted(set(patch.touches)) != sorted(set(entry["touches"])):
-            errors.append(f"{name}: manifest touches {sorted(set(entry['touches']))} but the patch touches {sorted(set(patch.touches))}")
+            errors.append(
+                f"{name}: manifest touches {sorted(set(entry['touches']))} but the patch touches {sorted(set(patch.touches))}"
+            )
     for index, entry in enumerate(queue.manifest["history"]):
-        missing = [f for f in HISTORY_FIELDS if not (isinstance(entry, dict) and isinstance(entry.get(f), str) and entry[f].strip())]
+        missing = [
+            f
+            for f in HISTORY_FIELDS
+            if not (isinstance(entry, dict) and isinstance(entry.get(f), str) and entry[f].strip())
+        ]
         if missing:
             errors.append(f"history[{index}]: missing {', '.join(missing)}")
     pristine = queue.manifest["pristine_sha256"]
@@ -621,7 +676,9 @@ def apply_queue(sglang_root: Path, queue_root: Path) -> str:
         raise OverlayError(f"--sglang-root {sglang_root} is not a directory")
     found = tree_version(sglang_root)
     if found != pin.version:
-        raise OverlayError(f"upstream version mismatch in {sglang_root}: expected {pin.package} {pin.version} (UPSTREAM.toml), found {found}")
+        raise OverlayError(
+            f"upstream version mismatch in {sglang_root}: expected {pin.package} {pin.version} (UPSTREAM.toml), found {found}"
+        )
     queue = load_queue(queue_root)
     require_valid(queue, pin)
     patches = queue.parsed()
@@ -634,15 +691,28 @@ def apply_queue(sglang_root: Path, queue_root: Path) -> str:
     queue_sha = queue.sha256()
     record_path = sglang_root / RECORD_NAME
     record = json.loads(record_path.read_text(encoding="utf-8")) if record_path.is_file() else None
-    if record and record.get("queue_sha256") == queue_sha and all(
-        sha256_bytes(data) == record.get("files", {}).get(rel, {}).get("patched_sha256") for rel, data in current.items()
+    if (
+        record
+        and record.get("queue_sha256") == queue_sha
+        and all(
+            sha256_bytes(data) == record.get("files", {}).get(rel, {}).get("patched_sha256")
+            for rel, data in current.items()
+        )
     ):
         return f"already applied: {len(patches)} patches (queue {queue_sha[:12]}) in {sglang_root}; nothing to do"
-    mismatched = [(rel, want, sha256_bytes(current[rel])) for rel, want in pristine.items() if sha256_bytes(current[rel]) != want]
+    mismatched = [
+        (rel, want, sha256_bytes(current[rel])) for rel, want in pristine.items() if sha256_bytes(current[rel]) != want
+    ]
     if mismatched:
         detail = "\n  ".join(f"{rel}: expected pristine sha256 {want}, found {got}" for rel, want, got in mismatched)
-        hint = f" (the tree records overlay queue {record.get('queue_sha256', '?')[:12]}; reinstall pristine {pin.package}=={pin.version})" if record else ""
-        raise OverlayError(f"touched files in {sglang_root} are not the pinned {pin.version} originals{hint}:\n  {detail}")
+        hint = (
+            f" (the tree records overlay queue {record.get('queue_sha256', '?')[:12]}; reinstall pristine {pin.package}=={pin.version})"
+            if record
+            else ""
+        )
+        raise OverlayError(
+            f"touched files in {sglang_root} are not the pinned {pin.version} originals{hint}:\n  {detail}"
+        )
     files = {rel: split_lines(data.decode()) for rel, data in current.items()}
     for patch in patches:
         apply_patch(files, patch)
@@ -655,7 +725,10 @@ def apply_queue(sglang_root: Path, queue_root: Path) -> str:
         "upstream": f"{pin.package}=={pin.version}",
         "queue_sha256": queue_sha,
         "patches": [{"patch": name, "sha256": sha256_file(queue.patches_dir / name)} for name in queue.series],
-        "files": {rel: {"pristine_sha256": pristine[rel], "patched_sha256": sha256_bytes(new_bytes[rel])} for rel in sorted(new_bytes)},
+        "files": {
+            rel: {"pristine_sha256": pristine[rel], "patched_sha256": sha256_bytes(new_bytes[rel])}
+            for rel in sorted(new_bytes)
+        },
     }
     write_atomic(record_path, (json.dumps(record, indent=2) + "\n").encode())
     return f"applied {len(patches)} patches ({len(new_bytes)} files, queue {queue_sha[:12]}) to {sglang_root}; recorded in {RECORD_NAME}"
@@ -682,13 +755,20 @@ def check_queue(root: Path, wheel: Path | None = None) -> str:
     else:
         found = sha256_file(wheel)
         if found not in {w.sha256 for w in pin.wheels.values()}:
-            raise OverlayError(f"{wheel} is not a pinned wheel: sha256 {found} matches no [upstream.wheels.*] of {pin.package} {pin.version}")
+            raise OverlayError(
+                f"{wheel} is not a pinned wheel: sha256 {found} matches no [upstream.wheels.*] of {pin.package} {pin.version}"
+            )
     touched = queue.touched()
     wheel_files = read_wheel_files(wheel, touched)
-    stale = [f"{rel}: manifest pristine_sha256 {queue.manifest['pristine_sha256'][rel]}, wheel has {sha256_bytes(data) if data else 'no such file'}"
-             for rel, data in wheel_files.items() if data is None or sha256_bytes(data) != queue.manifest["pristine_sha256"][rel]]  # fmt: skip
+    stale = [
+        f"{rel}: manifest pristine_sha256 {queue.manifest['pristine_sha256'][rel]}, wheel has {sha256_bytes(data) if data else 'no such file'}"
+        for rel, data in wheel_files.items()
+        if data is None or sha256_bytes(data) != queue.manifest["pristine_sha256"][rel]
+    ]
     if stale:
-        raise OverlayError(f"pristine hashes do not match {wheel.name} (run `overlay pin-hashes`):\n  " + "\n  ".join(stale))
+        raise OverlayError(
+            f"pristine hashes do not match {wheel.name} (run `overlay pin-hashes`):\n  " + "\n  ".join(stale)
+        )
     with tempfile.TemporaryDirectory(prefix="cpkv-overlay-check-") as tmp:
         tree = unpack_subset(wheel, touched, Path(tmp))
         log(apply_queue(tree, root))
@@ -773,7 +853,9 @@ def classify(files: dict[str, list[str]], patch: Patch) -> Verdict:
     try:
         offsets = apply_patch(trial, patch, allow_offset=True)
         files.update(trial)
-        moved = "; ".join(f"{path} hunk {i + 1}: {o:+d} lines" for path, offs in offsets.items() for i, o in enumerate(offs) if o)
+        moved = "; ".join(
+            f"{path} hunk {i + 1}: {o:+d} lines" for path, offs in offsets.items() for i, o in enumerate(offs) if o
+        )
         return Verdict(patch.name, "offsets", moved)
     except HunkFailure:
         pass
@@ -785,23 +867,47 @@ def classify(files: dict[str, list[str]], patch: Patch) -> Verdict:
         return Verdict(patch.name, "conflict", reason, strict_failure)
 
 
-def render_report(old: str, new: str, root: Path, wheels: dict[str, WheelPin], verdicts: list[Verdict], ok: bool, pin_diff: str, unpinned_kernels: list[str]) -> str:
+def render_report(
+    old: str,
+    new: str,
+    root: Path,
+    wheels: dict[str, WheelPin],
+    verdicts: list[Verdict],
+    ok: bool,
+    pin_diff: str,
+    unpinned_kernels: list[str],
+) -> str:
     lines = [
         f"# Rebase report: sglang {old} -> {new}",
         "",
         f"- queue: `{root}` ({len(verdicts)} patches in `patches/series`)",
         *[f"- wheel {tag}: `{w.filename}` sha256 `{w.sha256}`" for tag, w in sorted(wheels.items())],
         f"- result: {'SUCCESS: UPSTREAM.toml, manifest and refreshed patches updated' if ok else 'FAILED: nothing was changed'}",
-        *([f"- [kernels] not pinned by the {new} wheel's metadata, left as they were (check them): {', '.join(unpinned_kernels)}"] if unpinned_kernels else []),
+        *(
+            [
+                f"- [kernels] not pinned by the {new} wheel's metadata, left as they were (check them): {', '.join(unpinned_kernels)}"
+            ]
+            if unpinned_kernels
+            else []
+        ),
         "",
         "| # | patch | verdict | details |",
         "|---|---|---|---|",
-        *[f"| {i} | `{v.patch}` | {VERDICT_TEXT[v.kind]}{'; ' + VERDICT_ACTION[v.kind] if ok and v.kind in VERDICT_ACTION else ''} | {v.detail} |"
-          for i, v in enumerate(verdicts, 1)],
+        *[
+            f"| {i} | `{v.patch}` | {VERDICT_TEXT[v.kind]}{'; ' + VERDICT_ACTION[v.kind] if ok and v.kind in VERDICT_ACTION else ''} | {v.detail} |"
+            for i, v in enumerate(verdicts, 1)
+        ],
     ]
     for v in verdicts:
         if v.failure is not None:
-            lines += ["", f"## Conflict: `{v.patch}`, {v.failure.path} hunk {v.failure.index + 1}", "", "```diff", v.failure.hunk.render().rstrip("\n"), "```"]
+            lines += [
+                "",
+                f"## Conflict: `{v.patch}`, {v.failure.path} hunk {v.failure.index + 1}",
+                "",
+                "```diff",
+                v.failure.hunk.render().rstrip("\n"),
+                "```",
+            ]
     if ok:
         lines += ["", "## UPSTREAM.toml", "", "```diff", pin_diff.rstrip("\n"), "```"]
     return "\n".join(lines) + "\n"
@@ -824,7 +930,9 @@ def rebase(root: Path, version: str, report_path: Path | None = None) -> tuple[b
     blobs = {tag: read_wheel_files(path, touched) for tag, path in paths.items()}
     differing = [rel for rel in touched if len({b[rel] for b in blobs.values()}) > 1]
     if differing:
-        raise OverlayError(f"{pin.package} {version} wheels differ between Python tags in touched files: {', '.join(differing)}")
+        raise OverlayError(
+            f"{pin.package} {version} wheels differ between Python tags in touched files: {', '.join(differing)}"
+        )
     with tempfile.TemporaryDirectory() as tmp:
         found = tree_version(unpack_subset(first, [], Path(tmp)))
     if found != version:
@@ -838,15 +946,23 @@ def rebase(root: Path, version: str, report_path: Path | None = None) -> tuple[b
         verdict = classify(files, patch)
         verdicts.append(verdict)
         if verdict.kind == "offsets":
-            refreshed[patch.name] = patch.header + "".join(make_diff(rel, "".join(before[rel]), "".join(files[rel])) for rel in dict.fromkeys(patch.touches))
+            refreshed[patch.name] = patch.header + "".join(
+                make_diff(rel, "".join(before[rel]), "".join(files[rel])) for rel in dict.fromkeys(patch.touches)
+            )
     ok = all(v.kind != "conflict" for v in verdicts)
     pin_text = (root / "UPSTREAM.toml").read_text(encoding="utf-8")
     requirements = wheel_requirements(first)
     kernels_table = tomllib.loads(pin_text).get("kernels", {})
-    kernels = {k: requirements[k.lower().replace("_", "-")] for k in kernels_table if k.lower().replace("_", "-") in requirements}
+    kernels = {
+        k: requirements[k.lower().replace("_", "-")]
+        for k in kernels_table
+        if k.lower().replace("_", "-") in requirements
+    }
     unpinned_kernels = [k for k in kernels_table if k not in kernels]
     new_pin_text = rewrite_pin_text(pin_text, pin.version, version, new_wheels, kernels)
-    pin_diff = "".join(difflib.unified_diff(pin_text.splitlines(True), new_pin_text.splitlines(True), "UPSTREAM.toml", "UPSTREAM.toml"))
+    pin_diff = "".join(
+        difflib.unified_diff(pin_text.splitlines(True), new_pin_text.splitlines(True), "UPSTREAM.toml", "UPSTREAM.toml")
+    )
     report = render_report(pin.version, version, root, new_wheels, verdicts, ok, pin_diff, unpinned_kernels)
     if report_path is not None:
         report_path.parent.mkdir(parents=True, exist_ok=True)
@@ -858,17 +974,26 @@ def rebase(root: Path, version: str, report_path: Path | None = None) -> tuple[b
     entries = {e["patch"]: e for e in queue.manifest["patches"]}
     manifest = dict(queue.manifest)
     manifest["patches"] = [{**entries[name], "last_refreshed": version} for name in kept]
-    manifest["history"] = [*queue.manifest["history"], *[
-        {"patch": name, "description": entries[name]["description"], "retired_in": version,
-         "reason": f"contained upstream in {pin.package} {version} (reverse-applies); retire_when was: {entries[name]['retire_when']}"}
-        for name in queue.series if name in retired
-    ]]  # fmt: skip
+    manifest["history"] = [
+        *queue.manifest["history"],
+        *[
+            {
+                "patch": name,
+                "description": entries[name]["description"],
+                "retired_in": version,
+                "reason": f"contained upstream in {pin.package} {version} (reverse-applies); retire_when was: {entries[name]['retire_when']}",
+            }
+            for name in queue.series
+            if name in retired
+        ],
+    ]
     still_touched = sorted({p for patch in patches if patch.name not in retired for p in patch.touches})
     manifest["pristine_sha256"] = {rel: sha256_bytes(base[rel]) for rel in still_touched}  # type: ignore[arg-type]
     series_text = "".join(
-        line for line in (queue.patches_dir / "series").read_text(encoding="utf-8").splitlines(keepends=True)
+        line
+        for line in (queue.patches_dir / "series").read_text(encoding="utf-8").splitlines(keepends=True)
         if line.split("#", 1)[0].strip() not in retired
-    )  # fmt: skip
+    )
     for name, text in refreshed.items():
         write_atomic(queue.patches_dir / name, text.encode())
     for name in retired:
@@ -888,16 +1013,30 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--queue-root", help="directory with UPSTREAM.toml and patches/ (default: see module docs)")
     sub = parser.add_subparsers(dest="command", required=True)
     fetch = sub.add_parser("fetch", help="download and verify the pinned upstream wheel; print its path")
-    fetch.add_argument("--python-tag", default=None, help=f"e.g. cp311 (default: this interpreter's, {default_python_tag()})")
+    fetch.add_argument(
+        "--python-tag", default=None, help=f"e.g. cp311 (default: this interpreter's, {default_python_tag()})"
+    )
     fetch.add_argument("--dest", type=Path, help="directory for the wheel (default: the cache)")
     apply = sub.add_parser("apply", help="apply the patch queue in-tree to an upstream sglang package dir")
     apply.add_argument("--sglang-root", type=Path, required=True, help="the 'sglang' package directory")
     check = sub.add_parser("check", help="validate the queue and prove it applies cleanly to the pinned wheel")
     check.add_argument("--wheel", type=Path, help="a local copy of the pinned wheel (default: fetch it)")
     diff = sub.add_parser("diff", help="print a patch from edited copies of upstream files")
-    diff.add_argument("--file", action="append", required=True, dest="files", help="upstream path relative to the sglang package, e.g. srt/server_args.py")
-    diff.add_argument("--edited", action="append", required=True, type=Path, help="the edited copy (one per --file, same order)")
-    diff.add_argument("--pristine", action="store_true", help="diff against the pinned file itself, not the file as the current series leaves it")
+    diff.add_argument(
+        "--file",
+        action="append",
+        required=True,
+        dest="files",
+        help="upstream path relative to the sglang package, e.g. srt/server_args.py",
+    )
+    diff.add_argument(
+        "--edited", action="append", required=True, type=Path, help="the edited copy (one per --file, same order)"
+    )
+    diff.add_argument(
+        "--pristine",
+        action="store_true",
+        help="diff against the pinned file itself, not the file as the current series leaves it",
+    )
     show = sub.add_parser("show", help="print an upstream file as the current series leaves it (the base `diff` uses)")
     show.add_argument("--file", required=True, help="upstream path relative to the sglang package")
     show.add_argument("--pristine", action="store_true", help="print the pinned file itself")

@@ -60,7 +60,13 @@ def _small_change(old: list[str], new: list[str]) -> tuple[int, int, int, int]:
     for k in range(1, len(ops) - 1):
         tag, i1, i2, j1, j2 = ops[k]
         framed = ops[k - 1][0] == "equal" and ops[k + 1][0] == "equal"
-        if tag == "replace" and framed and min(ops[k - 1][2] - ops[k - 1][1], ops[k + 1][2] - ops[k + 1][1]) >= CONTEXT and i2 - i1 <= 3 and j2 - j1 <= 3:
+        if (
+            tag == "replace"
+            and framed
+            and min(ops[k - 1][2] - ops[k - 1][1], ops[k + 1][2] - ops[k + 1][1]) >= CONTEXT
+            and i2 - i1 <= 3
+            and j2 - j1 <= 3
+        ):
             return i1, i2, j1, j2
     raise RuntimeError("no small framed upstream change found")
 
@@ -97,20 +103,64 @@ def build_demo_queue(dest: Path, cache: Path, conflict: bool = False) -> Path:
     new = {k: overlay.split_lines(v) for k, v in new_text.items()}
 
     edits: list[tuple[str, str, list[str], dict]] = [
-        ("core/demo-clean.patch", CLEAN_FILE, _insert_at_equal(old[CLEAN_FILE], new[CLEAN_FILE], False, "clean"),
-         _entry("core/demo-clean.patch", CLEAN_FILE, "Insert a comment where 0.5.23 keeps the same line numbers.", "never (demo)")),
-        ("core/demo-offset.patch", OFFSET_FILE, _insert_at_equal(old[OFFSET_FILE], new[OFFSET_FILE], True, "offset"),
-         _entry("core/demo-offset.patch", OFFSET_FILE, "Insert a comment below a spot where 0.5.23 adds lines.", "never (demo)")),
-    ]  # fmt: skip
+        (
+            "core/demo-clean.patch",
+            CLEAN_FILE,
+            _insert_at_equal(old[CLEAN_FILE], new[CLEAN_FILE], False, "clean"),
+            _entry(
+                "core/demo-clean.patch",
+                CLEAN_FILE,
+                "Insert a comment where 0.5.23 keeps the same line numbers.",
+                "never (demo)",
+            ),
+        ),
+        (
+            "core/demo-offset.patch",
+            OFFSET_FILE,
+            _insert_at_equal(old[OFFSET_FILE], new[OFFSET_FILE], True, "offset"),
+            _entry(
+                "core/demo-offset.patch",
+                OFFSET_FILE,
+                "Insert a comment below a spot where 0.5.23 adds lines.",
+                "never (demo)",
+            ),
+        ),
+    ]
     i1, i2, j1, j2 = _small_change(old[CONTAINED_FILE], new[CONTAINED_FILE])
     taken_over = old[CONTAINED_FILE][:i1] + new[CONTAINED_FILE][j1:j2] + old[CONTAINED_FILE][i2:]
-    edits.append(("upstream-fixes/demo-contained.patch", CONTAINED_FILE, taken_over,
-                  _entry("upstream-fixes/demo-contained.patch", CONTAINED_FILE, "Backport a small change that sglang 0.5.23 ships.", "sglang >= 0.5.23 ships it")))  # fmt: skip
+    edits.append(
+        (
+            "upstream-fixes/demo-contained.patch",
+            CONTAINED_FILE,
+            taken_over,
+            _entry(
+                "upstream-fixes/demo-contained.patch",
+                CONTAINED_FILE,
+                "Backport a small change that sglang 0.5.23 ships.",
+                "sglang >= 0.5.23 ships it",
+            ),
+        )
+    )
     if conflict:
         i1, _, _, _ = _small_change(old[CONFLICT_FILE], new[CONFLICT_FILE])
-        rewritten = old[CONFLICT_FILE][:i1] + [old[CONFLICT_FILE][i1].rstrip("\n") + "  " + MARKER.format("conflict")] + old[CONFLICT_FILE][i1 + 1 :]
-        edits.append(("core/demo-conflict.patch", CONFLICT_FILE, rewritten,
-                      _entry("core/demo-conflict.patch", CONFLICT_FILE, "Annotate a line that sglang 0.5.23 rewrites.", "never (demo)")))  # fmt: skip
+        rewritten = (
+            old[CONFLICT_FILE][:i1]
+            + [old[CONFLICT_FILE][i1].rstrip("\n") + "  " + MARKER.format("conflict")]
+            + old[CONFLICT_FILE][i1 + 1 :]
+        )
+        edits.append(
+            (
+                "core/demo-conflict.patch",
+                CONFLICT_FILE,
+                rewritten,
+                _entry(
+                    "core/demo-conflict.patch",
+                    CONFLICT_FILE,
+                    "Annotate a line that sglang 0.5.23 rewrites.",
+                    "never (demo)",
+                ),
+            )
+        )
 
     series = ["# Demonstration queue on sglang 0.5.22 (sglang_cpkv.testing.overlay_demo).\n"]
     entries = []

@@ -8,7 +8,6 @@ Queues that a test mutates live in temporary copies of the queue root; the repo'
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -25,6 +24,12 @@ register_cpu_ci(est_time=25, suite="cpkv-cpu")
 REAL_ROOT = overlay.find_queue_root()
 SERVER_ARGS = "srt/server_args.py"
 COMPILE_UTILS = "srt/layers/deep_gemm_wrapper/compile_utils.py"
+
+
+@pytest.fixture(autouse=True)
+def _shared_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Temporary queue roots share the repo's wheel cache instead of downloading into their own."""
+    monkeypatch.setenv("SGLANG_CPKV_CACHE", str(overlay.cache_dir(REAL_ROOT)))
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +63,9 @@ def _empty_queue_root(dest: Path) -> Path:
     (dest / "patches").mkdir(parents=True)
     shutil.copy(REAL_ROOT / "UPSTREAM.toml", dest / "UPSTREAM.toml")
     (dest / "patches" / "series").write_text("# test queue\n")
-    (dest / "patches" / "manifest.json").write_text(overlay.dump_manifest({"patches": [], "pristine_sha256": {}, "history": []}))
+    (dest / "patches" / "manifest.json").write_text(
+        overlay.dump_manifest({"patches": [], "pristine_sha256": {}, "history": []})
+    )
     return dest
 
 
@@ -69,11 +76,18 @@ def _add_patch(root: Path, name: str, text: str, touches: list[str], version: st
     with (root / "patches" / "series").open("a") as series:
         series.write(name + "\n")
     manifest = json.loads((root / "patches" / "manifest.json").read_text())
-    manifest["patches"].append({
-        "patch": name, "description": f"test patch {name}", "why": "exercise the overlay tool",
-        "touches": touches, "origin": "sglang-cpkv tests", "forwarded": "not-needed",
-        "retire_when": "never (test fixture)", "last_refreshed": version,
-    })  # fmt: skip
+    manifest["patches"].append(
+        {
+            "patch": name,
+            "description": f"test patch {name}",
+            "why": "exercise the overlay tool",
+            "touches": touches,
+            "origin": "sglang-cpkv tests",
+            "forwarded": "not-needed",
+            "retire_when": "never (test fixture)",
+            "last_refreshed": version,
+        }
+    )
     (root / "patches" / "manifest.json").write_text(overlay.dump_manifest(manifest))
 
 
@@ -85,11 +99,19 @@ def test_queue(tmp_path: Path, wheel: Path, pin: overlay.Pin) -> Path:
     first = _insert_after(server_args, 40, "# cpkv test hook one\n")
     second = _insert_after(first, 80, "# cpkv test hook two\n")
     compile_utils = _pristine(wheel, COMPILE_UTILS)
-    _add_patch(root, "core/add-hook-one.patch", overlay.make_diff(SERVER_ARGS, server_args, first), [SERVER_ARGS], pin.version)
-    _add_patch(root, "core/add-hook-two.patch", overlay.make_diff(SERVER_ARGS, first, second), [SERVER_ARGS], pin.version)
-    _add_patch(root, "upstream-fixes/fix-compile-utils.patch",
-               overlay.make_diff(COMPILE_UTILS, compile_utils, _insert_after(compile_utils, 10, "# cpkv test fix\n")),
-               [COMPILE_UTILS], pin.version)  # fmt: skip
+    _add_patch(
+        root, "core/add-hook-one.patch", overlay.make_diff(SERVER_ARGS, server_args, first), [SERVER_ARGS], pin.version
+    )
+    _add_patch(
+        root, "core/add-hook-two.patch", overlay.make_diff(SERVER_ARGS, first, second), [SERVER_ARGS], pin.version
+    )
+    _add_patch(
+        root,
+        "upstream-fixes/fix-compile-utils.patch",
+        overlay.make_diff(COMPILE_UTILS, compile_utils, _insert_after(compile_utils, 10, "# cpkv test fix\n")),
+        [COMPILE_UTILS],
+        pin.version,
+    )
     overlay.pin_hashes(root, wheel)
     return root
 
@@ -98,9 +120,10 @@ def _tree(wheel: Path, dest: Path, rel_paths: list[str]) -> Path:
     return overlay.unpack_subset(wheel, rel_paths, dest)
 
 
-def test_fetch_cli_prints_only_the_verified_wheel_path(wheel: Path, cache: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "sglang_cpkv.overlay", "fetch", "--python-tag", "cp311"],
-                          capture_output=True, text=True, env={**os.environ, "SGLANG_CPKV_CACHE": str(cache)})  # fmt: skip
+def test_fetch_cli_prints_only_the_verified_wheel_path(wheel: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_cpkv.overlay", "fetch", "--python-tag", "cp311"], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [str(wheel)]
     assert "using cached" in proc.stderr
@@ -115,7 +138,9 @@ def _offline_pip(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, wheel: Path) -
     monkeypatch.setenv("PIP_FIND_LINKS", str(links))
 
 
-def test_fetch_rejects_a_wheel_whose_sha256_does_not_match_the_pin(tmp_path: Path, wheel: Path, pin: overlay.Pin, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fetch_rejects_a_wheel_whose_sha256_does_not_match_the_pin(
+    tmp_path: Path, wheel: Path, pin: overlay.Pin, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _offline_pip(monkeypatch, tmp_path, wheel)
     good = pin.wheels["cp311"]
     bad_sha = "0" * 64
@@ -127,7 +152,9 @@ def test_fetch_rejects_a_wheel_whose_sha256_does_not_match_the_pin(tmp_path: Pat
     assert not (dest / good.filename).exists(), "a rejected wheel must not stay in the cache"
 
 
-def test_fetch_replaces_a_corrupt_cached_wheel(tmp_path: Path, wheel: Path, pin: overlay.Pin, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fetch_replaces_a_corrupt_cached_wheel(
+    tmp_path: Path, wheel: Path, pin: overlay.Pin, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _offline_pip(monkeypatch, tmp_path, wheel)
     dest = tmp_path / "cache"
     dest.mkdir()
@@ -151,11 +178,25 @@ def test_apply_patches_in_order_records_and_is_idempotent(tmp_path: Path, test_q
     assert record["queue_sha256"] == queue.sha256()
     assert [p["patch"] for p in record["patches"]] == queue.series
     assert record["files"][SERVER_ARGS]["patched_sha256"] == overlay.sha256_file(tree / SERVER_ARGS)
-    assert record["files"][SERVER_ARGS]["pristine_sha256"] == overlay.sha256_bytes(_pristine(wheel, SERVER_ARGS).encode())
+    assert record["files"][SERVER_ARGS]["pristine_sha256"] == overlay.sha256_bytes(
+        _pristine(wheel, SERVER_ARGS).encode()
+    )
 
     before = {rel: (tree / rel).read_bytes() for rel in (SERVER_ARGS, COMPILE_UTILS, overlay.RECORD_NAME)}
-    proc = subprocess.run([sys.executable, "-m", "sglang_cpkv.overlay", "--queue-root", str(test_queue), "apply", "--sglang-root", str(tree)],
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sglang_cpkv.overlay",
+            "--queue-root",
+            str(test_queue),
+            "apply",
+            "--sglang-root",
+            str(tree),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "already applied" in proc.stderr and "nothing to do" in proc.stderr
     assert {rel: (tree / rel).read_bytes() for rel in before} == before
@@ -167,8 +208,20 @@ def test_apply_refuses_another_upstream_version(tmp_path: Path, cache: Path) -> 
     old_wheel = overlay.fetch_pinned(old_pin, "cp311", cache)
     tree = _tree(old_wheel, tmp_path / "site", [SERVER_ARGS])
     before = (tree / SERVER_ARGS).read_bytes()
-    proc = subprocess.run([sys.executable, "-m", "sglang_cpkv.overlay", "--queue-root", str(REAL_ROOT), "apply", "--sglang-root", str(tree)],
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sglang_cpkv.overlay",
+            "--queue-root",
+            str(REAL_ROOT),
+            "apply",
+            "--sglang-root",
+            str(tree),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 1
     assert "expected sglang 0.5.23" in proc.stderr and "found 0.5.22" in proc.stderr, proc.stderr
     assert (tree / SERVER_ARGS).read_bytes() == before and not (tree / overlay.RECORD_NAME).exists()
@@ -217,9 +270,12 @@ def test_check_passes_on_the_real_queue_against_the_pinned_wheel(wheel: Path) ->
     assert message.startswith(f"ok: {len(overlay.load_queue(REAL_ROOT).series)} patches")
 
 
-def test_check_cli_on_a_test_queue(test_queue: Path, cache: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "sglang_cpkv.overlay", "--queue-root", str(test_queue), "check"],
-                          capture_output=True, text=True, env={**os.environ, "SGLANG_CPKV_CACHE": str(cache)})  # fmt: skip
+def test_check_cli_on_a_test_queue(test_queue: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_cpkv.overlay", "--queue-root", str(test_queue), "check"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "ok: 3 patches, 2 upstream files" in proc.stderr
 
@@ -232,7 +288,9 @@ def _break_missing_entry(root: Path) -> str:
 
 
 def _break_unused_patch(root: Path) -> str:
-    (root / "patches" / "core" / "left-over.patch").write_text((root / "patches" / "core" / "add-hook-one.patch").read_text())
+    (root / "patches" / "core" / "left-over.patch").write_text(
+        (root / "patches" / "core" / "add-hook-one.patch").read_text()
+    )
     return "unused patch: core/left-over.patch"
 
 
@@ -269,8 +327,18 @@ def _break_manifest_extra(root: Path) -> str:
     return "manifest entry is not in series: core/not-in-series.patch"
 
 
-@pytest.mark.parametrize("breaker", [_break_missing_entry, _break_unused_patch, _break_duplicate, _break_retire_when,
-                                     _break_touches, _break_newline, _break_manifest_extra])  # fmt: skip
+@pytest.mark.parametrize(
+    "breaker",
+    [
+        _break_missing_entry,
+        _break_unused_patch,
+        _break_duplicate,
+        _break_retire_when,
+        _break_touches,
+        _break_newline,
+        _break_manifest_extra,
+    ],
+)
 def test_validation_names_each_queue_defect(test_queue: Path, breaker) -> None:
     pin = overlay.load_pin(test_queue)
     assert overlay.validate_queue(overlay.load_queue(test_queue), pin) == []
@@ -281,22 +349,40 @@ def test_validation_names_each_queue_defect(test_queue: Path, breaker) -> None:
         overlay.check_queue(test_queue)
 
 
-def test_diff_cli_writes_a_patch_on_top_of_the_current_series(tmp_path: Path, test_queue: Path, wheel: Path, cache: Path) -> None:
+def test_diff_cli_writes_a_patch_on_top_of_the_current_series(tmp_path: Path, test_queue: Path, wheel: Path) -> None:
     """A new patch on a file the series already touches is made against the file as the series leaves it."""
     tree = _tree(wheel, tmp_path / "site", [SERVER_ARGS, COMPILE_UTILS])
     overlay.apply_queue(tree, test_queue)
-    env = {**os.environ, "SGLANG_CPKV_CACHE": str(cache)}
-    show = subprocess.run([sys.executable, "-m", "sglang_cpkv.overlay", "--queue-root", str(test_queue), "show", "--file", SERVER_ARGS],
-                          capture_output=True, text=True, env=env)  # fmt: skip
+    show = subprocess.run(
+        [sys.executable, "-m", "sglang_cpkv.overlay", "--queue-root", str(test_queue), "show", "--file", SERVER_ARGS],
+        capture_output=True,
+        text=True,
+    )
     assert show.returncode == 0, show.stderr
     assert show.stdout == (tree / SERVER_ARGS).read_text(), "`show` prints the file as the series leaves it"
     edited = tmp_path / "server_args.py"
     edited.write_text(_insert_after(show.stdout, 120, "# cpkv test hook three\n"))
-    proc = subprocess.run([sys.executable, "-m", "sglang_cpkv.overlay", "--queue-root", str(test_queue), "diff", "--file", SERVER_ARGS, "--edited", str(edited)],
-                          capture_output=True, text=True, env={**os.environ, "SGLANG_CPKV_CACHE": str(cache)})  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sglang_cpkv.overlay",
+            "--queue-root",
+            str(test_queue),
+            "diff",
+            "--file",
+            SERVER_ARGS,
+            "--edited",
+            str(edited),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"--- a/sglang/{SERVER_ARGS}\n+++ b/sglang/{SERVER_ARGS}\n@@ -118,")
-    _add_patch(test_queue, "core/add-hook-three.patch", proc.stdout, [SERVER_ARGS], overlay.load_pin(test_queue).version)
+    _add_patch(
+        test_queue, "core/add-hook-three.patch", proc.stdout, [SERVER_ARGS], overlay.load_pin(test_queue).version
+    )
     fresh = _tree(wheel, tmp_path / "fresh", [SERVER_ARGS, COMPILE_UTILS])
     assert overlay.apply_queue(fresh, test_queue).startswith("applied 4 patches")
     assert (fresh / SERVER_ARGS).read_text() == edited.read_text()

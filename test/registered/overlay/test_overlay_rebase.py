@@ -8,7 +8,6 @@ queue root. The repo's own pin and queue are never touched.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -25,15 +24,33 @@ CACHE = overlay.cache_dir(overlay.find_queue_root())
 NEW_WHEEL_SHA = "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937"  # PyPI sglang 0.5.23 cp311
 
 
+@pytest.fixture(autouse=True)
+def _shared_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Temporary queue roots share the repo's wheel cache instead of downloading into their own."""
+    monkeypatch.setenv("SGLANG_CPKV_CACHE", str(CACHE))
+
+
 def _snapshot(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def _rebase_cli(root: Path, report: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "sglang_cpkv.overlay", "--queue-root", str(root), "rebase", "--to", overlay_demo.NEW_VERSION, "--report", str(report)],
-        capture_output=True, text=True, env={**os.environ, "SGLANG_CPKV_CACHE": str(CACHE)},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "sglang_cpkv.overlay",
+            "--queue-root",
+            str(root),
+            "rebase",
+            "--to",
+            overlay_demo.NEW_VERSION,
+            "--report",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+    )
 
 
 def _verdicts(report: str) -> dict[str, str]:
@@ -58,7 +75,9 @@ def test_rebase_0_5_22_to_0_5_23_reports_each_verdict_and_moves_the_pin(tmp_path
 
     pin = overlay.load_pin(root)
     assert pin.version == "0.5.23"
-    assert pin.wheels["cp311"] == overlay.WheelPin("cp311", "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl", NEW_WHEEL_SHA)
+    assert pin.wheels["cp311"] == overlay.WheelPin(
+        "cp311", "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl", NEW_WHEEL_SHA
+    )
     kernels = (root / "UPSTREAM.toml").read_text()
     assert 'sglang-kernel = "0.4.10"' in kernels and 'sgl-deep-gemm = "0.2.3.post2"' in kernels
 
@@ -66,10 +85,14 @@ def test_rebase_0_5_22_to_0_5_23_reports_each_verdict_and_moves_the_pin(tmp_path
     assert queue.series == ["core/demo-clean.patch", "core/demo-offset.patch"]
     assert not (root / "patches" / "upstream-fixes" / "demo-contained.patch").exists()
     assert [e["last_refreshed"] for e in queue.manifest["patches"]] == ["0.5.23", "0.5.23"]
-    assert [(h["patch"], h["retired_in"]) for h in queue.manifest["history"]] == [("upstream-fixes/demo-contained.patch", "0.5.23")]
+    assert [(h["patch"], h["retired_in"]) for h in queue.manifest["history"]] == [
+        ("upstream-fixes/demo-contained.patch", "0.5.23")
+    ]
     refreshed = (root / "patches" / "core" / "demo-offset.patch").read_text()
     assert refreshed != offset_patch_before
-    assert refreshed.splitlines()[0] == offset_patch_before.splitlines()[0], "the patch's header comment survives a refresh"
+    assert (
+        refreshed.splitlines()[0] == offset_patch_before.splitlines()[0]
+    ), "the patch's header comment survives a refresh"
     # The rebased queue is a valid queue on the new pin: strict, no offsets.
     assert overlay.check_queue(root).startswith("ok: 2 patches")
 
