@@ -1,0 +1,218 @@
+"""CUDA backend of the CP shared-KV ops: thin launchers of ``torch.ops.sglang_cpkv.*``.
+
+The kernels live in ``sgl-kernel/csrc/cp_shared_kv`` (shipped in this package as ``sglang_cpkv/csrc``); their
+host launchers are declared, with shapes, in ``cp_shared_kv.h`` and registered in ``torch_bindings.cc``. The four
+ops have the signatures and meaning of :mod:`sglang_cpkv.ops.reference`, bad ids included (-1 skipped silently;
+other out-of-range ids dropped and counted in ``errors``), and never synchronize with the host, so they can be
+captured in a CUDA graph. :func:`materialize_and_fill` is the per-layer ``copy_pages`` + ``scatter_rows`` in one
+call. Every op has a fake (meta) implementation, so it traces under ``torch.compile`` and passes
+``torch.library.opcheck``.
+
+Loading happens once per process, at the first :func:`is_available` or op call:
+
+1. a prebuilt library (``SGLANG_CPKV_CUDA_LIB``, else ``sglang_cpkv/ops/prebuilt/``: the AOT build of
+   :mod:`sglang_cpkv.ops.cuda_build`), refused when built from other sources or another torch;
+2. else, only when ``SGLANG_CPKV_CUDA_JIT=1`` (development), a JIT build cached by source hash.
+
+The serving path never compiles: without a prebuilt library and without ``SGLANG_CPKV_CUDA_JIT=1`` the backend is
+unavailable (the dispatcher in :mod:`sglang_cpkv.ops` then picks Triton) and the reason is logged once.
+:func:`is_available` also runs a probe: every op once, with its current signature, on a tiny batch compared with
+the reference, so a library whose ops changed meaning cannot silently serve.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+
+import torch
+
+from sglang_cpkv.ops import cuda_build, reference
+from sglang_cpkv.ops.errors import new_error_counter
+
+OP_NAMES = ("build_page_inverse", "remap_locs", "copy_pages", "scatter_rows", "materialize_and_fill")
+
+logger = logging.getLogger(__name__)
+_loaded = False
+
+
+def _ops_registered() -> bool:
+    return all(hasattr(torch.ops.sglang_cpkv, name) for name in OP_NAMES)
+
+
+def _register_fakes() -> None:
+    """Output shapes of the ops for FakeTensor / torch.compile (the in-place ops return nothing)."""
+
+    @torch.library.register_fake("sglang_cpkv::build_page_inverse")
+    def _build_page_inverse_fake(page_table, capacity, errors):
+        return page_table.new_empty((page_table.shape[0] * capacity,), dtype=torch.int32)
+
+    @torch.library.register_fake("sglang_cpkv::remap_locs")
+    def _remap_locs_fake(locs, req_id, inverse, capacity, page_size, errors):
+        return torch.empty_like(locs, dtype=torch.int32, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("sglang_cpkv::copy_pages")
+    def _copy_pages_fake(src, src_page, dst, dst_page, errors):
+        return None
+
+    @torch.library.register_fake("sglang_cpkv::scatter_rows")
+    def _scatter_rows_fake(src, dst_loc, dst, errors):
+        return None
+
+    @torch.library.register_fake("sglang_cpkv::materialize_and_fill")
+    def _materialize_and_fill_fake(pool, src_page, dense, dst_page, current, dst_loc, errors):
+        return None
+
+
+@functools.cache
+def _load() -> str | None:
+    """Load the library once; None when its ops are registered, else why not."""
+    global _loaded
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible (torch.cuda.is_available() is False)"
+    if not _ops_registered():
+        library = cuda_build.prebuilt_library()
+        refused = None
+        if library is not None:
+            refused = f"{library} does not exist" if not library.is_file() else cuda_build.stale_reason(library)
+        if library is not None and refused is None:
+            try:
+                torch.ops.load_library(str(library))
+            except OSError as exc:
+                return f"loading {library} failed: {exc}"
+        elif os.environ.get(cuda_build.JIT_ENV) == "1":
+            if refused:
+                logger.warning("sglang_cpkv: prebuilt CUDA library refused (%s); JIT-building instead", refused)
+            try:
+                cuda_build.jit_build()
+            except Exception as exc:  # a failed development build leaves the backend unavailable, with the cause
+                return f"JIT build failed: {exc!r}"
+        elif refused:
+            return f"prebuilt library refused: {refused}"
+        else:
+            return (
+                f"no prebuilt library ({cuda_build.LIB_ENV} is unset and sglang_cpkv/ops/prebuilt/ holds none) and JIT "
+                f"is off (set {cuda_build.JIT_ENV}=1 to compile for development; serving never compiles)"
+            )
+        if not _ops_registered():
+            missing = [name for name in OP_NAMES if not hasattr(torch.ops.sglang_cpkv, name)]
+            return f"the loaded library registers no sglang_cpkv::{', '.join(missing)} (a build of older sources)"
+    _register_fakes()
+    _loaded = True
+    return None
+
+
+def _probe() -> str | None:
+    """Run every op once on a tiny batch (two requests sharing page 5, bad ids of each kind); None when the CUDA
+    results, split and fused, equal the reference's."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    capacity, page_size, width = 12, 4, 8
+    page_table = torch.tensor([[1, 5], [9, 5]], dtype=torch.int32, device=device)
+    locs = torch.tensor([[4, 21, 7, -1], [36, 22, 3, 47], [4, 5, -1, 6]], dtype=torch.int64, device=device)
+    req_id = torch.tensor([0, 1, 7], dtype=torch.int64, device=device)  # 7: a bad request row
+    pool = torch.arange(capacity * page_size * width, dtype=torch.int32, device=device).view(capacity, -1)
+    src_page = torch.tensor([1, 5, 9, -1, 40], dtype=torch.int32, device=device)  # 40: a bad page id
+    dst_page = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32, device=device)
+    current = -torch.arange(3 * width, dtype=torch.int32, device=device).view(3, width) - 1
+    dst_loc = torch.tensor([6, 99, 13], dtype=torch.int64, device=device)  # 99: a bad dense row
+    module = sys.modules[__name__]
+    results = {}
+    for name in ("reference", "cuda", "cuda fused"):
+        ops = reference if name == "reference" else module
+        errors = new_error_counter(device)
+        inverse = ops.build_page_inverse(page_table, capacity, errors)
+        dense_locs = ops.remap_locs(locs, req_id, inverse, capacity, page_size, errors)
+        dense = torch.full((4, page_size * width), 7, dtype=torch.int32, device=device)
+        if name == "cuda fused":
+            materialize_and_fill(pool, src_page, dense, dst_page, current, dst_loc, errors)
+        else:
+            ops.copy_pages(pool, src_page, dense, dst_page, errors)
+            ops.scatter_rows(current, dst_loc, dense.view(-1, width), errors)
+        results[name] = {"inverse": inverse, "dense locs": dense_locs, "dense": dense, "errors": errors}
+    for name in ("cuda", "cuda fused"):
+        for what, want in results["reference"].items():
+            have = results[name][what]
+            if not torch.equal(want, have):
+                return f"probe: {name} gave a wrong {what}: {have.tolist()} instead of {want.tolist()}"
+    return None
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """Why the CUDA ops cannot serve in this process (None when they can); decided and logged once."""
+    try:
+        reason = _load() or _probe()
+    except Exception as exc:  # the probe is the place where a broken library shows; report it, do not crash
+        reason = f"probe raised {exc!r}"
+    if reason:
+        logger.warning("sglang_cpkv CUDA ops unavailable: %s", reason)
+    return reason
+
+
+def is_available() -> bool:
+    """True when the CUDA ops are loaded (prebuilt, or JIT when allowed), a GPU is visible and the probe passed."""
+    return unavailable_reason() is None
+
+
+def _ops():
+    if not _loaded:
+        reason = _load()
+        if reason:
+            raise RuntimeError(f"sglang_cpkv CUDA ops are unavailable: {reason}")
+    return torch.ops.sglang_cpkv
+
+
+def build_page_inverse(page_table: torch.Tensor, capacity: int, errors: torch.Tensor) -> torch.Tensor:
+    """Per-request page inverse: :func:`sglang_cpkv.ops.reference.build_page_inverse` (int32 ``[R * C]``)."""
+    return _ops().build_page_inverse(page_table, capacity, errors)
+
+
+def remap_locs(
+    locs: torch.Tensor,
+    req_id: torch.Tensor,
+    inverse: torch.Tensor,
+    capacity: int,
+    page_size: int,
+    errors: torch.Tensor,
+) -> torch.Tensor:
+    """Token locations -> dense locations: :func:`sglang_cpkv.ops.reference.remap_locs` (``req_id`` int64 ``[N]``)."""
+    return _ops().remap_locs(locs, req_id, inverse, capacity, page_size, errors)
+
+
+def copy_pages(src: torch.Tensor, src_page: torch.Tensor, dst: torch.Tensor, dst_page: torch.Tensor, errors: torch.Tensor) -> None:
+    """``dst[dst_page[i]] = src[src_page[i]]``: :func:`sglang_cpkv.ops.reference.copy_pages`."""
+    _ops().copy_pages(src, src_page, dst, dst_page, errors)
+
+
+def scatter_rows(src: torch.Tensor, dst_loc: torch.Tensor, dst: torch.Tensor, errors: torch.Tensor) -> None:
+    """``dst[dst_loc[i]] = src[i]``: :func:`sglang_cpkv.ops.reference.scatter_rows`."""
+    _ops().scatter_rows(src, dst_loc, dst, errors)
+
+
+def materialize_and_fill(
+    pool: torch.Tensor,
+    src_page: torch.Tensor,
+    dense: torch.Tensor,
+    dst_page: torch.Tensor,
+    current: torch.Tensor,
+    dst_loc: torch.Tensor,
+    errors: torch.Tensor,
+) -> None:
+    """The per-layer dense view in one call: history pages, then current rows winning over them.
+
+    Exactly ``copy_pages(pool, src_page, dense, dst_page, errors)`` followed by
+    ``scatter_rows(current, dst_loc, dense.view(-1, *current.shape[1:]), errors)``, so a current row that lands
+    in a copied page (the partial last history page, CURRENT_REUSE) overwrites the pool's row there.
+
+    Args:
+        pool: ``[pool_pages, page_elems]`` paged KV pool viewed one page per row.
+        src_page: int32 or int64 ``[S]`` pool pages to copy (-1: skip).
+        dense: ``[dense_pages, page_elems]``, same dtype, contiguous; written in place.
+        dst_page: ``[S]``, same dtype as ``src_page``: the dense pages they go to.
+        current: ``[N, D]`` current KV rows (``page_elems`` a multiple of ``D``), same dtype.
+        dst_loc: int32 or int64 ``[N]`` rows of ``dense.view(-1, D)`` (-1: skip).
+        errors: int32 counter: bad page ids (``ERR_PAGE_OUT_OF_RANGE``), bad rows (``ERR_LOC_OUT_OF_RANGE``).
+    """
+    _ops().materialize_and_fill(pool, src_page, dense, dst_page, current, dst_loc, errors)

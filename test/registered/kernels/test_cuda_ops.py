@@ -1,0 +1,470 @@
+"""CUDA CP shared-KV ops (sglang_cpkv.ops.cuda) == the torch reference, byte for byte, on a GPU.
+
+Covers every op on random inputs over batch rows {1,2,3,4,8}, page sizes {16, 64}, bf16 1152-byte rows and
+656-byte packed-FP8 rows (uint8), int32 and int64 indices, -1 padding and bad ids (counted, nothing written out
+of range), row widths that are not 16-byte multiples and misaligned bases, the fused materialize+fill (current
+rows win over the partial history page), the [[1,5],[9,5]] shared-page regression checked against the contract's
+truth, torch.library.opcheck, a CUDA-graph capture + replay of the per-layer sequence (no host sync), and the
+load/probe logic of ``is_available``. Skips without a GPU. The library comes from ``SGLANG_CPKV_CUDA_LIB`` (an AOT
+build) or, in this test, a JIT build (``SGLANG_CPKV_CUDA_JIT`` defaults to 1 here; serving never compiles).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+
+from sglang_cpkv.ops import cuda_build, reference
+from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE, new_error_counter
+from sglang_cpkv.testing.ci_register import register_cuda_ci
+
+register_cuda_ci(est_time=120, stage="cpkv", runner_config="1-gpu")
+
+os.environ.setdefault(cuda_build.JIT_ENV, "1")
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+BATCH_ROWS = [1, 2, 3, 4, 8]
+PAGE_SIZES = [16, 64]
+# name -> (dtype, elements per row): bf16 rows of 1152 bytes, packed FP8 DSA rows of 656 bytes viewed as uint8.
+ROW_LAYOUTS = {"bf16": (torch.bfloat16, 576), "fp8_packed": (torch.uint8, 656)}
+INDEX_DTYPES = [torch.int32, torch.int64]
+CAPACITY = 160  # pool pages of the random cases
+DEVICE = "cuda"
+
+
+@pytest.fixture(scope="module")
+def cuda_ops():
+    from sglang_cpkv.ops import cuda
+
+    reason = cuda.unavailable_reason()
+    if reason:
+        pytest.fail(f"a GPU is visible but the CUDA ops are unavailable: {reason}")
+    return cuda
+
+
+def _gen(*key: object) -> torch.Generator:
+    """A CPU generator seeded from the case's parameters (stable across processes)."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _random_rows(rows: int, dtype: torch.dtype, width: int, gen: torch.Generator) -> torch.Tensor:
+    """``[rows, width]`` of random bytes (never zeros: they would hide unwritten rows)."""
+    nbytes = width * torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (rows, nbytes), dtype=torch.uint8, generator=gen).view(dtype).to(DEVICE)
+
+
+def _assert_same_bytes(have: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    assert have.shape == want.shape and have.dtype == want.dtype, f"{what}: {have.dtype}{tuple(have.shape)} vs {want.dtype}{tuple(want.shape)}"
+    have_bytes, want_bytes = have.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
+    if not torch.equal(have_bytes, want_bytes):
+        rows = (have_bytes.reshape(have.shape[0], -1) != want_bytes.reshape(want.shape[0], -1)).any(dim=1).nonzero().flatten()
+        pytest.fail(f"{what}: {rows.numel()} rows differ, first {rows[:8].tolist()}")
+
+
+def _page_table(rows: int, pages_per_request: int, capacity: int, gen: torch.Generator, dtype: torch.dtype, bad_ids: bool) -> torch.Tensor:
+    """Distinct pages per request (every request holds page capacity - 1: shared), -1 past each request's end;
+    with ``bad_ids``, some entries are >= capacity or < -1."""
+    table = torch.full((rows, pages_per_request), -1, dtype=torch.int64)
+    for r in range(rows):
+        held = int(torch.randint(1, pages_per_request + 1, (1,), generator=gen))
+        table[r, 0] = capacity - 1
+        table[r, 1:held] = torch.randperm(capacity - 1, generator=gen)[: held - 1]
+        if bad_ids and r % 2 == 0:
+            table[r, int(torch.randint(0, pages_per_request, (1,), generator=gen))] = capacity + r
+            table[r, int(torch.randint(0, pages_per_request, (1,), generator=gen))] = -2 - r
+    return table.to(dtype).to(DEVICE)
+
+
+def _run(ops, name: str, *args) -> tuple[object, torch.Tensor]:
+    errors = new_error_counter(DEVICE)
+    out = getattr(ops, name)(*args, errors)
+    return out, errors
+
+
+@pytest.mark.parametrize("bad_ids", [False, True])
+@pytest.mark.parametrize("dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("pages_per_request", [1, 9, 300])
+@pytest.mark.parametrize("rows", BATCH_ROWS)
+def test_build_page_inverse(cuda_ops, rows, pages_per_request, dtype, bad_ids):
+    capacity = 6000 if pages_per_request == 300 else CAPACITY  # 6000: the inverse of a request spans several blocks
+    table = _page_table(rows, pages_per_request, capacity, _gen("inverse", rows, pages_per_request, dtype, bad_ids), dtype, bad_ids)
+    want, want_errors = _run(reference, "build_page_inverse", table, capacity)
+    have, have_errors = _run(cuda_ops, "build_page_inverse", table, capacity)
+    assert torch.equal(have, want)
+    assert have_errors.tolist() == want_errors.tolist()
+    assert bool(want_errors[ERR_PAGE_OUT_OF_RANGE] > 0) == bad_ids
+
+
+def test_build_page_inverse_strided_and_empty(cuda_ops):
+    wide = _page_table(3, 20, CAPACITY, _gen("strided"), torch.int32, bad_ids=True)
+    table = wide[:, :11]  # row stride 20
+    assert torch.equal(cuda_ops.build_page_inverse(table, CAPACITY, new_error_counter(DEVICE)), reference.build_page_inverse(table, CAPACITY, new_error_counter(DEVICE)))
+    empty = torch.empty((0, 4), dtype=torch.int32, device=DEVICE)
+    assert cuda_ops.build_page_inverse(empty, CAPACITY, new_error_counter(DEVICE)).numel() == 0
+
+
+def _locs_and_req(table: torch.Tensor, capacity: int, page_size: int, num_rows: int, row_len: int, gen: torch.Generator, loc_dtype: torch.dtype):
+    """Per row a request (or -1 padding, or a bad id); per element a location of a page the request holds, of
+    a page it does not hold, -1 / other negatives (padding), or a page >= capacity (bad)."""
+    rows = table.shape[0]
+    req = torch.randint(0, rows, (num_rows,), generator=gen)
+    kind = torch.rand(num_rows, generator=gen)
+    req[kind < 0.08] = -1
+    req[(kind >= 0.08) & (kind < 0.12)] = rows + 3
+    req[(kind >= 0.12) & (kind < 0.14)] = -4
+    req[0], req[1] = rows + 3, 0  # at least one bad request id and (below) one bad page
+    table_cpu = table.cpu().to(torch.int64)
+    held = table_cpu[req.clamp(0, rows - 1)]  # [N, P]
+    pick = torch.randint(0, table_cpu.shape[1], (num_rows, row_len), generator=gen)
+    page = held.gather(1, pick)
+    page = torch.where((page < 0) | (page >= capacity), torch.randint(0, capacity, page.shape, generator=gen), page)
+    loc = page * page_size + torch.randint(0, page_size, page.shape, generator=gen)
+    u = torch.rand(loc.shape, generator=gen)
+    loc[u < 0.1] = torch.randint(0, capacity * page_size, loc.shape, generator=gen)[u < 0.1]  # mostly absent pages
+    loc[(u >= 0.1) & (u < 0.15)] = -1
+    loc[(u >= 0.15) & (u < 0.17)] = -9
+    loc[(u >= 0.17) & (u < 0.2)] = capacity * page_size + 3
+    loc[0, 0], loc[1, 0] = 0, capacity * page_size + 3
+    return loc.to(loc_dtype).to(DEVICE), req.to(DEVICE)
+
+
+@pytest.mark.parametrize("shape", ["1d", "2d", "2d_strided"])
+@pytest.mark.parametrize("loc_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("rows", BATCH_ROWS)
+def test_remap_locs(cuda_ops, rows, page_size, loc_dtype, shape):
+    gen = _gen("remap", rows, page_size, loc_dtype, shape)
+    table = _page_table(rows, 12, CAPACITY, gen, torch.int32, bad_ids=False)
+    inverse = reference.build_page_inverse(table, CAPACITY, new_error_counter(DEVICE))
+    row_len = 1 if shape == "1d" else 67
+    locs, req = _locs_and_req(table, CAPACITY, page_size, 301, row_len + 5 * (shape == "2d_strided"), gen, loc_dtype)
+    if shape == "1d":
+        locs = locs.reshape(-1)
+    elif shape == "2d_strided":
+        locs = locs[:, :row_len]
+    want, want_errors = _run(reference, "remap_locs", locs, req, inverse, CAPACITY, page_size)
+    have, have_errors = _run(cuda_ops, "remap_locs", locs, req, inverse, CAPACITY, page_size)
+    assert have.dtype == torch.int32 and have.shape == locs.shape
+    assert torch.equal(have, want)
+    assert have_errors.tolist() == want_errors.tolist()
+    assert want_errors[ERR_REQ_OUT_OF_RANGE] > 0 and want_errors[ERR_PAGE_OUT_OF_RANGE] > 0
+
+
+def test_remap_locs_page_size_not_power_of_two(cuda_ops):
+    gen = _gen("remap-ps", 48)
+    table = _page_table(3, 12, CAPACITY, gen, torch.int64, bad_ids=False)
+    inverse = reference.build_page_inverse(table, CAPACITY, new_error_counter(DEVICE))
+    locs, req = _locs_and_req(table, CAPACITY, 48, 64, 33, gen, torch.int64)
+    want, want_errors = _run(reference, "remap_locs", locs, req, inverse, CAPACITY, 48)
+    have, have_errors = _run(cuda_ops, "remap_locs", locs, req, inverse, CAPACITY, 48)
+    assert torch.equal(have, want) and have_errors.tolist() == want_errors.tolist()
+
+
+def _pairs(count: int, src_pages: int, dst_pages: int, gen: torch.Generator, dtype: torch.dtype, bad_ids: bool):
+    """Page pairs with distinct destinations, -1 on either side, and (with ``bad_ids``) ids out of range."""
+    src = torch.randint(0, src_pages, (count,), generator=gen)
+    dst = torch.randperm(dst_pages, generator=gen)[:count]
+    src[::7] = -1
+    dst[3::11] = -1
+    if bad_ids:
+        src[1::13] = src_pages + 2
+        dst[5::17] = dst_pages
+        src[6::19] = -3
+    return src.to(dtype).to(DEVICE), dst.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("layout", list(ROW_LAYOUTS))
+def test_copy_pages(cuda_ops, layout, page_size, dtype, strided):
+    gen = _gen("copy", layout, page_size, dtype, strided)
+    row_dtype, width = ROW_LAYOUTS[layout]
+    pool = _random_rows(CAPACITY * (2 if strided else 1), row_dtype, page_size * width, gen)
+    if strided:
+        pool = pool[::2]  # page stride of two pages
+    dense_pages = 90
+    dst_init = _random_rows(dense_pages, row_dtype, page_size * width, gen)
+    src_page, dst_page = _pairs(80, CAPACITY, dense_pages, gen, dtype, bad_ids=True)
+    want = dst_init.clone()
+    want_errors = new_error_counter(DEVICE)
+    reference.copy_pages(pool, src_page, want, dst_page, want_errors)
+    have = dst_init.clone()
+    have_errors = new_error_counter(DEVICE)
+    cuda_ops.copy_pages(pool, src_page, have, dst_page, have_errors)
+    _assert_same_bytes(have, want, "dense pages")
+    assert have_errors.tolist() == want_errors.tolist()
+    assert have_errors[ERR_PAGE_OUT_OF_RANGE] > 0
+
+
+@pytest.mark.parametrize("loc_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("layout", list(ROW_LAYOUTS))
+@pytest.mark.parametrize("rows", BATCH_ROWS)
+def test_scatter_rows(cuda_ops, rows, layout, loc_dtype):
+    gen = _gen("scatter", rows, layout, loc_dtype)
+    row_dtype, width = ROW_LAYOUTS[layout]
+    num_rows, dst_rows = 700 * rows, 900 * rows
+    src = _random_rows(num_rows, row_dtype, width, gen)
+    dst_init = _random_rows(dst_rows, row_dtype, width, gen)
+    _, dst_loc = _pairs(num_rows, 1, dst_rows, gen, loc_dtype, bad_ids=False)
+    dst_loc[2::23] = dst_rows + 1
+    dst_loc[4::29] = -6
+    want, have = dst_init.clone(), dst_init.clone()
+    want_errors, have_errors = new_error_counter(DEVICE), new_error_counter(DEVICE)
+    reference.scatter_rows(src, dst_loc, want, want_errors)
+    cuda_ops.scatter_rows(src, dst_loc, have, have_errors)
+    _assert_same_bytes(have, want, "dense rows")
+    assert have_errors.tolist() == want_errors.tolist()
+    assert have_errors[ERR_LOC_OUT_OF_RANGE] > 0
+
+
+# Row widths that are not 16-byte multiples (narrower accesses) and bases off a 16-byte boundary.
+@pytest.mark.parametrize(
+    "row_dtype, width, byte_offset",
+    [(torch.uint8, 13, 0), (torch.bfloat16, 3, 0), (torch.uint8, 100, 0), (torch.float32, 5, 0), (torch.uint8, 656, 1), (torch.bfloat16, 576, 2)],
+)
+def test_odd_widths_and_misaligned_bases(cuda_ops, row_dtype, width, byte_offset):
+    gen = _gen("odd", row_dtype, width, byte_offset)
+    element = torch.empty((), dtype=row_dtype).element_size()
+    shift = byte_offset // element
+
+    def rows_at_offset(count: int, row_width: int) -> torch.Tensor:
+        flat = _random_rows(1, row_dtype, count * row_width + shift, gen).reshape(-1)
+        return flat[shift:].view(count, row_width)
+
+    src = rows_at_offset(50, width)
+    dst_init = rows_at_offset(70, width)
+    _, dst_loc = _pairs(50, 1, 70, gen, torch.int64, bad_ids=False)
+    want, have = dst_init.clone(), rows_at_offset(70, width)
+    have.copy_(dst_init)
+    reference.scatter_rows(src, dst_loc, want, new_error_counter(DEVICE))
+    cuda_ops.scatter_rows(src, dst_loc, have, new_error_counter(DEVICE))
+    _assert_same_bytes(have, want, "scatter_rows")
+    pool = rows_at_offset(30, 4 * width)
+    src_page, dst_page = _pairs(12, 30, 20, gen, torch.int32, bad_ids=True)
+    dense_init = rows_at_offset(20, 4 * width)
+    want, have = dense_init.clone(), rows_at_offset(20, 4 * width)
+    have.copy_(dense_init)
+    want_errors, have_errors = new_error_counter(DEVICE), new_error_counter(DEVICE)
+    reference.copy_pages(pool, src_page, want, dst_page, want_errors)
+    cuda_ops.copy_pages(pool, src_page, have, dst_page, have_errors)
+    _assert_same_bytes(have, want, "copy_pages")
+    assert have_errors.tolist() == want_errors.tolist()
+
+
+def _layer_inputs(rows: int, page_size: int, layout: str, gen: torch.Generator, loc_dtype: torch.dtype):
+    """A CURRENT_REUSE batch: request r has a history of h_r tokens (its last page partial) and c_r current
+    tokens continuing that page in its dense view; src/dst pages copy its history pages to its dense slots."""
+    row_dtype, width = ROW_LAYOUTS[layout]
+    capacity = 400
+    history = torch.randint(1, 6 * page_size, (rows,), generator=gen)
+    current = torch.randint(1, 3 * page_size, (rows,), generator=gen)
+    pages_per_request = int(((history + current + page_size - 1) // page_size).max())
+    perm = torch.randperm(capacity, generator=gen)
+    src_page, dst_page, dst_loc = [], [], []
+    for r in range(rows):
+        history_pages = int((history[r] + page_size - 1) // page_size)
+        pages = perm[r * pages_per_request : r * pages_per_request + history_pages]
+        src_page.append(pages)
+        dst_page.append(torch.arange(history_pages) + r * pages_per_request)
+        positions = torch.arange(int(history[r]), int(history[r] + current[r]))
+        dst_loc.append((r * pages_per_request + positions // page_size) * page_size + positions % page_size)
+    src_page = torch.cat(src_page).to(loc_dtype).to(DEVICE)
+    dst_page = torch.cat(dst_page).to(loc_dtype).to(DEVICE)
+    dst_loc = torch.cat(dst_loc).to(loc_dtype).to(DEVICE)
+    dst_loc[::17] = -1
+    pool = _random_rows(capacity, row_dtype, page_size * width, gen)
+    cur = _random_rows(dst_loc.numel(), row_dtype, width, gen)
+    dense = _random_rows(rows * pages_per_request, row_dtype, page_size * width, gen)
+    return pool, src_page, dense, dst_page, cur, dst_loc
+
+
+@pytest.mark.parametrize("loc_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("layout", list(ROW_LAYOUTS))
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("rows", BATCH_ROWS)
+def test_materialize_and_fill(cuda_ops, rows, page_size, layout, loc_dtype):
+    for attempt in range(3):  # fresh data each time: an ordering race between copy and fill would show as a moving diff
+        gen = _gen("fused", rows, page_size, layout, loc_dtype, attempt)
+        pool, src_page, dense, dst_page, cur, dst_loc = _layer_inputs(rows, page_size, layout, gen, loc_dtype)
+        want, want_errors = dense.clone(), new_error_counter(DEVICE)
+        reference.copy_pages(pool, src_page, want, dst_page, want_errors)
+        reference.scatter_rows(cur, dst_loc, want.view(-1, cur.shape[1]), want_errors)
+        fused, fused_errors = dense.clone(), new_error_counter(DEVICE)
+        cuda_ops.materialize_and_fill(pool, src_page, fused, dst_page, cur, dst_loc, fused_errors)
+        _assert_same_bytes(fused, want, f"materialize_and_fill attempt {attempt}")
+        assert fused_errors.tolist() == want_errors.tolist()
+
+
+def test_materialize_and_fill_counts_bad_ids_and_skips_them(cuda_ops):
+    gen = _gen("fused-bad")
+    pool, src_page, dense, dst_page, cur, dst_loc = _layer_inputs(3, 16, "fp8_packed", gen, torch.int64)
+    src_page[1] = pool.shape[0]
+    dst_page[2] = -5
+    dst_loc[3] = dense.numel() // cur.shape[1]
+    want, want_errors = dense.clone(), new_error_counter(DEVICE)
+    reference.copy_pages(pool, src_page, want, dst_page, want_errors)
+    reference.scatter_rows(cur, dst_loc, want.view(-1, cur.shape[1]), want_errors)
+    fused, fused_errors = dense.clone(), new_error_counter(DEVICE)
+    cuda_ops.materialize_and_fill(pool, src_page, fused, dst_page, cur, dst_loc, fused_errors)
+    _assert_same_bytes(fused, want, "materialize_and_fill with bad ids")
+    assert fused_errors.tolist() == want_errors.tolist() == [2, 0, 1]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_shared_page_regression(cuda_ops, fused):
+    """[[1,5],[9,5]]: both requests hold page 5 (the seed fork's shared partial page); each request's current
+    rows continue page 5 in its own dense view and must not reach the other's (the contract's truth)."""
+    capacity, page_size, width = 12, 4, 8
+    table = torch.tensor([[1, 5], [9, 5]], dtype=torch.int32, device=DEVICE)
+    errors = new_error_counter(DEVICE)
+    inverse = cuda_ops.build_page_inverse(table, capacity, errors)
+    assert inverse[0 * capacity + 5].item() == 1 and inverse[1 * capacity + 5].item() == 3
+    assert inverse[0 * capacity + 9].item() == -1 and inverse[1 * capacity + 1].item() == -1
+    pool = torch.arange(capacity * page_size * width, dtype=torch.int32, device=DEVICE).view(capacity, -1)
+    # History: 6 tokens each (pages X then 5 holding 2 tokens); current: pool locations 22, 23 (page 5, offsets
+    # 2, 3) for both requests, with different KV.
+    cur_locs = torch.tensor([22, 23, 22, 23], dtype=torch.int64, device=DEVICE)
+    cur_req = torch.tensor([0, 0, 1, 1], dtype=torch.int64, device=DEVICE)
+    dst_loc = cuda_ops.remap_locs(cur_locs, cur_req, inverse, capacity, page_size, errors)
+    assert dst_loc.tolist() == [1 * page_size + 2, 1 * page_size + 3, 3 * page_size + 2, 3 * page_size + 3]
+    current = -1 - torch.arange(4 * width, dtype=torch.int32, device=DEVICE).view(4, width)
+    src_page = torch.tensor([1, 5, 9, 5], dtype=torch.int32, device=DEVICE)
+    dst_page = torch.tensor([0, 1, 2, 3], dtype=torch.int32, device=DEVICE)
+    dense = torch.full((4, page_size * width), 7, dtype=torch.int32, device=DEVICE)
+    if fused:
+        cuda_ops.materialize_and_fill(pool, src_page, dense, dst_page, current, dst_loc, errors)
+    else:
+        cuda_ops.copy_pages(pool, src_page, dense, dst_page, errors)
+        cuda_ops.scatter_rows(current, dst_loc, dense.view(-1, width), errors)
+    assert errors.tolist() == [0, 0, 0]
+    rows = dense.view(-1, width)
+    pool_rows = pool.view(-1, width)
+    for r, pages in enumerate(([1, 5], [9, 5])):
+        for p in range(6):  # history: the pool row of the request's own page table
+            assert torch.equal(rows[(r * 2 + p // page_size) * page_size + p % page_size], pool_rows[pages[p // page_size] * page_size + p % page_size])
+        for k in range(2):  # current: the request's own current rows, never the other's
+            assert torch.equal(rows[(r * 2 + 1) * page_size + 2 + k], current[2 * r + k])
+
+
+def test_opcheck(cuda_ops):
+    gen = _gen("opcheck")
+    table = _page_table(3, 6, CAPACITY, gen, torch.int32, bad_ids=True)
+    inverse = reference.build_page_inverse(table, CAPACITY, new_error_counter(DEVICE))
+    locs, req = _locs_and_req(table, CAPACITY, 16, 9, 5, gen, torch.int32)
+    pool, src_page, dense, dst_page, cur, dst_loc = _layer_inputs(2, 16, "bf16", gen, torch.int32)
+    cases = {
+        "build_page_inverse": (table, CAPACITY, new_error_counter(DEVICE)),
+        "remap_locs": (locs, req, inverse, CAPACITY, 16, new_error_counter(DEVICE)),
+        "copy_pages": (pool, src_page, dense, dst_page, new_error_counter(DEVICE)),
+        "scatter_rows": (cur, dst_loc, dense.view(-1, cur.shape[1]), new_error_counter(DEVICE)),
+        "materialize_and_fill": (pool, src_page, dense, dst_page, cur, dst_loc, new_error_counter(DEVICE)),
+    }
+    for name, args in cases.items():
+        torch.library.opcheck(getattr(torch.ops.sglang_cpkv, name).default, args)
+
+
+def _unique_current_locs(table: torch.Tensor, per_request: int, page_size: int, gen: torch.Generator):
+    """``per_request`` distinct pool locations of each request's own pages (so their dense rows are distinct)."""
+    locs, req = [], []
+    for r, row in enumerate(table.cpu().to(torch.int64)):
+        held = row[row >= 0]
+        tokens = (held[:, None] * page_size + torch.arange(page_size)).flatten()
+        locs.append(tokens[torch.randperm(tokens.numel(), generator=gen)[:per_request]])
+        req.append(torch.full((per_request,), r, dtype=torch.int64))
+    return torch.cat(locs).to(DEVICE), torch.cat(req).to(DEVICE)
+
+
+def test_cuda_graph_capture_and_replay(cuda_ops):
+    """The per-layer sequence captured in one CUDA graph (capture fails on any host sync), replayed on new data."""
+    capacity, page_size, rows, topk = 400, 64, 4, 32
+    gen = _gen("graph")
+    table = _page_table(rows, 8, capacity, gen, torch.int32, bad_ids=False)
+    pool, src_page, dense, dst_page, _, _ = _layer_inputs(rows, page_size, "fp8_packed", gen, torch.int32)
+    cur_locs, cur_req = _unique_current_locs(table, 16, page_size, gen)
+    cur = _random_rows(cur_locs.numel(), pool.dtype, pool.shape[1] // page_size, gen)
+    dense = _random_rows(rows * 16, pool.dtype, pool.shape[1], gen)  # room for every slot of the [rows, 8] table
+    top_locs, top_req = _locs_and_req(table, capacity, page_size, 64, topk, gen, torch.int32)
+    static = [table, pool, src_page, dst_page, cur, cur_locs, cur_req, top_locs, top_req]
+    errors = new_error_counter(DEVICE)
+    dense_out = torch.empty_like(dense)
+
+    def layer():
+        errors.zero_()
+        dense_out.copy_(dense)
+        inverse = cuda_ops.build_page_inverse(table, capacity, errors)
+        cur_dense = cuda_ops.remap_locs(cur_locs, cur_req, inverse, capacity, page_size, errors)
+        top_dense = cuda_ops.remap_locs(top_locs, top_req, inverse, capacity, page_size, errors)
+        cuda_ops.materialize_and_fill(pool, src_page, dense_out, dst_page, cur, cur_dense, errors)
+        return inverse, cur_dense, top_dense
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = layer()
+    for replay in range(2):
+        fresh_gen = _gen("graph-replay", replay)
+        new_table = _page_table(rows, 8, capacity, fresh_gen, torch.int32, bad_ids=False)
+        new_cur_locs, new_cur_req = _unique_current_locs(new_table, 16, page_size, fresh_gen)
+        new_top_locs, new_top_req = _locs_and_req(new_table, capacity, page_size, 64, topk, fresh_gen, torch.int32)
+        fresh = [new_table, _random_rows(pool.shape[0], pool.dtype, pool.shape[1], fresh_gen), src_page.flip(0), dst_page, _random_rows(cur.shape[0], cur.dtype, cur.shape[1], fresh_gen), new_cur_locs, new_cur_req, new_top_locs, new_top_req]
+        for buffer, value in zip(static, fresh):
+            buffer.copy_(value)
+        graph.replay()
+        want_errors = new_error_counter(DEVICE)
+        want_inverse = reference.build_page_inverse(table, capacity, want_errors)
+        want_cur = reference.remap_locs(cur_locs, cur_req, want_inverse, capacity, page_size, want_errors)
+        want_top = reference.remap_locs(top_locs, top_req, want_inverse, capacity, page_size, want_errors)
+        want_dense = dense.clone()
+        reference.copy_pages(pool, src_page, want_dense, dst_page, want_errors)
+        reference.scatter_rows(cur, want_cur, want_dense.view(-1, cur.shape[1]), want_errors)
+        assert torch.equal(outputs[0], want_inverse) and torch.equal(outputs[1], want_cur) and torch.equal(outputs[2], want_top)
+        _assert_same_bytes(dense_out, want_dense, f"dense after replay {replay}")
+        assert errors.tolist() == want_errors.tolist()
+
+
+def _reason_in_fresh_process(env_updates: dict[str, str | None]) -> str:
+    env = dict(os.environ)
+    for key, value in env_updates.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    code = "from sglang_cpkv.ops import cuda; print(repr(cuda.unavailable_reason()))"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
+def _loaded_library_path() -> str:
+    prebuilt = cuda_build.prebuilt_library()
+    return str(prebuilt if prebuilt is not None else cuda_build.jit_library_path())
+
+
+def test_probe_refuses_missing_stale_and_jit_off(cuda_ops, tmp_path):
+    missing = _reason_in_fresh_process({cuda_build.LIB_ENV: str(tmp_path / "nowhere.so"), cuda_build.JIT_ENV: "0"})
+    assert "does not exist" in missing
+    jit_off = _reason_in_fresh_process({cuda_build.LIB_ENV: None, cuda_build.JIT_ENV: "0"})
+    assert cuda_build.JIT_ENV in jit_off and "serving never compiles" in jit_off
+    stale = tmp_path / f"{cuda_build.LIBRARY_NAME}.so"
+    shutil.copyfile(_loaded_library_path(), stale)
+    metadata = {"source_hash": "0" * 64, "torch_version": torch.__version__, "archs": ["90a"]}
+    stale.with_suffix(".json").write_text(json.dumps(metadata))
+    assert "stale" in _reason_in_fresh_process({cuda_build.LIB_ENV: str(stale), cuda_build.JIT_ENV: "0"})
+    metadata["source_hash"] = cuda_build.source_hash()
+    stale.with_suffix(".json").write_text(json.dumps(metadata))
+    assert _reason_in_fresh_process({cuda_build.LIB_ENV: str(tmp_path), cuda_build.JIT_ENV: "0"}) == "None"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
