@@ -116,6 +116,15 @@ class CpSharedKvPlan:
         ops.raise_if_errors(self.errors, where)
 
 
+def _to_device(host: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Copy a small host tensor to ``device`` without a host sync (pinned staging on CUDA)."""
+    if dtype is not None:
+        host = host.to(dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def _host_page_table(page_table: torch.Tensor | Sequence[Sequence[int]], num_requests: int) -> torch.Tensor:
     if isinstance(page_table, torch.Tensor):
         if page_table.dim() != 2:
@@ -265,11 +274,12 @@ def build_plan(
     width = min(table.shape[1], pages_per_request)
     used = torch.arange(pages_per_request).unsqueeze(0) < torch.tensor(pages_needed).unsqueeze(1)
     dense_table = torch.full((num_requests, pages_per_request), PADDING_ID, dtype=torch.int32, device=device)
-    dense_table[:, :width] = table[:, :width].to(device=device, dtype=torch.int32)
-    dense_table = torch.where(used.to(device, non_blocking=True), dense_table, PADDING_ID)
+    columns = table[:, :width]
+    dense_table[:, :width] = columns.to(torch.int32) if columns.device == device else _to_device(columns, device, torch.int32)
+    dense_table = torch.where(_to_device(used, device), dense_table, PADDING_ID)
     inverse = ops.build_page_inverse(dense_table, capacity, errors)
 
-    extend_dev = torch.tensor(extend, dtype=torch.int64).to(device, non_blocking=True)
+    extend_dev = _to_device(torch.tensor(extend, dtype=torch.int64), device)
     token_req_id = torch.repeat_interleave(
         torch.arange(num_requests, dtype=torch.int64, device=device), extend_dev, output_size=num_tokens
     )
@@ -279,11 +289,11 @@ def build_plan(
     history_slots_host = torch.cat(
         [torch.arange(r * pages_per_request, r * pages_per_request + n, dtype=torch.int64) for r, n in enumerate(history_pages_per_req)]
     )
-    history_slots = history_slots_host.to(device=device, dtype=torch.int32)
-    history_pages = dense_table.view(-1).index_select(0, history_slots_host.to(device))
+    history_slots = _to_device(history_slots_host, device, torch.int32)
+    history_pages = dense_table.view(-1).index_select(0, history_slots.to(torch.int64))
 
-    local_token_index = split.local_token_index.to(device, non_blocking=True)
-    current_gather_index = split.gather_index.to(device, non_blocking=True)
+    local_token_index = _to_device(split.local_token_index, device)
+    current_gather_index = _to_device(split.gather_index, device)
     local_req_id = split.shard(token_req_id, PADDING_ID, local_token_index)
     local_out_cache_loc = split.shard(out_cache_loc, PADDING_ID, local_token_index)
 
@@ -299,8 +309,8 @@ def build_plan(
         host_table = table[:, :width].to(torch.int64).cpu()
         history_page_ids = host_table[history_slots_host // pages_per_request, history_slots_host % pages_per_request]
         pages_per_rank, send_host, recv_host = _exchange_layout(history_page_ids, cp_size, cp_rank)
-        send_pages = send_host.to(device=device, dtype=torch.int32)
-        recv_rows = recv_host.to(device=device, dtype=torch.int32)
+        send_pages = _to_device(send_host, device, torch.int32)
+        recv_rows = _to_device(recv_host, device, torch.int32)
 
     plan = CpSharedKvPlan(
         num_requests=num_requests,

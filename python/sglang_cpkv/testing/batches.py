@@ -286,6 +286,11 @@ class _SingleGroup:
         return local
 
 
+def _row_bytes(t: torch.Tensor) -> torch.Tensor:
+    row_bytes = t.shape[1:].numel() * t.element_size()
+    return t.contiguous().view(torch.uint8).reshape(t.shape[0], row_bytes)
+
+
 def check_against_truth(
     case: BatchCase,
     pool: torch.Tensor,
@@ -293,50 +298,111 @@ def check_against_truth(
     topk_positions: torch.Tensor,
     results: list[RankResult],
 ) -> list[str]:
-    """Every mismatch of every rank's dense view, top-k reads and pool writes with the truth."""
+    """Every mismatch of every rank's dense view, top-k reads and pool writes with the truth.
+
+    Checks, per rank: each request's dense view at each of its positions (byte-equal to
+    :func:`truth_rows`); each local query row's request id and every top-k read through the
+    remap (the row of the right position of the right request; padding entries -1, padding rows
+    all -1); the pool: rows of owned pages written by current tokens hold one of those tokens'
+    rows, other owned rows are unchanged, non-owned rows are never written.
+    """
+    ps = case.page_size
     truth = truth_rows(case, pool, current_kv)
-    token_req = [r for r in range(case.num_requests) for _ in range(case.extend_lens[r])]
-    out_cache_loc = case.out_cache_loc()
+    truth_all = _row_bytes(torch.cat(truth))
+    req_of_row = torch.cat([torch.full((t.shape[0],), r, dtype=torch.int64) for r, t in enumerate(truth)])
+    pos_of_row = torch.cat([torch.arange(t.shape[0], dtype=torch.int64) for t in truth])
+    row_base = torch.tensor([0] + [t.shape[0] for t in truth]).cumsum(0)
+    token_req = torch.tensor([r for r in range(case.num_requests) for _ in range(case.extend_lens[r])], dtype=torch.int64)
+    out_cache_loc = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
     cp = case.cp_size
     problems: list[str] = []
     for k, res in enumerate(results):
         plan = res.plan
         P = plan.pages_per_request  # type: ignore[attr-defined]
-        for r in range(case.num_requests):
-            for p in range(truth[r].shape[0]):
-                got = res.dense[dense_loc(case, P, r, p)]
-                if not rows_equal(got, truth[r][p]):
-                    problems.append(f"rank {k}: request {r} dense position {p} differs from the truth")
-        local_tokens = plan.local_token_index.tolist()  # type: ignore[attr-defined]
-        local_req = plan.local_req_id.tolist()  # type: ignore[attr-defined]
-        for row, req in enumerate(local_req):
-            if row >= len(local_tokens):
-                if req != -1 or bool((res.remapped[row] != -1).any()):
-                    problems.append(f"rank {k}: padding row {row} has request {req} / remapped reads")
-                continue
-            t = local_tokens[row]
-            if req != token_req[t]:
-                problems.append(f"rank {k}: local row {row} (token {t}) has request id {req}, expected {token_req[t]}")
-                continue
-            for col, p in enumerate(topk_positions[t].tolist()):
-                d = int(res.remapped[row, col])
-                if p < 0:
-                    if d != -1:
-                        problems.append(f"rank {k}: padding top-k entry of token {t} remapped to {d}")
-                elif d < 0 or not rows_equal(res.dense[d], truth[req][p]):
-                    problems.append(f"rank {k}: token {t} (request {req}) top-k read of position {p} is wrong (dense loc {d})")
-        # Pool writes: owned current rows hold a current row with that location; nothing else changed.
-        written: dict[int, list[int]] = {}
-        for t, loc in enumerate(out_cache_loc):
-            if (loc // case.page_size) % cp == k:
-                written.setdefault(loc, []).append(t)
-        for loc in range(pool.shape[0]):
-            owned = (loc // case.page_size) % cp == k
-            if loc in written:
-                if not any(rows_equal(res.pool_after[loc], current_kv[t]) for t in written[loc]):
-                    problems.append(f"rank {k}: pool row {loc} does not hold its current token")
-            elif owned and not rows_equal(res.pool_after[loc], pool[loc]):
-                problems.append(f"rank {k}: owned pool row {loc} changed though no current token writes it")
-            elif not owned and not bool((res.pool_after[loc].view(torch.uint8) == POISON_BYTE).all()):
-                problems.append(f"rank {k}: non-owned pool row {loc} was written")
+        dense_idx = (req_of_row * P + pos_of_row // ps) * ps + pos_of_row % ps
+        bad = (_row_bytes(res.dense[dense_idx]) != truth_all).any(dim=1).nonzero().flatten().tolist()
+        problems += [f"rank {k}: request {int(req_of_row[i])} dense position {int(pos_of_row[i])} differs from the truth" for i in bad]
+
+        local_tokens = plan.local_token_index.cpu()  # type: ignore[attr-defined]
+        local_req = plan.local_req_id.cpu()  # type: ignore[attr-defined]
+        remapped = res.remapped.cpu().to(torch.int64)
+        logical = local_tokens.numel()
+        if bool((local_req[logical:] != -1).any()) or bool((remapped[logical:] != -1).any()):
+            problems.append(f"rank {k}: padding rows carry request ids or remapped reads")
+        expected_req = token_req[local_tokens]
+        wrong_req = (local_req[:logical] != expected_req).nonzero().flatten().tolist()
+        problems += [f"rank {k}: local row {i} (token {int(local_tokens[i])}) has request id {int(local_req[i])}, expected {int(expected_req[i])}" for i in wrong_req]
+        positions = topk_positions[local_tokens]  # [logical, K]
+        got = remapped[:logical]
+        pad = positions < 0
+        if bool((got[pad] != -1).any()):
+            problems.append(f"rank {k}: padding top-k entries remapped to a dense location")
+        valid = ~pad
+        if bool((got[valid] < 0).any()):
+            problems.append(f"rank {k}: {int((got[valid] < 0).sum())} valid top-k reads were dropped (-1)")
+        sel = valid & (got >= 0)
+        read = _row_bytes(res.dense[got[sel]])
+        want = truth_all[row_base[expected_req.unsqueeze(1).expand_as(positions)[sel]] + positions[sel]]
+        for i in (read != want).any(dim=1).nonzero().flatten().tolist()[:8]:
+            problems.append(f"rank {k}: a top-k read of request {int(expected_req.unsqueeze(1).expand_as(positions)[sel][i])} position {int(positions[sel][i])} returned another row")
+
+        owner = (torch.arange(pool.shape[0]) // ps) % cp
+        after, before = _row_bytes(res.pool_after), _row_bytes(pool)
+        mine_written = (out_cache_loc // ps) % cp == k
+        written_locs = out_cache_loc[mine_written]
+        ok_write = torch.zeros(pool.shape[0], dtype=torch.bool)
+        cur_bytes = _row_bytes(current_kv)
+        for t in mine_written.nonzero().flatten().tolist():  # any writer of a duplicated loc may win
+            loc = int(out_cache_loc[t])
+            ok_write[loc] |= bool(torch.equal(after[loc], cur_bytes[t]))
+        is_written = torch.zeros(pool.shape[0], dtype=torch.bool)
+        is_written[written_locs] = True
+        if bool((is_written & ~ok_write).any()):
+            problems.append(f"rank {k}: pool rows {(is_written & ~ok_write).nonzero().flatten().tolist()} do not hold their current token")
+        untouched = (owner == k) & ~is_written
+        if bool((after[untouched] != before[untouched]).any()):
+            problems.append(f"rank {k}: owned pool rows changed though no current token writes them")
+        if bool((after[owner != k] != POISON_BYTE).any()):
+            problems.append(f"rank {k}: non-owned pool rows were written")
     return problems
+
+
+def padded_page_table(case: BatchCase, pages_per_request: int) -> torch.Tensor:
+    """int32 ``[R, P]`` page table of ``case``, -1 past each request's pages."""
+    table = torch.full((case.num_requests, pages_per_request), -1, dtype=torch.int32)
+    for r, row in enumerate(case.page_tables):
+        table[r, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    return table
+
+
+def value_keyed_read_mismatches(
+    case: BatchCase, pool: torch.Tensor, current_kv: torch.Tensor, topk_locs: torch.Tensor, topk_positions: torch.Tensor
+) -> list[tuple[int, int, int]]:
+    """The negative control (cp=1): ``(token, request, position)`` of every top-k read through the
+    1-D value-keyed inverse that does not return the truth row (dropped or another row)."""
+    from sglang_cpkv.runtime.buckets import bucket_pages_per_request
+    from sglang_cpkv.testing.value_keyed_inverse import value_keyed_pipeline
+
+    P = bucket_pages_per_request(max(len(t) for t in case.page_tables))
+    dense, remapped = value_keyed_pipeline(
+        padded_page_table(case, P),
+        case.prefix_lens,
+        case.extend_lens,
+        torch.tensor(case.out_cache_loc(), dtype=torch.int64),
+        pool,
+        current_kv,
+        topk_locs,
+        case.capacity,
+        case.page_size,
+    )
+    truth = truth_rows(case, pool, current_kv)
+    token_req = [r for r in range(case.num_requests) for _ in range(case.extend_lens[r])]
+    wrong = []
+    for t, r in enumerate(token_req):
+        for col, p in enumerate(topk_positions[t].tolist()):
+            if p < 0:
+                continue
+            d = int(remapped[t, col])
+            if d < 0 or not rows_equal(dense[d], truth[r][p]):
+                wrong.append((t, r, p))
+    return wrong

@@ -1,0 +1,94 @@
+"""The negative control: the seed's 1-D value-keyed page inverse (last writer wins).
+
+This is the design the per-request inverse replaces, kept only to show what goes wrong. It is
+keyed by page id alone, ``inverse_1d[page_id] = slot``, so when two requests of a batch hold
+the same page id, the later slot wins for both. Its companion, a value-keyed *global*
+current-page mask, marks a page id as "current" for every request when any request writes
+current tokens to it (the seed then skipped materializing it and routed its reads to the fill).
+
+:func:`value_keyed_pipeline` runs the seed's per-layer pipeline with these two structures:
+materialize history slots (except globally "current" pages), fill current KV at the 1-D remap of
+``out_cache_loc``, remap top-k through the 1-D inverse. On the reachable class (page-aligned
+sharing, see :mod:`sglang_cpkv.testing.batches`) every read lands on an identical copy; on the
+collision class a request reads another request's current KV (contamination) or loses its own
+history (C2).
+
+Used by tests (which assert it fails on the collision class), the demo, and the multi-GPU harness.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+PADDING_ID = -1
+
+
+def build_value_keyed_inverse(page_table: torch.Tensor, capacity: int) -> torch.Tensor:
+    """int32 ``[C]``: for each page id, the highest dense slot ``r * P + j`` holding it (last writer wins), else -1.
+
+    Args:
+        page_table: int32 ``[R, P]`` page ids, -1 for none.
+    """
+    flat = page_table.reshape(-1).to(torch.int64)
+    slot = torch.arange(flat.numel(), dtype=torch.int64, device=flat.device)
+    valid = flat >= 0
+    inverse = torch.full((capacity,), PADDING_ID, dtype=torch.int64, device=flat.device)
+    inverse.scatter_reduce_(0, flat[valid], slot[valid], reduce="amax")
+    return inverse.to(torch.int32)
+
+
+def remap_value_keyed(locs: torch.Tensor, inverse_1d: torch.Tensor, page_size: int) -> torch.Tensor:
+    """int32, shape of ``locs``: ``inverse_1d[loc // ps] * ps + loc % ps`` (no request id at all); -1 stays -1."""
+    loc = locs.to(torch.int64)
+    slot = torch.where(loc >= 0, inverse_1d.to(torch.int64)[loc.clamp(min=0) // page_size], PADDING_ID)
+    return torch.where(slot >= 0, slot * page_size + loc % page_size, PADDING_ID).to(torch.int32)
+
+
+def value_keyed_current_page_mask(
+    page_table: torch.Tensor, prefix_lens: Sequence[int], extend_lens: Sequence[int], capacity: int, page_size: int
+) -> torch.Tensor:
+    """bool ``[C]``: page ids that hold only current tokens in *some* request (global, value-keyed)."""
+    mask = torch.zeros(capacity, dtype=torch.bool)
+    table = page_table.cpu().to(torch.int64)
+    for r, (prefix, extend) in enumerate(zip(prefix_lens, extend_lens)):
+        first_current_only = -(-prefix // page_size)
+        last = -(-(prefix + extend) // page_size)
+        pages = table[r, first_current_only:last]
+        mask[pages[pages >= 0]] = True
+    return mask.to(page_table.device)
+
+
+def value_keyed_pipeline(
+    page_table: torch.Tensor,
+    prefix_lens: Sequence[int],
+    extend_lens: Sequence[int],
+    out_cache_loc: torch.Tensor,
+    pool: torch.Tensor,
+    current_kv: torch.Tensor,
+    topk_locs: torch.Tensor,
+    capacity: int,
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seed's cp=1 layer with the 1-D inverse: (dense ``[R * P * ps, row]``, remapped top-k int32).
+
+    Args:
+        page_table: int32 ``[R, P]`` (-1 past each request's pages). pool: ``[C * ps, row]``.
+        current_kv: ``[N, row]`` token order. topk_locs: ``[N, K]`` pool locations (-1 padding).
+    """
+    rows, pages_per_request = page_table.shape
+    inverse_1d = build_value_keyed_inverse(page_table, capacity)
+    current_page = value_keyed_current_page_mask(page_table, prefix_lens, extend_lens, capacity, page_size)
+    dense = pool.new_zeros((rows * pages_per_request * page_size, *pool.shape[1:]))
+    dense_pages = dense.view(rows * pages_per_request, -1)
+    pool_pages = pool.view(capacity, -1)
+    for r, prefix in enumerate(prefix_lens):
+        for j in range(-(-prefix // page_size)):
+            page = int(page_table[r, j])
+            if not bool(current_page[page]):  # the seed's global mask: "current pages are filled, not read"
+                dense_pages[r * pages_per_request + j] = pool_pages[page]
+    fill_locs = remap_value_keyed(out_cache_loc, inverse_1d, page_size).to(torch.int64)
+    keep = fill_locs >= 0
+    dense[fill_locs[keep]] = current_kv[keep]
+    return dense, remap_value_keyed(topk_locs, inverse_1d, page_size)

@@ -1,0 +1,238 @@
+"""The CP shared-KV runtime on hand-made batches: the seed's regressions, errors, checked mode, prefetch."""
+
+import sys
+
+import pytest
+import torch
+
+from sglang_cpkv.ops.errors import CpSharedKvError
+from sglang_cpkv.runtime import (
+    CHECKED_ENV_VAR,
+    HistoryPrefetcher,
+    SingleRankGroup,
+    bucket_pages_per_request,
+    build_dense_view,
+    build_plan,
+    materialize_history,
+    new_dense_buffer,
+    remap_topk,
+)
+from sglang_cpkv.testing.batches import (
+    COLLISION,
+    REACHABLE,
+    BatchCase,
+    check_against_truth,
+    dense_loc,
+    make_pool_and_current,
+    random_topk,
+    rows_equal,
+    simulate_cp_ranks,
+    truth_rows,
+)
+from sglang_cpkv.testing.ci_register import register_cpu_ci
+from sglang_cpkv.testing.value_keyed_inverse import value_keyed_pipeline
+
+register_cpu_ci(est_time=40, suite="cpkv-cpu")
+
+GROUP = SingleRankGroup()
+
+
+def _plan(case: BatchCase, **kw):
+    return build_plan(
+        [list(t) for t in case.page_tables],
+        case.prefix_lens,
+        case.extend_lens,
+        torch.tensor(case.out_cache_loc(), dtype=torch.int64),
+        capacity=case.capacity,
+        page_size=case.page_size,
+        cp_size=1,
+        cp_rank=0,
+        strategy="interleave",
+        **kw,
+    )
+
+
+def _read(case, plan, dense, r, loc):
+    """What request r reads at pool location loc through the runtime."""
+    token = sum(case.extend_lens[:r])  # any row of request r
+    d = int(remap_topk(plan, torch.tensor([[loc]]), torch.tensor([r]))[0, 0])
+    assert plan.token_req_id[token] == r
+    return d, (dense[d] if d >= 0 else None)
+
+
+# The seed's regression: page tables [[1, 5], [9, 5]] share physical page 5, partially filled, and
+# both requests continue it with divergent current tokens (CURRENT_REUSE) - a collision-class state.
+SHARED_5 = BatchCase(page_size=4, capacity=16, page_tables=((1, 5), (9, 5)), prefix_lens=(5, 5), extend_lens=(2, 2))
+
+
+def test_shared_page_5_each_request_keeps_its_own_slot_and_current_write():
+    case = SHARED_5
+    assert case.state_class == COLLISION
+    plan = _plan(case)
+    P, C = plan.pages_per_request, case.capacity
+    inverse = plan.inverse.tolist()
+    assert inverse[0 * C + 5] == 0 * P + 1 and inverse[1 * C + 5] == 1 * P + 1
+    assert inverse[0 * C + 1] == 0 and inverse[1 * C + 9] == P
+    # Current tokens: positions 5, 6 of each request, i.e. page 5 offsets 1, 2, in its OWN slot.
+    assert plan.current_dense_locs.tolist() == [5, 6, P * 4 + 5, P * 4 + 6]
+    pool, current = make_pool_and_current(case, torch.bfloat16, 8, seed=1)
+    dense = build_dense_view(plan, pool, current, new_dense_buffer(plan, (8,), torch.bfloat16), GROUP)
+    truth = truth_rows(case, pool, current)
+    for r in range(2):
+        for p in range(7):
+            assert rows_equal(dense[dense_loc(case, P, r, p)], truth[r][p]), (r, p)
+        d, row = _read(case, plan, dense, r, 5 * 4 + 1)  # both requests read "their" loc 21
+        assert rows_equal(row, current[2 * r]), f"request {r} read another request's current KV"
+
+
+def test_shared_page_5_value_keyed_inverse_contaminates():
+    """Negative control on the same batch: request 0 reads request 1's current KV."""
+    case = SHARED_5
+    plan = _plan(case)
+    pool, current = make_pool_and_current(case, torch.bfloat16, 8, seed=1)
+    topk = torch.tensor([[21], [21], [21], [21]])
+    dense, remapped = value_keyed_pipeline(
+        plan.page_table, case.prefix_lens, case.extend_lens, torch.tensor(case.out_cache_loc()), pool, current, topk, case.capacity, case.page_size
+    )
+    read_by_request_0 = dense[int(remapped[0, 0])]
+    assert rows_equal(read_by_request_0, current[2]) and not rows_equal(read_by_request_0, current[0])
+
+
+def test_bs_gt_1_shared_prefix_and_current_reuse_equal_bs_1():
+    # A and B share full page 3 (page-aligned radix sharing); A's history ends mid-page 7 and its
+    # current chunk continues it (CURRENT_REUSE); C has no history. Reachable in 0.5.23.
+    case = BatchCase(page_size=4, capacity=16, page_tables=((3, 7, 2), (3, 8), (11, 12)), prefix_lens=(6, 4, 0), extend_lens=(5, 3, 7))
+    assert case.state_class == REACHABLE
+    for dtype, width in ((torch.bfloat16, 576), (torch.uint8, 656)):  # bf16 rows, packed FP8 rows as bytes
+        pool, current = make_pool_and_current(case, dtype, width, seed=2)
+        plan = _plan(case)
+        dense = build_dense_view(plan, pool, current, new_dense_buffer(plan, (width,), dtype), GROUP)
+        start = 0
+        for r in range(3):
+            alone = BatchCase(4, 16, (case.page_tables[r],), (case.prefix_lens[r],), (case.extend_lens[r],))
+            cur = current[start : start + case.extend_lens[r]]
+            start += case.extend_lens[r]
+            solo_plan = _plan(alone)
+            solo = build_dense_view(solo_plan, pool, cur, new_dense_buffer(solo_plan, (width,), dtype), GROUP)
+            for p in range(case.prefix_lens[r] + case.extend_lens[r]):
+                assert rows_equal(dense[dense_loc(case, plan.pages_per_request, r, p)], solo[dense_loc(alone, solo_plan.pages_per_request, 0, p)]), (dtype, r, p)
+        topk, positions = random_topk(case, 5, seed=3)
+        assert check_against_truth(case, pool, current, positions, simulate_cp_ranks(case, pool, current, topk)) == []
+
+
+def test_c2_valid_history_loc_not_dropped_when_another_request_writes_that_page():
+    # Collision class (C2): request 0's history page 6 (3 tokens) is the page request 1 writes its
+    # current tokens to (a page id reused across requests in one batch).
+    case = BatchCase(page_size=4, capacity=8, page_tables=((6,), (6, 2)), prefix_lens=(3, 0), extend_lens=(1, 6))
+    assert case.state_class == COLLISION
+    pool, current = make_pool_and_current(case, torch.bfloat16, 8, seed=4)
+    plan = _plan(case)
+    dense = new_dense_buffer(plan, (8,), torch.bfloat16)
+    materialize_history(plan, pool, dense, GROUP)
+    from sglang_cpkv.runtime import fill_current, persist_owned_current
+
+    fill_current(plan, current, dense)
+    persist_owned_current(plan, current, pool.clone())
+    for p in range(3):
+        d, row = _read(case, plan, dense, 0, 6 * 4 + p)
+        assert d >= 0, f"request 0's valid history position {p} was dropped"
+        assert rows_equal(row, pool[6 * 4 + p])
+    # The value-keyed control drops or replaces it.
+    topk = torch.tensor([[24, 25, 26]] * case.num_tokens)
+    dense_1d, remapped_1d = value_keyed_pipeline(
+        plan.page_table, case.prefix_lens, case.extend_lens, torch.tensor(case.out_cache_loc()), pool, current, topk, case.capacity, case.page_size
+    )
+    wrong = [p for p in range(3) if int(remapped_1d[0, p]) < 0 or not rows_equal(dense_1d[int(remapped_1d[0, p])], pool[24 + p])]
+    assert wrong, "the value-keyed control was expected to lose request 0's history"
+
+
+def _build(case, **overrides):
+    args = dict(
+        page_table=[list(t) for t in case.page_tables],
+        prefix_lens=case.prefix_lens,
+        extend_lens=case.extend_lens,
+        out_cache_loc=torch.tensor(case.out_cache_loc()),
+        capacity=case.capacity,
+        page_size=case.page_size,
+        cp_size=1,
+        cp_rank=0,
+        strategy="interleave",
+    )
+    args.update(overrides)
+    return build_plan(**args)
+
+
+def test_plan_build_errors_name_the_bad_value():
+    case = SHARED_5
+    with pytest.raises(CpSharedKvError, match=r"request 1: page ids outside \[0, capacity=16\).*\(0, 99\)"):
+        _build(case, page_table=[[1, 5], [99, 5]])
+    with pytest.raises(CpSharedKvError, match=r"request 0: page ids \[1\] appear twice"):
+        _build(case, page_table=[[1, 1], [9, 5]])
+    with pytest.raises(CpSharedKvError, match="needs 2 pages .* > pages_per_request=1"):
+        _build(case, pages_per_request=1)
+    with pytest.raises(CpSharedKvError, match=r"page_table has 1 columns"):
+        _build(case, page_table=[[1], [9]])
+    with pytest.raises(CpSharedKvError, match="out_cache_loc has 3 entries, sum\\(extend_lens\\) = 4"):
+        _build(case, out_cache_loc=torch.tensor([21, 22, 21]))
+    with pytest.raises(CpSharedKvError, match="cp_rank 2 outside"):
+        _build(case, cp_size=2, cp_rank=2)
+    with pytest.raises(CpSharedKvError, match="prefix_lens must be >= 0"):
+        _build(case, prefix_lens=(5, -1))
+    with pytest.raises(CpSharedKvError, match="outside the pool"):
+        _build(case, out_cache_loc=torch.tensor([21, 22, 21, 64]))
+
+
+def test_device_side_errors_are_counted_then_raised_at_sync_point():
+    plan = _build(SHARED_5, checked=False)
+    out = remap_topk(plan, torch.tensor([[21, 5]]), torch.tensor([7]))  # request 7 does not exist
+    assert out.tolist() == [[-1, -1]]
+    with pytest.raises(CpSharedKvError, match="request id out of range"):
+        plan.raise_if_errors()
+
+
+def test_checked_mode_raises_at_the_op(monkeypatch):
+    monkeypatch.setenv(CHECKED_ENV_VAR, "1")
+    plan = _build(SHARED_5)
+    assert plan.checked
+    with pytest.raises(CpSharedKvError, match="request id out of range"):
+        remap_topk(plan, torch.tensor([[21]]), torch.tensor([7]))
+    # out_cache_loc that disagrees with the page table (token 0 claims page 9 of request 1).
+    with pytest.raises(CpSharedKvError, match="do not land at their own request's position"):
+        _build(SHARED_5, out_cache_loc=torch.tensor([37, 22, 21, 22]))
+    monkeypatch.setenv(CHECKED_ENV_VAR, "0")
+    assert not _build(SHARED_5).checked
+
+
+def test_required_request_ids_one_per_row():
+    plan = _build(SHARED_5)
+    with pytest.raises(CpSharedKvError, match="one id per row"):
+        remap_topk(plan, torch.tensor([[21, 22], [21, 22]]), torch.tensor([0]))
+
+
+def test_prefetch_double_buffer_matches_direct_materialize():
+    case = BatchCase(page_size=2, capacity=12, page_tables=((3, 7, 2), (3, 8)), prefix_lens=(5, 3), extend_lens=(1, 1))
+    plan = _plan(case)
+    pools = [make_pool_and_current(case, torch.bfloat16, 4, seed=10 + layer)[0] for layer in range(3)]
+    buffers = (new_dense_buffer(plan, (4,), torch.bfloat16), new_dense_buffer(plan, (4,), torch.bfloat16))
+    prefetcher = HistoryPrefetcher(plan, GROUP, buffers)
+    prefetcher.start(0, pools[0])
+    for layer in range(3):
+        got = prefetcher.wait(layer)
+        if layer + 1 < 3:
+            prefetcher.start(layer + 1, pools[layer + 1])
+        expected = new_dense_buffer(plan, (4,), torch.bfloat16)
+        materialize_history(plan, pools[layer], expected, GROUP)
+        rows = plan.history_slots.to(torch.int64)
+        got_pages, exp_pages = got.view(-1, 2 * 4)[rows], expected.view(-1, 2 * 4)[rows]
+        assert rows_equal(got_pages, exp_pages), layer
+    with pytest.raises(CpSharedKvError, match="before its prefetch was started"):
+        prefetcher.wait(5)
+
+
+def test_buckets():
+    assert [bucket_pages_per_request(n) for n in (0, 1, 3, 4, 5, 4096, 4097, 9000)] == [1, 1, 4, 4, 8, 4096, 8192, 12288]
+    assert _plan(SHARED_5).pages_per_request == 2
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
