@@ -75,13 +75,12 @@ def sha256_file(path: Path) -> str:
 
 def write_atomic(path: Path, data: bytes) -> None:
     """Replace ``path`` in one rename, keeping its permission bits."""
-    mode = path.stat().st_mode & 0o7777 if path.exists() else None
+    mode = path.stat().st_mode & 0o7777 if path.exists() else 0o644  # mkstemp's own 0600 would hide new files
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
-        if mode is not None:
-            os.chmod(tmp, mode)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -704,7 +703,16 @@ def apply_queue(sglang_root: Path, queue_root: Path) -> str:
         (rel, want, sha256_bytes(current[rel])) for rel, want in pristine.items() if sha256_bytes(current[rel]) != want
     ]
     if mismatched:
-        detail = "\n  ".join(f"{rel}: expected pristine sha256 {want}, found {got}" for rel, want, got in mismatched)
+        recorded = record.get("files", {}) if record else {}
+
+        def state(rel: str, got: str) -> str:
+            if recorded.get(rel, {}).get("patched_sha256") == got:
+                return " (as the recorded overlay left it)"
+            return " (changed after the recorded overlay)" if rel in recorded else ""
+
+        detail = "\n  ".join(
+            f"{rel}: expected pristine sha256 {want}, found {got}{state(rel, got)}" for rel, want, got in mismatched
+        )
         hint = (
             f" (the tree records overlay queue {record.get('queue_sha256', '?')[:12]}; reinstall pristine {pin.package}=={pin.version})"
             if record
