@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -1024,7 +1025,7 @@ def _parser() -> argparse.ArgumentParser:
     fetch.add_argument(
         "--python-tag", default=None, help=f"e.g. cp311 (default: this interpreter's, {default_python_tag()})"
     )
-    fetch.add_argument("--dest", type=Path, help="directory for the wheel (default: the cache)")
+    fetch.add_argument("--dest", type=Path, help="also copy the verified wheel here and print that path")
     apply = sub.add_parser("apply", help="apply the patch queue in-tree to an upstream sglang package dir")
     apply.add_argument("--sglang-root", type=Path, required=True, help="the 'sglang' package directory")
     check = sub.add_parser("check", help="validate the queue and prove it applies cleanly to the pinned wheel")
@@ -1061,7 +1062,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         root = find_queue_root(args.queue_root)
         if args.command == "fetch":
             pin = load_pin(root)
-            print(fetch_pinned(pin, args.python_tag or default_python_tag(), args.dest or cache_dir(root)))
+            wheel = fetch_pinned(pin, args.python_tag or default_python_tag(), cache_dir(root))
+            if args.dest is not None:
+                args.dest.mkdir(parents=True, exist_ok=True)
+                wheel = Path(shutil.copy2(wheel, args.dest / wheel.name))
+            print(wheel)
         elif args.command == "apply":
             log(apply_queue(args.sglang_root.resolve(), root))
         elif args.command == "check":
