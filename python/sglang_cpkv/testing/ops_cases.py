@@ -117,15 +117,6 @@ def interleave_split(values: torch.Tensor, cp_size: int, rank: int, pad_value: i
     return out
 
 
-def unique_targets(count: int, targets: int, gen: torch.Generator, *, skip: float = 0.0) -> torch.Tensor:
-    """``count`` distinct indices in ``[0, targets)`` (int64), a fraction ``skip`` set to -1."""
-    if count > targets:
-        raise ValueError(f"cannot draw {count} distinct targets out of {targets}")
-    idx = torch.randperm(targets, generator=gen)[:count]
-    idx[torch.rand(count, generator=gen) < skip] = -1
-    return idx
-
-
 def run_layer_sequence(
     impl,
     batch: PagedBatch,
