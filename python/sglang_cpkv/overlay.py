@@ -270,7 +270,7 @@ def wheel_requirements(wheel: Path) -> dict[str, str]:
     with zipfile.ZipFile(wheel) as zf:
         meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
         text = zf.read(meta).decode()
-    pins = {}
+    pins: dict[str, str] = {}
     for match in re.finditer(r"^Requires-Dist: ([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?\s*\(?==([^\s;,)]+)", text, re.M):
         pins.setdefault(match.group(1).lower().replace("_", "-"), match.group(2))
     return pins
@@ -590,10 +590,10 @@ def validate_queue(queue: Queue, pin: Pin) -> list[str]:
         ]
     by_name: dict[str, dict] = {}
     for entry in entries:
-        name = entry.get("patch") if isinstance(entry, dict) else None
-        if name in by_name:
-            errors.append(f"manifest has more than one entry for {name}")
-        by_name[str(name)] = entry if isinstance(entry, dict) else {}
+        entry_name = str(entry.get("patch")) if isinstance(entry, dict) else "<not an object>"
+        if entry_name in by_name:
+            errors.append(f"manifest has more than one entry for {entry_name}")
+        by_name[entry_name] = entry if isinstance(entry, dict) else {}
     for name in queue.series:
         if name not in by_name:
             errors.append(f"series entry has no manifest entry: {name}")
@@ -652,10 +652,10 @@ def validate_queue(queue: Queue, pin: Pin) -> list[str]:
         if missing:
             errors.append(f"history[{index}]: missing {', '.join(missing)}")
     pristine = queue.manifest["pristine_sha256"]
-    for path in sorted(touched - set(pristine)):
-        errors.append(f"pristine_sha256 lacks touched file {path} (run `overlay pin-hashes`)")
-    for path in sorted(set(pristine) - touched):
-        errors.append(f"pristine_sha256 lists {path}, which no patch touches (run `overlay pin-hashes`)")
+    for rel in sorted(touched - set(pristine)):
+        errors.append(f"pristine_sha256 lacks touched file {rel} (run `overlay pin-hashes`)")
+    for rel in sorted(set(pristine) - touched):
+        errors.append(f"pristine_sha256 lists {rel}, which no patch touches (run `overlay pin-hashes`)")
     return errors
 
 
@@ -821,7 +821,8 @@ def pin_hashes(root: Path, wheel: Path | None = None) -> str:
     missing = [rel for rel, blob in data.items() if blob is None]
     if missing:
         raise OverlayError(f"not in the pinned {pin.package} {pin.version} wheel: {', '.join(missing)}")
-    manifest = {**queue.manifest, "pristine_sha256": {rel: sha256_bytes(data[rel]) for rel in touched}}  # type: ignore[arg-type]
+    hashes = {rel: sha256_bytes(blob) for rel, blob in data.items() if blob is not None}
+    manifest = {**queue.manifest, "pristine_sha256": dict(sorted(hashes.items()))}
     write_atomic(queue.patches_dir / "manifest.json", dump_manifest(manifest).encode())
     return f"recorded pristine sha256 of {len(touched)} touched files ({pin.package} {pin.version})"
 
@@ -996,8 +997,10 @@ def rebase(root: Path, version: str, report_path: Path | None = None) -> tuple[b
             if name in retired
         ],
     ]
-    still_touched = sorted({p for patch in patches if patch.name not in retired for p in patch.touches})
-    manifest["pristine_sha256"] = {rel: sha256_bytes(base[rel]) for rel in still_touched}  # type: ignore[arg-type]
+    still_touched = {p for patch in patches if patch.name not in retired for p in patch.touches}
+    manifest["pristine_sha256"] = {
+        rel: sha256_bytes(blob) for rel, blob in sorted(base.items()) if rel in still_touched and blob is not None
+    }
     series_text = "".join(
         line
         for line in (queue.patches_dir / "series").read_text(encoding="utf-8").splitlines(keepends=True)

@@ -19,6 +19,7 @@ import argparse
 import difflib
 import json
 from pathlib import Path
+from typing import Sequence
 
 from sglang_cpkv import overlay
 
@@ -39,7 +40,7 @@ CONTEXT = overlay.DIFF_CONTEXT
 KERNEL_PACKAGES = ("sglang-kernel", "flashinfer-python", "sgl-deep-gemm", "torch")
 
 
-def _opcodes(old: list[str], new: list[str]) -> list[tuple[str, int, int, int, int]]:
+def _opcodes(old: list[str], new: list[str]) -> Sequence[tuple[str, int, int, int, int]]:
     return difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes()
 
 
