@@ -388,5 +388,36 @@ def test_diff_cli_writes_a_patch_on_top_of_the_current_series(tmp_path: Path, te
     assert (fresh / SERVER_ARGS).read_text() == edited.read_text()
 
 
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        ("a\nb\nc\n", "a\nb\nX\nc\n"),
+        ("a\nb\nc", "a\nb\nc\nd"),  # no newline at end of file, on both sides
+        ("a\nb\nc", "a\nb\nc\n"),  # the patch adds the final newline
+        ("x\x0cy\nz\n", "x\x0cy\nZ\n"),  # a form feed is not a line break in a diff
+    ],
+)
+def test_make_diff_parse_apply_round_trip(before: str, after: str) -> None:
+    text = overlay.make_diff("srt/f.py", before, after)
+    patch = overlay.parse_patch(text, "t.patch")
+    files = {"srt/f.py": overlay.split_lines(before)}
+    overlay.apply_patch(files, patch)
+    assert "".join(files["srt/f.py"]) == after
+    overlay.apply_patch(files, patch, reverse=True)
+    assert "".join(files["srt/f.py"]) == before
+
+
+def test_strict_apply_rejects_an_offset_that_rebase_would_accept() -> None:
+    before = "".join(f"line {i}\n" for i in range(20))
+    patch = overlay.parse_patch(
+        overlay.make_diff("srt/f.py", before, before.replace("line 10\n", "line 10\nhook\n")), "t"
+    )
+    moved = {"srt/f.py": overlay.split_lines("new upstream line\n" + before)}
+    with pytest.raises(overlay.HunkFailure, match="does not match at the stated line"):
+        overlay.apply_patch(dict(moved), patch)
+    assert overlay.apply_patch(moved, patch, allow_offset=True) == {"srt/f.py": [1]}
+    assert "line 10\nhook\nline 11\n" in "".join(moved["srt/f.py"])
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
