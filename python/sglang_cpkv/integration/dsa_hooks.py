@@ -1,0 +1,265 @@
+"""Hooks of the DSA attention backend and indexer for ``--enable-cp-shared-kv`` (0.5.23).
+
+Called from ``patches/core/hook-cp-shared-kv-into-dsa-extend.patch`` (design:
+``docs/design/cp-shared-kv.md`` sections 3-5). Every hook is a no-op that returns upstream's own
+value unless the flag is on *and* the batch is an extend batch with a plan:
+
+* :func:`on_extend_metadata` - ``DeepseekSparseAttnBackend.init_forward_metadata``, EXTEND branch,
+  after upstream's CP cut: builds the batch plan (``sglang_cpkv.runtime.build_plan``) from the
+  batch's page table, lengths and ``out_cache_loc``; checks its split against upstream's
+  ``attn_cp_metadata``; returns the selected-request page table remapped to dense locations, so
+  that every table upstream derives from it (``real_page_table``, ``page_table_1_flattened``, the
+  fused top-k transform's output) addresses the per-request dense view.
+* :func:`extend_dense_kv` - ``forward_extend`` before the cache write: materializes the layer's
+  history pages (owned pages from the pool, others all-gathered from their owners) and fills the
+  current chunk into the dense view; ``forward_extend`` reads it instead of the pool.
+* :func:`cache_write_locs` - ``forward_extend``'s ``set_mla_kv_buffer``: only owned rows
+  (:mod:`.cache_write`).
+* :func:`store_index_k` / :func:`index_k_and_scale` - the indexer's index-K store and read: the same
+  dense view for index K (history + current), owned rows persisted.
+
+Order within a layer: the dense view is built from the pool *before* this rank's owned rows are
+persisted, so a page id that one request reads as history and another writes as current (possible
+with allocators that share partial pages, contract "Which states matter") never changes history.
+
+The history materialization is synchronous per layer here; the layer-ahead prefetch
+(:class:`sglang_cpkv.runtime.prefetch.HistoryPrefetcher`) is not wired yet (design section 4).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from sglang_cpkv.integration.cache_write import check_cache_write_rows, check_split_matches_upstream, owned_pool_write_locs
+from sglang_cpkv.ops.errors import CpSharedKvError
+from sglang_cpkv.runtime.group import CpGroup, SingleRankGroup
+from sglang_cpkv.runtime.layer import fill_current, materialize_history, new_dense_buffer, remap_topk
+from sglang_cpkv.runtime.plan import CpSharedKvPlan, build_plan
+
+# ForwardBatch attribute holding the batch's ExtendBatchState (absent or None: the mode is off).
+BATCH_ATTR = "cp_shared_kv_batch"
+
+
+@dataclass
+class ExtendBatchState:
+    """What the layers of one extend batch share: the plan, the CP group and the dense buffers."""
+
+    plan: CpSharedKvPlan
+    group: CpGroup
+    pool_write_locs: torch.Tensor
+    dense_kv: Optional[torch.Tensor] = None
+    dense_index_k: Optional[torch.Tensor] = None
+
+
+_ENABLED: Optional[bool] = None
+
+
+def enabled() -> bool:
+    """Whether this server runs with ``--enable-cp-shared-kv`` (read once the server args are published)."""
+    global _ENABLED
+    if _ENABLED is None:
+        from sglang.srt.runtime_context import get_server_args
+
+        try:
+            server_args = get_server_args()
+        except ValueError:  # not published in this process (yet): the mode is off, ask again later
+            return False
+        _ENABLED = bool(getattr(server_args, "enable_cp_shared_kv", False))
+    return _ENABLED
+
+
+def batch_state(forward_batch: Any) -> Optional[ExtendBatchState]:
+    return getattr(forward_batch, BATCH_ATTR, None)
+
+
+def pool_page_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: Sequence[int], page_size: int) -> torch.Tensor:
+    """``[R, W]`` page ids of each request (``W = ceil(max seq_len / page_size)``) from upstream's
+    token-level ``req_to_token`` (the location of a page's first token, divided by the page size)."""
+    width = -(-max(int(n) for n in seq_lens) // page_size)
+    first_locs = req_to_token[req_pool_indices.to(req_to_token.device), : width * page_size : page_size]
+    return torch.div(first_locs.to(torch.int64), page_size, rounding_mode="floor")
+
+
+def build_extend_state(
+    *,
+    pool: Any,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    prefix_lens: Sequence[int],
+    extend_lens: Sequence[int],
+    out_cache_loc: torch.Tensor,
+    cp_size: int,
+    cp_rank: int,
+    strategy: str,
+    group: CpGroup,
+    upstream_split: Optional[tuple[Sequence[int], Sequence[int]]] = None,
+) -> ExtendBatchState:
+    """The batch state from upstream's objects (``MLATokenToKVPool``-like ``pool``, ``req_to_token``).
+
+    Args:
+        upstream_split: ``(per_rank_logical_token, per_rank_actual_token)`` of upstream's
+            ``attn_cp_metadata`` when the batch is split; the plan must agree with it.
+    """
+    page_size = pool.page_size
+    seq_lens = [int(p) + int(e) for p, e in zip(prefix_lens, extend_lens)]
+    table = pool_page_table(req_to_token, req_pool_indices, seq_lens, page_size)
+    plan = build_plan(
+        table,
+        prefix_lens,
+        extend_lens,
+        out_cache_loc,
+        capacity=(pool.size + page_size) // page_size,
+        page_size=page_size,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        strategy=strategy,
+    )
+    if upstream_split is not None:
+        check_split_matches_upstream(plan, *upstream_split)
+    return ExtendBatchState(plan=plan, group=group, pool_write_locs=owned_pool_write_locs(plan))
+
+
+@functools.lru_cache(maxsize=1)
+def _attn_cp_group() -> CpGroup:
+    from sglang.srt.distributed.parallel_state import get_attn_cp_group
+
+    from sglang_cpkv.runtime.group import TorchDistCpGroup
+
+    return TorchDistCpGroup(get_attn_cp_group().device_group)
+
+
+def on_extend_metadata(backend: Any, forward_batch: Any, page_table: torch.Tensor, bs_idx: Optional[torch.Tensor]) -> torch.Tensor:
+    """Build the batch plan; return ``page_table`` (selected requests' token locations) remapped.
+
+    Args:
+        page_table: upstream's ``[rows, max_seqlen_k]`` token-location table after the CP cut.
+        bs_idx: the batch row of each of its rows (upstream's ``bs_idx``), None when not cut.
+    """
+    setattr(forward_batch, BATCH_ATTR, None)
+    if not enabled():
+        return page_table
+    from sglang.srt.layers.attention.dsa.utils import can_dsa_prefill_cp_interleave
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    split = can_dsa_prefill_cp_interleave(forward_batch)
+    metadata = forward_batch.attn_cp_metadata
+    state = build_extend_state(
+        pool=backend.token_to_kv_pool,
+        req_to_token=backend.req_to_token,
+        req_pool_indices=forward_batch.req_pool_indices,
+        prefix_lens=forward_batch.extend_prefix_lens_cpu,
+        extend_lens=forward_batch.extend_seq_lens_cpu,
+        out_cache_loc=forward_batch.out_cache_loc,
+        cp_size=parallel.attn_cp_size,
+        cp_rank=parallel.attn_cp_rank,
+        strategy="interleave" if split else "none",
+        group=_attn_cp_group() if parallel.attn_cp_size > 1 else SingleRankGroup(),
+        upstream_split=(metadata.per_rank_logical_token, metadata.per_rank_actual_token) if split else None,
+    )
+    setattr(forward_batch, BATCH_ATTR, state)
+    return remap_page_table(state.plan, page_table, bs_idx)
+
+
+def remap_page_table(plan: CpSharedKvPlan, page_table: torch.Tensor, bs_idx: Optional[torch.Tensor]) -> torch.Tensor:
+    """Token locations of each row's request -> dense locations (row ``i`` is request ``bs_idx[i]``)."""
+    rows = page_table.shape[0]
+    if bs_idx is None:
+        row_req = torch.arange(rows, dtype=torch.int64, device=page_table.device)
+    else:
+        row_req = bs_idx.to(device=page_table.device, dtype=torch.int64)
+    return remap_topk(plan, page_table, row_req).to(page_table.dtype)
+
+
+def _pool_rows(pool: Any, layer_id: int) -> torch.Tensor:
+    return pool.kv_buffer[layer_id - pool.start_layer]
+
+
+def extend_dense_kv(pool: Any, layer_id: int, forward_batch: Any, k: Optional[torch.Tensor], k_rope: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The layer's dense KV view (history + current), in the dtype ``get_key_buffer`` returns; None when off.
+
+    Call before the layer's cache write. ``k``/``k_rope`` are the all-gathered current rows that
+    ``forward_extend`` hands ``set_mla_kv_buffer``; they are converted to the pool's row format by
+    upstream's own writer (bf16, FP8, or the packed 656-byte FP8 layout alike).
+    """
+    state = batch_state(forward_batch)
+    if state is None:
+        return None
+    if k is None:
+        raise CpSharedKvError(f"layer {layer_id}: CP shared-KV needs the current KV of the extend (k is None)")
+    plan = state.plan
+    check_cache_write_rows(plan, k.shape[0], f"layer {layer_id} dense fill")
+    pool_rows = _pool_rows(pool, layer_id)
+    if state.dense_kv is None:
+        state.dense_kv = new_dense_buffer(plan, tuple(pool_rows.shape[1:]), pool_rows.dtype)
+    materialize_history(plan, pool_rows, state.dense_kv, state.group)
+    # Upstream's writer skips location 0, so the N current rows land at 1..N of a scratch.
+    scratch = torch.empty((plan.num_tokens + 1, *pool_rows.shape[1:]), dtype=pool_rows.dtype, device=pool_rows.device)
+    scratch_locs = torch.arange(1, plan.num_tokens + 1, dtype=torch.int64, device=pool_rows.device)
+    pool._write_mla_kv_buffer(scratch, scratch_locs, k, k_rope)
+    fill_current(plan, scratch[1:], state.dense_kv)
+    if pool.store_dtype != pool.dtype:
+        return state.dense_kv.view(pool.dtype)
+    return state.dense_kv
+
+
+def cache_write_locs(forward_batch: Any, cache_loc: torch.Tensor, kv_rows: int) -> torch.Tensor:
+    """``cache_loc`` when off; else this rank's owned rows (others at upstream's skipped location 0)."""
+    state = batch_state(forward_batch)
+    if state is None:
+        return cache_loc
+    check_cache_write_rows(state.plan, kv_rows, "set_mla_kv_buffer")
+    return state.pool_write_locs
+
+
+def _index_k_pages(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
+    """An index-K page buffer ``[pages, page_bytes]`` seen as ``[pages * page_size, page_bytes / page_size]``
+    rows, the runtime's pool/dense shape (only whole pages are ever copied through this view)."""
+    return buffer.view(buffer.shape[0] * page_size, buffer.shape[1] // page_size)
+
+
+def store_index_k(pool: Any, forward_batch: Any, layer_id: int, key: torch.Tensor) -> bool:
+    """Index-K store in the mode: dense view (history, then current), then owned rows to the pool.
+
+    Returns False (nothing done) when the mode is off, so the indexer runs upstream's store.
+    """
+    state = batch_state(forward_batch)
+    if state is None:
+        return False
+    from sglang.kernels.ops.kvcache.dsa_fused_store_index_cache import can_use_dsa_fused_store, fused_store_index_k_cache
+
+    plan = state.plan
+    check_cache_write_rows(plan, key.shape[0], f"layer {layer_id} index-K store")
+    page_size = pool.index_page_size
+    if not key.is_cuda or not can_use_dsa_fused_store(key.dtype, torch.int64, page_size):
+        raise CpSharedKvError(
+            f"layer {layer_id}: CP shared-KV stores index K with upstream's fused store "
+            f"(CUDA, key dtype {key.dtype}, page size {page_size}), which is not available here"
+        )
+    pool_pages = pool.get_index_k_with_scale_buffer(layer_id)
+    if state.dense_index_k is None:
+        state.dense_index_k = torch.empty(
+            (plan.num_requests * plan.pages_per_request, pool_pages.shape[1]), dtype=pool_pages.dtype, device=pool_pages.device
+        )
+    materialize_history(plan, _index_k_pages(pool_pages, page_size), _index_k_pages(state.dense_index_k, page_size), state.group)
+    fused_store_index_k_cache(key, state.dense_index_k, plan.current_dense_locs.to(torch.int64), page_size)
+    fused_store_index_k_cache(key, pool_pages, state.pool_write_locs.to(torch.int64), page_size)
+    return True
+
+
+def index_k_and_scale(pool: Any, forward_batch: Any, layer_id: int, seq_len_tensor: torch.Tensor, block_tables: torch.Tensor, seq_len_sum: int, max_seq_len: int):
+    """The indexer's index-K read: the pool's when off, else the layer's dense index-K view (same reader)."""
+    state = batch_state(forward_batch)
+    if state is None:
+        return pool.get_index_k_scale_buffer(layer_id, seq_len_tensor, block_tables, seq_len_sum, max_seq_len)
+    if state.dense_index_k is None:
+        raise CpSharedKvError(f"layer {layer_id}: index K read before this batch stored any (no dense index-K view)")
+    from sglang.kernels.ops.kvcache import dsa_index_k_cache
+
+    return dsa_index_k_cache.GetKAndS.execute(
+        pool, state.dense_index_k, page_indices=block_tables, seq_len_tensor=seq_len_tensor, seq_len_sum=seq_len_sum, max_seq_len=max_seq_len
+    )
