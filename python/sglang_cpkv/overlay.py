@@ -12,6 +12,7 @@ and the pristine sha256 of every touched file) and the unified diffs themselves.
     python -m sglang_cpkv.overlay diff --file srt/x.py --edited /tmp/x.py   # write a new patch
     python -m sglang_cpkv.overlay pin-hashes                                # record pristine hashes
     python -m sglang_cpkv.overlay rebase --to 0.5.24 [--report PATH]        # move the pin
+    python -m sglang_cpkv.overlay show|diff --upstream 0.5.24 ...           # redo a patch that conflicted
 
 Patches apply strictly: every hunk's old lines must sit exactly at the stated line numbers (no
 fuzz, no offsets), and a run writes files only once every hunk of every patch has applied. Only
@@ -787,25 +788,38 @@ def check_queue(root: Path, wheel: Path | None = None) -> str:
     return f"ok: {len(queue.series)} patches, {len(touched)} upstream files, apply cleanly to {wheel.name}"
 
 
-def queue_state(root: Path, pin: Pin, rel_paths: Iterable[str], through_queue: bool) -> dict[str, str]:
-    """Pinned texts of ``rel_paths``, with the current series applied when ``through_queue``."""
+def queue_state(
+    root: Path, pin: Pin, rel_paths: Iterable[str], through_queue: bool, upstream: str | None = None
+) -> dict[str, str]:
+    """Texts of ``rel_paths`` in the pinned wheel, with the current series applied when ``through_queue``.
+
+    With ``upstream`` (a release other than the pin, e.g. the target of a rebase that conflicted),
+    the files come pristine from that release's wheel instead.
+    """
     queue = load_queue(root)
     rel_paths = sorted(set(rel_paths))
-    patches = queue.parsed() if through_queue else []
+    if upstream is not None and upstream != pin.version:
+        tag = default_python_tag() if default_python_tag() in pin.wheels else next(iter(pin.wheels))
+        wheel = fetch_unpinned(pin.package, upstream, tag, pin.wheels[tag].platform, cache_dir(root))
+        source, patches = f"{pin.package} {upstream}", []
+    else:
+        wheel, source = pinned_wheel(root, pin), f"the pinned {pin.package} {pin.version}"
+        patches = queue.parsed() if through_queue else []
     wanted = sorted(set(rel_paths) | {p for patch in patches for p in patch.touches})
-    data = read_wheel_files(pinned_wheel(root, pin), wanted)
+    data = read_wheel_files(wheel, wanted)
     missing = [rel for rel in rel_paths if data[rel] is None]
     if missing:
-        raise OverlayError(f"not in the pinned {pin.package} {pin.version} wheel: {', '.join(missing)}")
+        raise OverlayError(f"not in {source} wheel: {', '.join(missing)}")
     files = {rel: split_lines(blob.decode()) for rel, blob in data.items() if blob is not None}
     for patch in patches:
         apply_patch(files, patch)
     return {rel: "".join(files[rel]) for rel in rel_paths}
 
 
-def diff_files(root: Path, pairs: list[tuple[str, Path]], pristine: bool) -> str:
+def diff_files(root: Path, pairs: list[tuple[str, Path]], pristine: bool, upstream: str | None = None) -> str:
+    """A patch from edited copies of upstream files, against the base that ``queue_state`` gives."""
     pin = load_pin(root)
-    base = queue_state(root, pin, [rel for rel, _ in pairs], through_queue=not pristine)
+    base = queue_state(root, pin, [rel for rel, _ in pairs], through_queue=not pristine, upstream=upstream)
     out = "".join(make_diff(rel, base[rel], edited.read_bytes().decode()) for rel, edited in sorted(pairs))
     if not out:
         raise OverlayError("the edited files do not differ from the base: no patch to write")
@@ -1045,6 +1059,11 @@ def _parser() -> argparse.ArgumentParser:
         "--edited", action="append", required=True, type=Path, help="the edited copy (one per --file, same order)"
     )
     diff.add_argument(
+        "--upstream",
+        metavar="VERSION",
+        help="diff against that release's pristine file (to redo a patch that conflicted in a rebase)",
+    )
+    diff.add_argument(
         "--pristine",
         action="store_true",
         help="diff against the pinned file itself, not the file as the current series leaves it",
@@ -1052,6 +1071,7 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="print an upstream file as the current series leaves it (the base `diff` uses)")
     show.add_argument("--file", required=True, help="upstream path relative to the sglang package")
     show.add_argument("--pristine", action="store_true", help="print the pinned file itself")
+    show.add_argument("--upstream", metavar="VERSION", help="print that release's pristine file instead")
     sub.add_parser("pin-hashes", help="record the pristine sha256 of every touched file in manifest.json")
     reb = sub.add_parser("rebase", help="move the pin and the queue onto another upstream release")
     reb.add_argument("--to", required=True, dest="version", help="the upstream version, e.g. 0.5.24")
@@ -1077,9 +1097,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "diff":
             if len(args.files) != len(args.edited):
                 raise OverlayError("give one --edited per --file")
-            sys.stdout.write(diff_files(root, list(zip(args.files, args.edited)), args.pristine))
+            sys.stdout.write(diff_files(root, list(zip(args.files, args.edited)), args.pristine, args.upstream))
         elif args.command == "show":
-            sys.stdout.write(queue_state(root, load_pin(root), [args.file], through_queue=not args.pristine)[args.file])
+            sys.stdout.write(
+                queue_state(root, load_pin(root), [args.file], not args.pristine, args.upstream)[args.file]
+            )
         elif args.command == "pin-hashes":
             log(pin_hashes(root))
         elif args.command == "rebase":

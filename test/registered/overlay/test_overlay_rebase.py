@@ -114,6 +114,30 @@ def test_rebase_with_a_conflict_exits_non_zero_and_changes_nothing(tmp_path: Pat
     assert f"```diff\n{hunk}\n```" in report, "the report shows the failing hunk"
 
 
+def test_a_conflicting_patch_redone_against_the_new_release_lets_the_rebase_through(tmp_path: Path) -> None:
+    """The documented fix-up: ``show --upstream`` the new file, redo the edit, ``diff --upstream``, rebase again."""
+    root = overlay_demo.build_demo_queue(tmp_path / "queue", CACHE, conflict=True)
+    assert _rebase_cli(root, tmp_path / "failed.md").returncode == 1
+    rel = overlay_demo.CONFLICT_FILE
+    cli = [sys.executable, "-m", "sglang_cpkv.overlay", "--queue-root", str(root)]
+    show = subprocess.run([*cli, "show", "--upstream", "0.5.23", "--file", rel], capture_output=True, text=True)
+    assert show.returncode == 0, show.stderr
+    lines = show.stdout.splitlines(keepends=True)
+    edited = tmp_path / "memory_pool.py"
+    edited.write_text("".join(lines[:20] + ["# sglang-cpkv demo hook (redone)\n"] + lines[20:]))
+    diff = subprocess.run(
+        [*cli, "diff", "--upstream", "0.5.23", "--file", rel, "--edited", str(edited)], capture_output=True, text=True
+    )
+    assert diff.returncode == 0, diff.stderr
+    conflict_patch = root / "patches" / "core" / "demo-conflict.patch"
+    conflict_patch.write_text(conflict_patch.read_text().split("---", 1)[0] + diff.stdout)
+
+    proc = _rebase_cli(root, tmp_path / "report.md")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _verdicts(proc.stdout)["core/demo-conflict.patch"] == "applies cleanly"
+    assert overlay.check_queue(root).startswith("ok: 3 patches")
+
+
 def test_rebase_keeps_the_manifest_format_valid(tmp_path: Path) -> None:
     """The manifest a rebase writes passes the same validation as a hand-written one."""
     root = overlay_demo.build_demo_queue(tmp_path / "queue", CACHE)
