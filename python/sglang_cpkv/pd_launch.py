@@ -63,6 +63,7 @@ CP_SHARED_KV_FLAG = "--enable-cp-shared-kv"
 # Environment variables worth recording in a log header: they change how NCCL, the KV transfer engine
 # and upstream behave, and are the first thing to compare when two launches differ.
 RECORDED_ENV_PREFIXES = ("PD_", "NCCL_", "MC_", "UCX_", "SGLANG_", "CUDA_", "NVSHMEM_", "GLOO_")
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD")  # their values never reach a log
 
 ENV_DEFAULTS: dict[str, str] = {
     "PD_MODEL_PATH": "zai-org/GLM-5.1-FP8",
@@ -433,7 +434,7 @@ def _pid_file(cfg: PDConfig, role: str) -> Path:
 def _log_header(role: str, argv: Sequence[str]) -> str:
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_ENV_PREFIXES)}
     lines = [f"# pd_launch {role} at {time.strftime('%Y-%m-%d %H:%M:%S %Z')} on {os.uname().nodename}", f"# command: {shlex.join(argv)}"]
-    lines += [f"# env {k}={v}" for k, v in env.items()]
+    lines += [f"# env {k}={'<redacted>' if any(word in k for word in SECRET_WORDS) else v}" for k, v in env.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -479,7 +480,8 @@ def _health_ok(url: str) -> bool:
 def wait_healthy(role: str, cfg: PDConfig, pid: int | None = None) -> None:
     """Poll ``role``'s /health until it answers 200, the process exits, or PD_HEALTH_TIMEOUT passes."""
     url = cfg.health_url(role)
-    deadline = time.monotonic() + cfg.health_timeout
+    started = time.monotonic()
+    deadline = started + cfg.health_timeout
     _log(f"waiting for {role} at {url} (up to {cfg.health_timeout:.0f}s)")
     while True:
         if _health_ok(url):
@@ -490,7 +492,8 @@ def wait_healthy(role: str, cfg: PDConfig, pid: int | None = None) -> None:
             raise PDLaunchError(f"{role} exited before it became healthy (see {cfg.log_dir / (role + '.log')})")
         if time.monotonic() >= deadline:
             raise PDLaunchError(f"{role} not healthy at {url} after {cfg.health_timeout:.0f}s (PD_HEALTH_TIMEOUT)")
-        time.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
+        interval = 0.5 if time.monotonic() - started < 10 else 2.0  # quick for a quick start, then gentle
+        time.sleep(min(interval, max(0.1, deadline - time.monotonic())))
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -564,11 +567,13 @@ def status(roles: Sequence[str], cfg: PDConfig, out=sys.stdout) -> bool:
     all_ok = True
     for role in roles:
         record = _read_pid_record(cfg, role)
-        running = bool(record and _record_alive(record))
+        if record is None:
+            process = "no pid record (not started by `start` from this PD_LOG_DIR)"
+        else:
+            process = f"pid {record['pid']} {'running' if _record_alive(record) else 'gone'}"
         healthy = _health_ok(cfg.health_url(role))
         all_ok &= healthy
-        pid = record["pid"] if record else "-"
-        print(f"{role}: pid {pid} {'running' if running else 'not running'}, {'healthy' if healthy else 'not healthy'} ({cfg.health_url(role)})", file=out)
+        print(f"{role}: {process}, {'healthy' if healthy else 'not healthy'} ({cfg.health_url(role)})", file=out)
     return all_ok
 
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from sglang_cpkv.pd_launch import CP_SHARED_KV_FLAG, ROLES, PDConfig, PDLaunchError, build_command, dry_run
+from sglang_cpkv.pd_launch import CP_SHARED_KV_FLAG, ENV_DEFAULTS, ROLES, PDConfig, PDLaunchError, build_command, dry_run
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=30, suite="cpkv-cpu")
+register_cpu_ci(est_time=40, suite="cpkv-cpu")
 
 REPO = Path(__file__).resolve().parents[3]
 PD = REPO / "scripts" / "pd"
@@ -118,6 +118,18 @@ def test_dry_run_through_the_bash_launcher():
     assert bad.stdout.startswith("# router\n") and "-m sglang_router.launch_router --pd-disaggregation" in bad.stdout
 
 
+def test_documented_env_file_sets_only_settings_the_launcher_reads():
+    # A misspelled PD_* variable would be ignored silently on the cluster.
+    shown = subprocess.run(["bash", "-c", f". {PD / 'glm51-fp8-b300.env'} && env -0"], capture_output=True, timeout=30,
+                           env={"PATH": os.environ["PATH"]}, check=True).stdout.decode().split("\0")  # fmt: skip
+    env = dict(item.split("=", 1) for item in shown if "=" in item)
+    pd_vars = {k for k in env if k.startswith("PD_")}
+    assert pd_vars and pd_vars <= set(ENV_DEFAULTS) | {"PD_PYTHON", "PD_LAUNCH_PYTHON", "PD_ENV_FILE"}, sorted(pd_vars - set(ENV_DEFAULTS))
+    config = PDConfig.from_env(env)
+    assert (config.prefill_tp, config.prefill_cp, config.decode_tp, config.decode_dp) == (8, 8, 8, 8)
+    assert env["NCCL_IB_HCA"].count("roce_vf_rail") == 8
+
+
 # ---------------------------------------------------------------------------------- lifecycle
 
 STUB = textwrap.dedent(
@@ -179,6 +191,8 @@ def stub_env(tmp_path):
         "PD_HEALTH_TIMEOUT": "30",
         "PD_STOP_TIMEOUT": "5",
         "STUB_CHILD_PID_FILE": str(tmp_path / "child.pid"),
+        "NCCL_IB_HCA": "mlx5_0,mlx5_1",
+        "SGLANG_API_KEY": "do-not-log-me",
     }
     yield env
     subprocess.run([PD / "stop.sh"], env=env, capture_output=True, timeout=60)
@@ -199,6 +213,7 @@ def test_start_health_wait_status_and_stop_end_exactly_the_started_group(stub_en
         assert alive(record["pid"]) and alive(child)
         log = (tmp_path / "logs" / "prefill.log").read_text()
         assert "# command: " in log and "--disaggregation-mode prefill" in log and "stub server starting" in log
+        assert "# env NCCL_IB_HCA=mlx5_0,mlx5_1" in log and "do-not-log-me" not in log
 
         assert launch(PD / "run_prefill.sh", "status", env=stub_env).returncode == 0
         again = launch(PD / "run_prefill.sh", env=stub_env)
