@@ -11,6 +11,7 @@ setup:
 
 # The registered CPU suite: exactly what .ci/run runs. Triton kernels run in the interpreter.
 test: setup
+	$(PY) -m sglang_cpkv.overlay check
 	TRITON_INTERPRET=1 $(PY) test/run_suite.py --hw cpu --jobs 2
 
 # The seed's scenario: a bs>1 batch sharing a prefix page with current reuse, per request
