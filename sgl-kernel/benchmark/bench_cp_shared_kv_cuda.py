@@ -156,6 +156,11 @@ def main() -> int:
     report("remap_locs", "4096x2048 int32, R=8", "cuda", median_ms(lambda: cuda.remap_locs(locs, req_id, inverse, CAPACITY, PAGE_SIZE, errors)), nbytes, roofline)
     report("remap_locs", "4096x2048 int32, R=8", "cuda graph", graph_median_ms(lambda: cuda.remap_locs(locs, req_id, inverse, CAPACITY, PAGE_SIZE, errors), calls=10), nbytes, roofline)
     report("remap_locs", "4096x2048 int32, R=8", "torch gather", median_ms(torch_remap), nbytes, roofline)
+    # The one-element path (row base off a 16-byte boundary), for comparison with the 16-byte path above.
+    locs_wide = torch.empty((4096, 2052), dtype=torch.int32, device=dev)
+    locs_unaligned = locs_wide[:, 1:2049]
+    locs_unaligned.copy_(locs)
+    report("remap_locs", "4096x2048 int32, R=8", "cuda 1-element path", median_ms(lambda: cuda.remap_locs(locs_unaligned, req_id, inverse, CAPACITY, PAGE_SIZE, errors)), nbytes, roofline)
 
     # Inverse build per batch: P = 2048 pages (128K tokens) per request, C = 40960.
     for batch in (1, 2, 4, 8):

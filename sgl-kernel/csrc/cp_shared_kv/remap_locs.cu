@@ -8,14 +8,37 @@ namespace sglang_cpkv {
 namespace {
 
 constexpr int kRemapThreads = 256;
-// Elements per thread: all loads of locs and request ids are issued before the inverse lookups.
-constexpr int kRemapUnroll = 4;
-constexpr int64_t kRemapElemsPerBlock = kRemapThreads * kRemapUnroll;
 
-/// One thread per kRemapUnroll elements of the flat [N, K] index (consecutive threads, consecutive columns).
-/// The request id is read per row (req_id[n], compact) and the row stride K turns the flat index into (n, k).
+/// kVec consecutive elements of one row, loaded or stored as one aligned access.
+template <typename T, int kVec>
+struct alignas(sizeof(T) * kVec) Lanes {
+  T value[kVec];
+};
+
+/// Where one pool location of request req reads the inverse (index -1: nowhere) and which error it counts
+/// (-1: none); see cp_shared_kv.h. Branch-light so that a thread's inverse lookups can all be in flight at once.
+struct Lookup {
+  int64_t index;   // into inverse, or -1
+  int64_t offset;  // token offset in the page
+  int error;       // error kind, or -1
+};
+
+__device__ __forceinline__ Lookup classify(
+    int64_t loc, int64_t req, int64_t batch_rows, int64_t capacity, int64_t page_size, int page_shift) {
+  // A negative location or a padding row (-1) is padding: -1, nothing counted.
+  if (loc < 0 || req == -1) return {-1, 0, -1};
+  if (req < -1 || req >= batch_rows) return {-1, 0, kErrReqOutOfRange};
+  const int64_t page = page_shift >= 0 ? loc >> page_shift : loc / page_size;
+  if (page >= capacity) return {-1, 0, kErrPageOutOfRange};
+  return {req * capacity + page, loc - page * page_size, -1};
+}
+
+/// Each thread takes kUnroll groups of kVec consecutive elements of one row (K % kVec == 0), consecutive threads
+/// consecutive groups; all loads of locs and request ids are issued before the inverse lookups. The request id is
+/// read per row (req_id[n], compact) and the row length K turns the flat index into (n, k).
+/// \tparam kVec  elements per access: 16 bytes of locs when K, the row stride and the base allow it, else 1.
 /// \tparam FlatT uint32_t when N * K fits, else uint64_t.
-template <typename LocT, typename FlatT>
+template <typename LocT, int kVec, int kUnroll, typename FlatT>
 __global__ void __launch_bounds__(kRemapThreads)
     remap_locs_kernel(const LocT* __restrict__ locs,        // [N, K], row stride locs_row_stride
                       int64_t locs_row_stride,              // elements between rows of locs
@@ -29,44 +52,83 @@ __global__ void __launch_bounds__(kRemapThreads)
                       int page_shift,                       // log2(page_size) when a power of two, else -1
                       int32_t* __restrict__ dense_locs,     // [N, K] contiguous
                       int32_t* __restrict__ errors) {       // [kNumErrorKinds]
-  const FlatT first = static_cast<FlatT>(blockIdx.x) * static_cast<FlatT>(kRemapElemsPerBlock) + threadIdx.x;
-  int64_t loc[kRemapUnroll];
-  int64_t req[kRemapUnroll];
+  const FlatT groups = total / kVec;
+  const FlatT groups_per_row = row_len / kVec;
+  const FlatT first = static_cast<FlatT>(blockIdx.x) * static_cast<FlatT>(kRemapThreads * kUnroll) + threadIdx.x;
+  Lanes<LocT, kVec> loc[kUnroll];
+  int64_t req[kUnroll];
 #pragma unroll
-  for (int k = 0; k < kRemapUnroll; ++k) {
-    const FlatT flat = first + static_cast<FlatT>(k) * kRemapThreads;
-    loc[k] = -1;
+  for (int k = 0; k < kUnroll; ++k) {
+    const FlatT group = first + static_cast<FlatT>(k) * kRemapThreads;
     req[k] = -1;
-    if (flat < total) {
-      const FlatT row = flat / row_len;
-      const FlatT col = flat - row * row_len;
-      loc[k] = static_cast<int64_t>(locs[static_cast<int64_t>(row) * locs_row_stride + static_cast<int64_t>(col)]);
+    if (group < groups) {
+      const FlatT row = group / groups_per_row;
+      const FlatT col = (group - row * groups_per_row) * kVec;
+      loc[k] = *reinterpret_cast<const Lanes<LocT, kVec>*>(locs + static_cast<int64_t>(row) * locs_row_stride +
+                                                           static_cast<int64_t>(col));
       req[k] = req_id[row];
     }
   }
+  Lookup lookup[kUnroll][kVec];
 #pragma unroll
-  for (int k = 0; k < kRemapUnroll; ++k) {
-    const FlatT flat = first + static_cast<FlatT>(k) * kRemapThreads;
-    if (flat >= total) continue;
-    int32_t dense = -1;
-    // A negative location or a padding row (-1) is padding: -1, nothing counted.
-    if (loc[k] >= 0 && req[k] != -1) {
-      if (req[k] < -1 || req[k] >= batch_rows) {
-        detail::count_error(errors, kErrReqOutOfRange);
-      } else {
-        const int64_t page = page_shift >= 0 ? loc[k] >> page_shift : loc[k] / page_size;
-        const int64_t offset = loc[k] - page * page_size;
-        if (page >= capacity) {
-          detail::count_error(errors, kErrPageOutOfRange);
-        } else {
-          const int32_t slot = inverse[req[k] * capacity + page];
-          // Truncation to int32 as the reference's .to(torch.int32).
-          if (slot >= 0) dense = static_cast<int32_t>(static_cast<int64_t>(slot) * page_size + offset);
-        }
-      }
+  for (int k = 0; k < kUnroll; ++k) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      lookup[k][e] = classify(
+          req[k] == -1 ? -1 : static_cast<int64_t>(loc[k].value[e]), req[k], batch_rows, capacity, page_size, page_shift);
     }
-    dense_locs[flat] = dense;
   }
+  int32_t slot[kUnroll][kVec];
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k) {
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) slot[k][e] = lookup[k][e].index >= 0 ? inverse[lookup[k][e].index] : -1;
+  }
+#pragma unroll
+  for (int k = 0; k < kUnroll; ++k) {
+    const FlatT group = first + static_cast<FlatT>(k) * kRemapThreads;
+    if (group >= groups) continue;
+    Lanes<int32_t, kVec> dense;
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      if (lookup[k][e].error >= 0) detail::count_error(errors, lookup[k][e].error);
+      // Truncation to int32 as the reference's .to(torch.int32).
+      dense.value[e] = slot[k][e] >= 0 ? static_cast<int32_t>(static_cast<int64_t>(slot[k][e]) * page_size +
+                                                              lookup[k][e].offset)
+                                       : -1;
+    }
+    *reinterpret_cast<Lanes<int32_t, kVec>*>(dense_locs + static_cast<int64_t>(group) * kVec) = dense;
+  }
+}
+
+template <typename LocT, int kVec, int kUnroll>
+cudaError_t launch_remap_locs(const LocT* locs,
+                              int64_t num_rows,
+                              int64_t row_len,
+                              int64_t locs_row_stride,
+                              const int64_t* req_id,
+                              const int32_t* inverse,
+                              int64_t batch_rows,
+                              int64_t capacity,
+                              int64_t page_size,
+                              int page_shift,
+                              int32_t* dense_locs,
+                              int32_t* errors,
+                              cudaStream_t stream) {
+  constexpr int64_t kElemsPerBlock = int64_t{kRemapThreads} * kUnroll * kVec;
+  const int64_t total = num_rows * row_len;
+  const dim3 grid(static_cast<unsigned>((total + kElemsPerBlock - 1) / kElemsPerBlock));
+  // The last block's flat indices reach past total by less than one block.
+  if (total + kElemsPerBlock <= static_cast<int64_t>(UINT32_MAX)) {
+    remap_locs_kernel<LocT, kVec, kUnroll, uint32_t><<<grid, kRemapThreads, 0, stream>>>(
+        locs, locs_row_stride, req_id, inverse, static_cast<uint32_t>(total), static_cast<uint32_t>(row_len),
+        batch_rows, capacity, page_size, page_shift, dense_locs, errors);
+  } else {
+    remap_locs_kernel<LocT, kVec, kUnroll, uint64_t><<<grid, kRemapThreads, 0, stream>>>(
+        locs, locs_row_stride, req_id, inverse, static_cast<uint64_t>(total), static_cast<uint64_t>(row_len),
+        batch_rows, capacity, page_size, page_shift, dense_locs, errors);
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -84,43 +146,23 @@ cudaError_t remap_locs(const LocT* locs,
                        int32_t* dense_locs,
                        int32_t* errors,
                        cudaStream_t stream) {
-  const int64_t total = num_rows * row_len;
-  if (total == 0) return cudaSuccess;
+  if (num_rows * row_len == 0) return cudaSuccess;
   int page_shift = -1;
   if ((page_size & (page_size - 1)) == 0) {
     page_shift = 0;
     while ((int64_t{1} << page_shift) < page_size) ++page_shift;
   }
-  const dim3 grid(static_cast<unsigned>((total + kRemapElemsPerBlock - 1) / kRemapElemsPerBlock));
-  // The last block's flat indices reach past total by less than one block.
-  if (total + kRemapElemsPerBlock <= static_cast<int64_t>(UINT32_MAX)) {
-    remap_locs_kernel<LocT, uint32_t><<<grid, kRemapThreads, 0, stream>>>(locs,
-                                                                          locs_row_stride,
-                                                                          req_id,
-                                                                          inverse,
-                                                                          static_cast<uint32_t>(total),
-                                                                          static_cast<uint32_t>(row_len),
-                                                                          batch_rows,
-                                                                          capacity,
-                                                                          page_size,
-                                                                          page_shift,
-                                                                          dense_locs,
-                                                                          errors);
-  } else {
-    remap_locs_kernel<LocT, uint64_t><<<grid, kRemapThreads, 0, stream>>>(locs,
-                                                                          locs_row_stride,
-                                                                          req_id,
-                                                                          inverse,
-                                                                          static_cast<uint64_t>(total),
-                                                                          static_cast<uint64_t>(row_len),
-                                                                          batch_rows,
-                                                                          capacity,
-                                                                          page_size,
-                                                                          page_shift,
-                                                                          dense_locs,
-                                                                          errors);
+  // 16-byte loads of locs (4 int32 or 2 int64 per access) when every row starts on a 16-byte boundary.
+  constexpr int kVec = 16 / sizeof(LocT);
+  const bool vectorized = row_len % kVec == 0 && locs_row_stride % kVec == 0 &&
+                          reinterpret_cast<uintptr_t>(locs) % 16 == 0 &&
+                          reinterpret_cast<uintptr_t>(dense_locs) % (sizeof(int32_t) * kVec) == 0;
+  if (vectorized) {
+    return launch_remap_locs<LocT, kVec, 2>(locs, num_rows, row_len, locs_row_stride, req_id, inverse, batch_rows,
+                                            capacity, page_size, page_shift, dense_locs, errors, stream);
   }
-  return cudaGetLastError();
+  return launch_remap_locs<LocT, 1, 4>(locs, num_rows, row_len, locs_row_stride, req_id, inverse, batch_rows,
+                                       capacity, page_size, page_shift, dense_locs, errors, stream);
 }
 
 template cudaError_t remap_locs<int32_t>(const int32_t*,

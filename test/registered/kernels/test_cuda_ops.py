@@ -11,6 +11,7 @@ build) or, in this test, a JIT build (``SGLANG_CPKV_CUDA_JIT`` defaults to 1 her
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -130,11 +131,23 @@ def _locs_and_req(table: torch.Tensor, capacity: int, page_size: int, num_rows: 
     loc[(u >= 0.1) & (u < 0.15)] = -1
     loc[(u >= 0.15) & (u < 0.17)] = -9
     loc[(u >= 0.17) & (u < 0.2)] = capacity * page_size + 3
-    loc[0, 0], loc[1, 0] = 0, capacity * page_size + 3
+    loc[0], loc[1] = 0, capacity * page_size + 3  # whole rows, so that any column slice keeps them
     return loc.to(loc_dtype).to(DEVICE), req.to(DEVICE)
 
 
-@pytest.mark.parametrize("shape", ["1d", "2d", "2d_strided"])
+# name -> (K, columns of the allocated tensor, first column): K = 64 with an aligned base takes the 16-byte path
+# (rows of 4 int32 / 2 int64 per access), the others the one-element path.
+REMAP_SHAPES = {
+    "1d": (1, 1, 0),
+    "2d_k67": (67, 67, 0),
+    "2d_k67_strided": (67, 72, 0),
+    "2d_k64": (64, 64, 0),
+    "2d_k64_strided": (64, 68, 0),
+    "2d_k64_misaligned": (64, 68, 1),  # row stride allows 16 bytes, the base does not
+}
+
+
+@pytest.mark.parametrize("shape", list(REMAP_SHAPES))
 @pytest.mark.parametrize("loc_dtype", INDEX_DTYPES)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("rows", BATCH_ROWS)
@@ -142,12 +155,11 @@ def test_remap_locs(cuda_ops, rows, page_size, loc_dtype, shape):
     gen = _gen("remap", rows, page_size, loc_dtype, shape)
     table = _page_table(rows, 12, CAPACITY, gen, torch.int32, bad_ids=False)
     inverse = reference.build_page_inverse(table, CAPACITY, new_error_counter(DEVICE))
-    row_len = 1 if shape == "1d" else 67
-    locs, req = _locs_and_req(table, CAPACITY, page_size, 301, row_len + 5 * (shape == "2d_strided"), gen, loc_dtype)
+    row_len, columns, first = REMAP_SHAPES[shape]
+    locs, req = _locs_and_req(table, CAPACITY, page_size, 301, columns, gen, loc_dtype)
+    locs = locs[:, first : first + row_len]
     if shape == "1d":
         locs = locs.reshape(-1)
-    elif shape == "2d_strided":
-        locs = locs[:, :row_len]
     want, want_errors = _run(reference, "remap_locs", locs, req, inverse, CAPACITY, page_size)
     have, have_errors = _run(cuda_ops, "remap_locs", locs, req, inverse, CAPACITY, page_size)
     assert have.dtype == torch.int32 and have.shape == locs.shape
@@ -379,6 +391,49 @@ def _unique_current_locs(table: torch.Tensor, per_request: int, page_size: int, 
         locs.append(tokens[torch.randperm(tokens.numel(), generator=gen)[:per_request]])
         req.append(torch.full((per_request,), r, dtype=torch.int64))
     return torch.cat(locs).to(DEVICE), torch.cat(req).to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    "op, make_args, message",
+    [
+        ("remap_locs", lambda: (torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), torch.zeros(4, dtype=torch.int32, device=DEVICE), torch.full((24,), -1, dtype=torch.int32, device=DEVICE), 12, 4), "req_id must be int64, got Int"),
+        ("remap_locs", lambda: (torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), torch.zeros(3, dtype=torch.int64, device=DEVICE), torch.full((24,), -1, dtype=torch.int32, device=DEVICE), 12, 4), "req_id must have one id per row of locs"),
+        ("remap_locs", lambda: (torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.full((25,), -1, dtype=torch.int32, device=DEVICE), 12, 4), "inverse must hold R * C entries with C = capacity = 12, got 25"),
+        ("build_page_inverse", lambda: (torch.zeros(2, 3, dtype=torch.float32, device=DEVICE), 12), "page_table must be int32 or int64, got Float"),
+        ("build_page_inverse", lambda: (torch.zeros(2, 3, dtype=torch.int32), 12), "page_table must be a CUDA tensor"),
+        ("copy_pages", lambda: (torch.zeros(4, 8, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE), torch.zeros(4, 8, dtype=torch.float16, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE)), "src and dst must have one dtype"),
+        ("copy_pages", lambda: (torch.zeros(4, 8, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE), torch.zeros(4, 8, device=DEVICE), torch.zeros(3, dtype=torch.int32, device=DEVICE)), "dst_page must have one entry per src_page entry (2), got 3"),
+        ("scatter_rows", lambda: (torch.zeros(4, 8, device=DEVICE), torch.zeros(5, dtype=torch.int64, device=DEVICE), torch.zeros(6, 8, device=DEVICE)), "dst_loc must have one entry per src row (4), got 5"),
+        ("scatter_rows", lambda: (torch.zeros(4, 8, device=DEVICE)[:, ::2], torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(6, 4, device=DEVICE)), "src must be contiguous after dim 0"),
+    ],
+)
+def test_checks_name_the_bad_argument(cuda_ops, op, make_args, message):
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        getattr(cuda_ops, op)(*make_args(), new_error_counter(DEVICE))
+
+
+def test_torch_compile_fullgraph(cuda_ops):
+    """The ops trace into one graph (fake implementations, declared mutations) and give the eager results."""
+    capacity, page_size = 400, 16
+    gen = _gen("compile")
+    table = _page_table(3, 8, capacity, gen, torch.int32, bad_ids=True)
+    top_locs, top_req = _locs_and_req(table, capacity, page_size, 40, 32, gen, torch.int32)
+    pool, src_page, dense, dst_page, cur, dst_loc = _layer_inputs(3, page_size, "bf16", gen, torch.int64)
+
+    def layer(errors, dense_out):
+        inverse = cuda_ops.build_page_inverse(table, capacity, errors)
+        top_dense = cuda_ops.remap_locs(top_locs, top_req, inverse, capacity, page_size, errors)
+        cuda_ops.materialize_and_fill(pool, src_page, dense_out, dst_page, cur, dst_loc, errors)
+        return inverse, top_dense
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    eager_errors, eager_dense = new_error_counter(DEVICE), dense.clone()
+    compiled_errors, compiled_dense = new_error_counter(DEVICE), dense.clone()
+    eager = layer(eager_errors, eager_dense)
+    got = compiled(compiled_errors, compiled_dense)
+    assert all(torch.equal(a, b) for a, b in zip(got, eager))
+    _assert_same_bytes(compiled_dense, eager_dense, "dense under torch.compile")
+    assert compiled_errors.tolist() == eager_errors.tolist() and eager_errors.sum() > 0
 
 
 def test_cuda_graph_capture_and_replay(cuda_ops):
