@@ -25,7 +25,8 @@ agree on the KV row layout):
   PD_TRANSFER_BACKEND, PD_IB_DEVICE, PD_BOOTSTRAP_PORT, PD_DSA_PREFILL_BACKEND, PD_DSA_DECODE_BACKEND,
   PD_PREFILL_HOST, PD_PREFILL_PORT, PD_PREFILL_TP, PD_PREFILL_CP, PD_PREFILL_DP, PD_CP_STRATEGY,
   PD_PREFILL_BASE_GPU_ID, PD_CHUNKED_PREFILL_SIZE, PD_CP_SHARED_KV (0/1: ``--enable-cp-shared-kv``, a flag
-  of our patch queue), PD_PREFILL_EXTRA_ARGS,
+  of our patch queue, on the prefill server; set it on every node: it also gives prefill and decode
+  ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1``), PD_PREFILL_EXTRA_ARGS,
   PD_DECODE_HOST, PD_DECODE_PORT, PD_DECODE_TP, PD_DECODE_DP, PD_DECODE_BASE_GPU_ID,
   PD_DECODE_CUDA_GRAPH_MAX_BS, PD_DECODE_EXTRA_ARGS,
   PD_ROUTER_HOST, PD_ROUTER_PORT, PD_PREFILL_URL, PD_DECODE_URL (how the router reaches the servers),
@@ -60,6 +61,9 @@ ROLES = ("prefill", "decode", "router")
 SERVER_MODULE = "sglang.launch_server"
 ROUTER_MODULE = "sglang_router.launch_router"
 CP_SHARED_KV_FLAG = "--enable-cp-shared-kv"
+# Under CP shared-KV every prefill CP rank holds only the pages it owns, so the decode side must pull from all
+# CP ranks: upstream reads this on both servers (sglang_cpkv.integration.server_args refuses the flag without it).
+ALL_CP_RANKS_TRANSFER_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
 # Environment variables worth recording in a log header: they change how NCCL, the KV transfer engine
 # and upstream behave, and are the first thing to compare when two launches differ.
 RECORDED_ENV_PREFIXES = ("PD_", "NCCL_", "MC_", "UCX_", "SGLANG_", "CUDA_", "NVSHMEM_", "GLOO_")
@@ -178,6 +182,7 @@ class PDConfig:
     log_dir: Path
     health_timeout: float
     stop_timeout: float
+    all_cp_ranks_transfer: str  # the environment's SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER, "" when unset
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "PDConfig":
@@ -218,9 +223,18 @@ class PDConfig:
             log_dir=Path(_get(env, "PD_LOG_DIR")).absolute(),
             health_timeout=float(_int(env, "PD_HEALTH_TIMEOUT", 1)),
             stop_timeout=float(_int(env, "PD_STOP_TIMEOUT", 1)),
+            all_cp_ranks_transfer=env.get(ALL_CP_RANKS_TRANSFER_ENV, ""),
         )
         cfg._check_layout()
+        cfg._check_cp_shared_kv()
         return cfg
+
+    def _check_cp_shared_kv(self) -> None:
+        if self.cp_shared_kv and self.all_cp_ranks_transfer not in ("", "1", "true", "True"):
+            raise PDLaunchError(
+                f"PD_CP_SHARED_KV=1 needs {ALL_CP_RANKS_TRANSFER_ENV}=1 on prefill and decode (each CP rank sends "
+                f"the pages it owns), but the environment sets it to {self.all_cp_ranks_transfer!r}"
+            )
 
     def _check_layout(self) -> None:
         """Divisibility rules of upstream's parallel layout (dp, cp, tp; tp fastest), named by env var."""
@@ -309,6 +323,20 @@ def router_args(cfg: PDConfig) -> list[str]:
     ] + list(cfg.router_extra_args)  # fmt: skip
 
 
+def role_env(role: str, cfg: PDConfig) -> dict[str, str]:
+    """Environment variables the launcher adds for ``role`` (on top of the inherited environment)."""
+    _require_role(role)
+    if cfg.cp_shared_kv and role in ("prefill", "decode"):
+        return {ALL_CP_RANKS_TRANSFER_ENV: "1"}
+    return {}
+
+
+def shell_command(role: str, cfg: PDConfig) -> str:
+    """``role``'s command as one shell line, with the variables the launcher adds in front."""
+    assignments = [f"{k}={shlex.quote(v)}" for k, v in role_env(role, cfg).items()]
+    return " ".join([*assignments, shlex.join(build_command(role, cfg))])
+
+
 def build_command(role: str, cfg: PDConfig) -> list[str]:
     """The full argv that starts ``role``."""
     _require_role(role)
@@ -375,7 +403,7 @@ def dry_run(roles: Sequence[str], cfg: PDConfig, out=sys.stdout) -> None:
     for role in roles:
         _require_role(role)
         print(f"# {role}", file=out)
-        print(shlex.join(build_command(role, cfg)), file=out)
+        print(shell_command(role, cfg), file=out)
     for role in roles:
         if role == "router":
             if router_parser_available():
@@ -431,8 +459,8 @@ def _pid_file(cfg: PDConfig, role: str) -> Path:
     return cfg.log_dir / f"{role}.pid"
 
 
-def _log_header(role: str, argv: Sequence[str]) -> str:
-    env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(RECORDED_ENV_PREFIXES)}
+def _log_header(role: str, argv: Sequence[str], added_env: Mapping[str, str]) -> str:
+    env = {k: v for k, v in sorted({**os.environ, **added_env}.items()) if k.startswith(RECORDED_ENV_PREFIXES)}
     lines = [f"# pd_launch {role} at {time.strftime('%Y-%m-%d %H:%M:%S %Z')} on {os.uname().nodename}", f"# command: {shlex.join(argv)}"]
     lines += [f"# env {k}={'<redacted>' if any(word in k for word in SECRET_WORDS) else v}" for k, v in env.items()]
     return "\n".join(lines) + "\n"
@@ -512,11 +540,12 @@ def start(role: str, cfg: PDConfig, wait: bool = True) -> int:
     argv = build_command(role, cfg)
     log_path = _new_log(cfg, role)
     with open(log_path, "w") as log_file:
-        log_file.write(_log_header(role, argv))
+        log_file.write(_log_header(role, argv, role_env(role, cfg)))
         log_file.flush()
         # start_new_session: the role and every process it spawns (schedulers, detokenizer) share one
         # process group that `stop` can end without touching anything else on the host.
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **role_env(role, cfg)})  # fmt: skip
     record = {"role": role, "pid": proc.pid, "pgid": proc.pid, "start_time": _proc_start_time(proc.pid), "argv": argv, "log": str(log_path)}
     _pid_file(cfg, role).write_text(json.dumps(record, indent=1) + "\n")
     _log(f"started {role}: pid {proc.pid}, log {log_path}")
@@ -586,11 +615,12 @@ def run_foreground(role: str, cfg: PDConfig) -> int:
     argv = build_command(role, cfg)
     log_path = _new_log(cfg, role)
     with open(log_path, "w") as log_file:
-        header = _log_header(role, argv)
+        header = _log_header(role, argv, role_env(role, cfg))
         log_file.write(header)
         sys.stdout.write(header)
         sys.stdout.flush()
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **role_env(role, cfg)})  # fmt: skip
 
         def forward(signum, _frame):
             with contextlib.suppress(ProcessLookupError):
@@ -644,7 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "dry-run":
             dry_run(args.roles, cfg)
         elif args.command == "print":
-            print(shlex.join(build_command(args.role, cfg)))
+            print(shell_command(args.role, cfg))
         elif args.command == "start":
             start(args.role, cfg, wait=not args.no_wait)
         elif args.command == "run":

@@ -122,6 +122,12 @@ def test_install_script_patches_installs_and_verifies(tmp_path, pinned_wheel):
     if editable_before is not None:
         assert editable.read_text() == editable_before  # the test environment's editable install is untouched
 
+    # The launcher's dry-run against the patched parser: the opt-in flag of our queue is accepted there.
+    dry = subprocess.run([python, "-m", "sglang_cpkv.pd_launch", "dry-run", "prefill"], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path, env={**os.environ, "PD_CP_SHARED_KV": "1"})  # fmt: skip
+    assert dry.returncode == 0, dry.stderr
+    assert "--enable-cp-shared-kv" in dry.stdout and "# prefill: flags accepted by upstream's ServerArgs parser" in dry.stdout
+
     # A broken state must fail the script: a touched upstream file that is neither pristine nor ours.
     victim = sglang_root / next(iter(record["files"]))
     victim.write_text(victim.read_text() + "# edited by hand\n")

@@ -21,7 +21,18 @@ from pathlib import Path
 
 import pytest
 
-from sglang_cpkv.pd_launch import CP_SHARED_KV_FLAG, ENV_DEFAULTS, ROLES, PDConfig, PDLaunchError, build_command, dry_run
+from sglang_cpkv.pd_launch import (
+    ALL_CP_RANKS_TRANSFER_ENV,
+    CP_SHARED_KV_FLAG,
+    ENV_DEFAULTS,
+    ROLES,
+    PDConfig,
+    PDLaunchError,
+    build_command,
+    dry_run,
+    role_env,
+    shell_command,
+)
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=40, suite="cpkv-cpu")
@@ -88,6 +99,14 @@ def test_cp_shared_kv_flag_is_opt_in_and_checked_against_the_installed_upstream(
     patched = CP_SHARED_KV_FLAG in parser._option_string_actions
     config = cfg(PD_CP_SHARED_KV="1")
     assert CP_SHARED_KV_FLAG in build_command("prefill", config)
+    assert CP_SHARED_KV_FLAG not in build_command("decode", config)
+    # Owner-sharded pages: decode must pull from every prefill CP rank, and both sides read the switch.
+    for role in ("prefill", "decode"):
+        assert role_env(role, config) == {ALL_CP_RANKS_TRANSFER_ENV: "1"}
+        assert shell_command(role, config).startswith(f"{ALL_CP_RANKS_TRANSFER_ENV}=1 ")
+    assert role_env("router", config) == {} and role_env("prefill", cfg()) == {}
+    with pytest.raises(PDLaunchError, match=f"{ALL_CP_RANKS_TRANSFER_ENV}=1 on prefill and decode"):
+        cfg(PD_CP_SHARED_KV="1", **{ALL_CP_RANKS_TRANSFER_ENV: "0"})
     if patched:
         assert "# prefill: flags accepted" in dry_run_text(config, ["prefill"])
     else:
