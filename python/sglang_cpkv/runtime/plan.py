@@ -32,7 +32,7 @@ from sglang_cpkv.runtime.cp_split import CpSplit, CpStrategy, build_cp_split
 PADDING_ID = -1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CpSharedKvPlan:
     """Everything the layers of one batch reuse. Built by :func:`build_plan`; never mutated.
 

@@ -11,7 +11,7 @@ from sglang_cpkv.runtime import build_plan
 from sglang_cpkv.runtime.cp_split import build_cp_split, split_applies
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=60, suite="cpkv-cpu")
+register_cpu_ci(est_time=45, suite="cpkv-cpu")
 
 # (extend_lens, cp) batches: uneven totals force padding rows on some ranks.
 BATCHES = [([3, 1, 6], 2), ([3, 1, 6], 4), ([5, 9, 2, 7], 8), ([10], 4), ([1, 1, 1, 1, 1, 1, 1, 1, 2], 8), ([16, 17], 8)]

@@ -70,6 +70,7 @@ def _property(case, row_kind, seed, checked):
 def test_runtime_equals_per_request_truth_on_random_batches():
     CLASS_COUNTS.clear()
     _property()
+    print(f"generated batches by class and cp: {dict(CLASS_COUNTS)}")
     total = CLASS_COUNTS[REACHABLE] + CLASS_COUNTS[COLLISION]
     assert total >= PROPERTY_EXAMPLES
     assert CLASS_COUNTS[REACHABLE] >= total // 20 and CLASS_COUNTS[COLLISION] >= total // 5, CLASS_COUNTS

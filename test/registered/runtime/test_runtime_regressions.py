@@ -13,8 +13,10 @@ from sglang_cpkv.runtime import (
     bucket_pages_per_request,
     build_dense_view,
     build_plan,
+    fill_current,
     materialize_history,
     new_dense_buffer,
+    persist_owned_current,
     remap_topk,
 )
 from sglang_cpkv.testing.batches import (
@@ -32,7 +34,7 @@ from sglang_cpkv.testing.batches import (
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 from sglang_cpkv.testing.value_keyed_inverse import value_keyed_pipeline
 
-register_cpu_ci(est_time=40, suite="cpkv-cpu")
+register_cpu_ci(est_time=15, suite="cpkv-cpu")
 
 GROUP = SingleRankGroup()
 
@@ -129,8 +131,6 @@ def test_c2_valid_history_loc_not_dropped_when_another_request_writes_that_page(
     plan = _plan(case)
     dense = new_dense_buffer(plan, (8,), torch.bfloat16)
     materialize_history(plan, pool, dense, GROUP)
-    from sglang_cpkv.runtime import fill_current, persist_owned_current
-
     fill_current(plan, current, dense)
     persist_owned_current(plan, current, pool.clone())
     for p in range(3):
