@@ -5,8 +5,9 @@
 poisoned), plan, history materialize through the page all-gather, current KV all-gathered from
 the rank's split rows, fill, top-k remap of its local rows, persist of owned rows.
 :func:`spawn_cp_ranks` runs it for a list of cases on ``cp`` spawned processes (gloo on CPU,
-NCCL when ``device="cuda"``) and returns every rank's results. Used by the gloo tests, the demo,
-and the multi-GPU harness.
+NCCL when ``device="cuda"``) and returns every rank's results; ``rank_fn`` swaps in another per-rank
+flow (the multi-GPU harness runs its layer stack through it). Used by the gloo tests, the demo, and
+the multi-GPU harness.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import pickle
 import tempfile
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -24,6 +26,8 @@ from sglang_cpkv.testing.batches import POISON_BYTE, BatchCase
 
 # One case for the ranks: (case, full pool, current KV [N, row], top-k pool locs [N, K]).
 CasePayload = tuple[BatchCase, torch.Tensor, torch.Tensor, torch.Tensor]
+# What a rank runs per payload: (payload, CP group, device) -> picklable result. Module-level (spawn pickles it).
+RankFn = Callable[[Any, Any, torch.device], Any]
 
 
 def run_case_on_rank(payload: CasePayload, group, device: torch.device | str) -> dict[str, torch.Tensor]:
@@ -72,7 +76,7 @@ def run_case_on_rank(payload: CasePayload, group, device: torch.device | str) ->
     }
 
 
-def _worker(rank: int, cp: int, init_method: str, backend: str, device: str, payload_file: str, out_dir: str) -> None:
+def _worker(rank: int, cp: int, init_method: str, backend: str, device: str, payload_file: str, out_dir: str, rank_fn: RankFn) -> None:
     from sglang_cpkv.runtime import TorchDistCpGroup
 
     torch.set_num_threads(1)
@@ -84,29 +88,32 @@ def _worker(rank: int, cp: int, init_method: str, backend: str, device: str, pay
         group = TorchDistCpGroup()
         with open(payload_file, "rb") as f:
             payloads = pickle.load(f)
-        results = [run_case_on_rank(p, group, device) for p in payloads]
+        results = [rank_fn(p, group, torch.device(device)) for p in payloads]
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(results, f)
     finally:
         dist.destroy_process_group()
 
 
-def spawn_cp_ranks(cp: int, payloads: list[CasePayload], device: str = "cpu") -> list[list[dict[str, torch.Tensor]]]:
-    """Run every payload on ``cp`` spawned ranks; returns ``results[rank][case]``.
+def spawn_cp_ranks(cp: int, payloads: list, device: str = "cpu", rank_fn: RankFn | None = None) -> list[list]:
+    """Run every payload on ``cp`` spawned ranks; returns ``results[rank][payload]``.
 
-    ``device="cpu"`` uses gloo; ``"cuda"`` uses NCCL with rank ``k`` on GPU ``k``. Every case's
-    ``cp_size`` must equal ``cp``.
+    ``device="cpu"`` uses gloo; ``"cuda"`` uses NCCL with rank ``k`` on GPU ``k``. ``rank_fn``
+    (default :func:`run_case_on_rank`, whose payloads are :data:`CasePayload` with ``cp_size``
+    equal to ``cp``) is called on every rank as ``rank_fn(payload, group, device)``.
     """
-    bad = [c.cp_size for c, *_ in payloads if c.cp_size != cp]
-    if bad:
-        raise ValueError(f"cases with cp_size {bad} given to spawn_cp_ranks(cp={cp})")
+    if rank_fn is None:
+        rank_fn = run_case_on_rank
+        bad = [c.cp_size for c, *_ in payloads if c.cp_size != cp]
+        if bad:
+            raise ValueError(f"cases with cp_size {bad} given to spawn_cp_ranks(cp={cp})")
     backend = "nccl" if device == "cuda" else "gloo"
     with tempfile.TemporaryDirectory() as tmp:
         payload_file = os.path.join(tmp, "payloads.pkl")
         with open(payload_file, "wb") as f:
             pickle.dump(payloads, f)
         init_method = Path(tmp, "rendezvous").as_uri()
-        mp.spawn(_worker, args=(cp, init_method, backend, device, payload_file, tmp), nprocs=cp, join=True)
+        mp.spawn(_worker, args=(cp, init_method, backend, device, payload_file, tmp, rank_fn), nprocs=cp, join=True)
         out = []
         for rank in range(cp):
             with open(os.path.join(tmp, f"rank{rank}.pkl"), "rb") as f:
