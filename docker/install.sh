@@ -64,8 +64,37 @@ src="$neutral/src"
 mkdir -p "$src"
 tar -C "$repo" --exclude='__pycache__' --exclude='*.egg-info' --exclude='build' -cf - python sgl-kernel \
   | tar -C "$src" -xf -
+pip_args=(--disable-pip-version-check -q)
+# The image's system interpreter is the serving environment (upstream installs sglang there too), so a PEP 668
+# marker on it is not a reason to stop; a virtual environment never carries one.
+if py -c 'import sys, sysconfig, pathlib; sys.exit(not (sys.prefix == sys.base_prefix and (pathlib.Path(sysconfig.get_path("stdlib")) / "EXTERNALLY-MANAGED").exists()))'; then
+  log "$python is externally managed (PEP 668); installing into it anyway (--break-system-packages)"
+  pip_args+=(--break-system-packages)
+fi
+# Build offline with the target's own setuptools (no build isolation); fetch the build requirements only
+# when the target lacks them.
+missing="$(py - "$src/python/pyproject.toml" <<'PY'
+import sys, tomllib
+from importlib.metadata import PackageNotFoundError, version
+from packaging.requirements import Requirement
+
+for line in tomllib.load(open(sys.argv[1], "rb"))["build-system"]["requires"]:
+    req = Requirement(line)
+    try:
+        ok = req.specifier.contains(version(req.name), prereleases=True)
+    except PackageNotFoundError:
+        ok = False
+    if not ok:
+        print(line)
+PY
+)"
+if [ -n "$missing" ]; then
+  log "installing the build requirements the target lacks: $(echo $missing)"
+  # shellcheck disable=SC2086 # one requirement per word
+  py -m pip install "${pip_args[@]}" $missing
+fi
 log "installing sglang_cpkv (non-editable)"
-py -m pip install --no-deps --no-build-isolation --no-index --disable-pip-version-check -q "$src/python"
+py -m pip install "${pip_args[@]}" --no-deps --no-build-isolation --no-index "$src/python"
 pkg_dir="$(py -c 'import os, sglang_cpkv; print(os.path.dirname(sglang_cpkv.__file__))')"
 case "$pkg_dir" in
   "$repo"/*) die "sglang_cpkv imports from the checkout ($pkg_dir), not from the installed copy" ;;
