@@ -21,8 +21,8 @@ REQUIRED_CP_STRATEGY = "interleave"
 # DSA prefill backends whose cache write and KV read go through DeepseekSparseAttnBackend.forward_extend
 # (the hooked path). trtllm writes from _forward_trtllm; the others are not DSA CUDA prefill paths we cover.
 SUPPORTED_DSA_PREFILL_BACKENDS = ("flashmla_sparse", "flashmla_kv", "flashmla_auto")
-# Draft models whose prefill-time extend runs through the same DSA backend (and so the same hooks).
-SUPPORTED_SPECULATIVE_ALGORITHMS = (None, "EAGLE", "NEXTN")
+# The owned-page filter of the DSA indexer state (index K) is wired into Mooncake's sender only.
+SUPPORTED_TRANSFER_BACKENDS = ("mooncake",)
 ALL_CP_RANKS_TRANSFER_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
 
 
@@ -74,10 +74,17 @@ def validate_cp_shared_kv_args(server_args: Any) -> None:
         _refuse("cannot be combined with --enable-kv-cache-sharding (another page-owner scheme over the same pool)")
     if cfg.enable_dsa_cache_layer_split:
         _refuse("cannot be combined with --enable-dsa-cache-layer-split (layer ownership over the same pool)")
-    if cfg.speculative_algorithm not in SUPPORTED_SPECULATIVE_ALGORITHMS:
+    if cfg.speculative_algorithm is not None:
         _refuse(
-            f"supports --speculative-algorithm in {SUPPORTED_SPECULATIVE_ALGORITHMS} (DSA NextN drafts, "
-            f"whose prefill-time extend runs through the hooked DSA backend), got {cfg.speculative_algorithm!r}"
+            f"does not cover speculative decoding yet (got --speculative-algorithm {cfg.speculative_algorithm}): "
+            "in this mode top-k rows hold dense-view locations, and the MTP seed export "
+            "(prepare_mtp_seed_indices) would hand the draft those instead of pool slots "
+            "(docs/design/cp-shared-kv.md section 7)"
+        )
+    if cfg.disaggregation_transfer_backend not in SUPPORTED_TRANSFER_BACKENDS:
+        _refuse(
+            f"supports --disaggregation-transfer-backend in {SUPPORTED_TRANSFER_BACKENDS} (the owned-page filter "
+            f"of the DSA indexer state is wired there), got {cfg.disaggregation_transfer_backend!r}"
         )
     if not envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.get():
         _refuse(

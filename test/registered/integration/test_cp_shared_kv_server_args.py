@@ -134,6 +134,8 @@ BAD_CASES = [
     ("trtllm prefill", "dsa", [*CP, *PREFILL, "--dsa-prefill-backend", "trtllm", FLAG], ALL_RANKS_ENV, "got 'trtllm'"),
     ("tilelang prefill", "dsa", [*CP, *PREFILL, "--dsa-prefill-backend", "tilelang", FLAG], ALL_RANKS_ENV, "got 'tilelang'"),
     ("layer split", "dsa", [*CP, *PREFILL, "--enable-dsa-cache-layer-split", "--disaggregation-transfer-backend", "mooncake", FLAG], ALL_RANKS_ENV, "--enable-dsa-cache-layer-split"),
+    ("speculative", "dsa", [*CP, *PREFILL, "--speculative-algorithm", "EAGLE", FLAG], ALL_RANKS_ENV, "does not cover speculative decoding yet"),
+    ("nixl transfer", "dsa", [*CP, *PREFILL, "--disaggregation-transfer-backend", "nixl", FLAG], ALL_RANKS_ENV, "got 'nixl'"),
     ("single CP rank sends", "dsa", [*CP, *PREFILL, FLAG], {}, "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1"),
 ]
 
