@@ -154,7 +154,8 @@ def on_extend_metadata(backend: Any, forward_batch: Any, page_table: torch.Tenso
         req_pool_indices=forward_batch.req_pool_indices,
         prefix_lens=forward_batch.extend_prefix_lens_cpu,
         extend_lens=forward_batch.extend_seq_lens_cpu,
-        out_cache_loc=forward_batch.out_cache_loc,
+        # Upstream cuts it to the real tokens under CP; an un-split batch may carry MLP-sync padding.
+        out_cache_loc=forward_batch.out_cache_loc[: sum(forward_batch.extend_seq_lens_cpu)],
         cp_size=parallel.attn_cp_size,
         cp_rank=parallel.attn_cp_rank,
         strategy="interleave" if split else "none",
