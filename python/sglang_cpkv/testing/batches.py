@@ -29,11 +29,14 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from sglang_cpkv.runtime.cp_split import split_applies
+
+if TYPE_CHECKING:
+    from sglang_cpkv.runtime.plan import CpSharedKvPlan
 
 REACHABLE = "reachable-0.5.23"
 COLLISION = "collision"
@@ -120,10 +123,7 @@ def generate_case(draw: Draw, max_requests: int = 8, max_cp: int = 8, page_sizes
             if candidates:
                 table.append(candidates[draw(0, len(candidates) - 1)])
             else:
-                page = fresh.pop()
-                while page in table or any(page in t for t in tables):
-                    page = fresh.pop()
-                table.append(page)
+                table.append(fresh.pop())  # never handed out before: new to every table
         tables.append(tuple(table))
         prefix_lens.append(prefix)
         extend_lens.append(extend)
@@ -205,7 +205,7 @@ def _poison(t: torch.Tensor) -> None:
 class RankResult:
     """What one simulated CP rank produced for a case."""
 
-    plan: "object"
+    plan: CpSharedKvPlan
     dense: torch.Tensor
     remapped: torch.Tensor
     pool_after: torch.Tensor
@@ -318,13 +318,13 @@ def check_against_truth(
     problems: list[str] = []
     for k, res in enumerate(results):
         plan = res.plan
-        P = plan.pages_per_request  # type: ignore[attr-defined]
+        P = plan.pages_per_request
         dense_idx = (req_of_row * P + pos_of_row // ps) * ps + pos_of_row % ps
         bad = (_row_bytes(res.dense[dense_idx]) != truth_all).any(dim=1).nonzero().flatten().tolist()
         problems += [f"rank {k}: request {int(req_of_row[i])} dense position {int(pos_of_row[i])} differs from the truth" for i in bad]
 
-        local_tokens = plan.local_token_index.cpu()  # type: ignore[attr-defined]
-        local_req = plan.local_req_id.cpu()  # type: ignore[attr-defined]
+        local_tokens = plan.local_token_index.cpu()
+        local_req = plan.local_req_id.cpu()
         remapped = res.remapped.cpu().to(torch.int64)
         logical = local_tokens.numel()
         if bool((local_req[logical:] != -1).any()) or bool((remapped[logical:] != -1).any()):
