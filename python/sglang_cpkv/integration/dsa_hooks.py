@@ -56,6 +56,8 @@ class ExtendBatchState:
 
 
 _ENABLED: Optional[bool] = None
+# The last extend batch's plan, whose device error counter the next batch checks.
+_previous_plan: Optional[CpSharedKvPlan] = None
 
 
 def enabled() -> bool:
@@ -142,6 +144,11 @@ def on_extend_metadata(backend: Any, forward_batch: Any, page_table: torch.Tenso
     setattr(forward_batch, BATCH_ATTR, None)
     if not enabled():
         return page_table
+    global _previous_plan
+    if _previous_plan is not None:
+        # The natural sync point of the contract: bad ids the previous batch's ops dropped surface here.
+        previous, _previous_plan = _previous_plan, None
+        previous.raise_if_errors("previous CP shared-KV extend batch")
     from sglang.srt.layers.attention.dsa.utils import can_dsa_prefill_cp_interleave
     from sglang.srt.runtime_context import get_parallel
 
@@ -163,6 +170,7 @@ def on_extend_metadata(backend: Any, forward_batch: Any, page_table: torch.Tenso
         upstream_split=(metadata.per_rank_logical_token, metadata.per_rank_actual_token) if split else None,
     )
     setattr(forward_batch, BATCH_ATTR, state)
+    _previous_plan = state.plan
     return remap_page_table(state.plan, page_table, bs_idx)
 
 
