@@ -14,6 +14,7 @@ from sglang_cpkv.runtime import (
     build_dense_view,
     build_plan,
     fill_current,
+    gather_current,
     materialize_history,
     new_dense_buffer,
     persist_owned_current,
@@ -180,6 +181,17 @@ def test_plan_build_errors_name_the_bad_value():
         _build(case, prefix_lens=(5, -1))
     with pytest.raises(CpSharedKvError, match="outside the pool"):
         _build(case, out_cache_loc=torch.tensor([21, 22, 21, 64]))
+
+
+def test_mismatched_cp_split_or_group_is_an_error():
+    plan = _build(SHARED_5, cp_size=2, cp_rank=1)  # N=4 over 2 ranks: 2 local rows, physical 2
+    assert plan.split.physical_rows == 2 and plan.local_req_id.tolist() == [0, 1]
+    with pytest.raises(CpSharedKvError, match="the CP split gives this rank 2"):
+        gather_current(plan, torch.zeros(3, 8), GROUP)
+    with pytest.raises(CpSharedKvError, match="does not match the plan"):
+        materialize_history(plan, torch.zeros(64, 8), torch.zeros(plan.dense_rows, 8), GROUP)
+    with pytest.raises(CpSharedKvError, match="gathered 3 rows, expected cp_size\\*physical_rows"):
+        plan.split.unshard(torch.zeros(3, 8))
 
 
 def test_device_side_errors_are_counted_then_raised_at_sync_point():
