@@ -17,8 +17,11 @@ import triton.language as tl
 from sglang_cpkv.ops.errors import ERR_PAGE_OUT_OF_RANGE
 from sglang_cpkv.ops.triton._common import alignment_words, as_rows, as_words, check_errors, check_index, next_power_of_2
 
-# GPU: 8 KiB per program (1024 8-byte words): with 4 warps, four 16-byte accesses per thread.
-_GPU_BLOCK_BYTES = 8192
+# GPU: 4 KiB per program (512 8-byte words; 4 warps: two 16-byte accesses per thread). H200,
+# 2026-11-30 (benchmark/results/2026-11-30-h200), 8 x 131072 tokens/request: 4 KiB moved
+# 3962 GB/s (656-byte rows) and 3978 GB/s (1152-byte rows), 8 KiB 3916 / 3857, 16 KiB with 8
+# warps 3926 / 3865; torch.index_select of the same pages 3748 / 3866.
+_GPU_BLOCK_BYTES = 4096
 # Interpreter: each program instance costs ~1 ms, so one program per page.
 _CPU_MAX_BLOCK_WORDS = 1 << 16
 
@@ -75,7 +78,7 @@ def copy_pages(
         dst_page: int32/int64 ``[S]`` pages of ``dst``.
         errors: int32 counter: an index ``>=`` its tensor's page count or ``< -1``.
         block_words: words copied per program (power of two; a word is the widest integer of
-            8/4/2/1 bytes dividing the page width). 0 = auto: 8 KiB worth on a GPU; on CPU
+            8/4/2/1 bytes dividing the page width). 0 = auto: 4 KiB worth on a GPU; on CPU
             (interpreter) the whole page, up to 65536 words.
         num_warps: warps per program.
     """

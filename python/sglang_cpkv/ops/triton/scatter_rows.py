@@ -17,8 +17,11 @@ import triton.language as tl
 from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE
 from sglang_cpkv.ops.triton._common import alignment_words, as_rows, as_words, check_errors, check_index, next_power_of_2
 
-# GPU: tiles of about 2048 words (16 KiB of 8-byte words) and at most 1024 words per row step.
-_GPU_TILE_WORDS = 2048
+# GPU: 8 rows per program, at most 1024 words per row step. H200, 2026-11-30
+# (benchmark/results/2026-11-30-h200), 8 x 131072 rows: 656-byte rows 4100 GB/s with 8 rows
+# and 4 warps (16 rows: 4033, 32 rows and 8 warps: 4007); 1152-byte rows 4078-4127 GB/s for
+# 8-32 rows (within noise); a contiguous torch copy_ of the same bytes 4139 GB/s.
+_GPU_BLOCK_ROWS = 8
 _GPU_MAX_BLOCK_WORDS = 1024
 # Interpreter: each program instance costs ~1 ms, so few large tiles.
 _CPU_TILE_WORDS = 1 << 16
@@ -73,9 +76,8 @@ def scatter_rows(
         dst_loc: int32/int64 ``[N]`` destination rows (``-1``: skip).
         dst: ``[M, ...]``, same dtype and row shape; written in place.
         errors: int32 counter: a row ``>= M`` or ``< -1``.
-        block_rows: rows per program (power of two). 0 = auto: a tile of about 2048 words on a
-            GPU (16 rows of 656 bytes), of 65536 words on CPU (interpreter, where every program
-            instance costs ~1 ms).
+        block_rows: rows per program (power of two). 0 = auto: 8 on a GPU; on CPU (interpreter,
+            where every program instance costs ~1 ms) a tile of up to 65536 words.
         num_warps: warps per program.
     """
     if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
@@ -91,10 +93,12 @@ def scatter_rows(
     n_rows, row_words = src_words.shape
     if n_rows == 0 or row_words == 0:
         return
-    on_cpu = device.type == "cpu"
-    block_words = min(next_power_of_2(row_words), _CPU_TILE_WORDS if on_cpu else _GPU_MAX_BLOCK_WORDS)
-    tile_words = _CPU_TILE_WORDS if on_cpu else _GPU_TILE_WORDS
-    block_rows = block_rows or max(1, min(next_power_of_2(n_rows), tile_words // block_words))
+    if device.type == "cpu":
+        block_words = min(next_power_of_2(row_words), _CPU_TILE_WORDS)
+        block_rows = block_rows or max(1, min(next_power_of_2(n_rows), _CPU_TILE_WORDS // block_words))
+    else:
+        block_words = min(next_power_of_2(row_words), _GPU_MAX_BLOCK_WORDS)
+        block_rows = block_rows or _GPU_BLOCK_ROWS
     _scatter_rows_kernel[(triton.cdiv(n_rows, block_rows),)](
         src_words,
         dst_loc,
