@@ -22,7 +22,7 @@ from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, ERR_PAGE_OUT_OF_RANGE, 
 from sglang_cpkv.testing.ci_register import register_cuda_ci
 from sglang_cpkv.testing.ops_cases import ROW_LAYOUTS, random_batch, random_rows, run_layer_sequence, same_bytes, topk_locs, truth_dense
 
-register_cuda_ci(est_time=120, stage="cpkv", runner_config="1-gpu")
+register_cuda_ci(est_time=60, stage="cpkv", runner_config="1-gpu")
 
 BATCH_ROWS = [1, 2, 3, 4, 8]
 PAGE_SIZES = [16, 64]
