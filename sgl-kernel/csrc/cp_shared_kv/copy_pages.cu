@@ -34,11 +34,29 @@ cudaError_t copy_pages(const void* src,
                                                                          stream);
 }
 
-template cudaError_t copy_pages<int32_t>(
-    const void*, int64_t, int64_t, const int32_t*, void*, int64_t, int64_t, const int32_t*, int64_t, int64_t, int32_t*,
-    cudaStream_t);
-template cudaError_t copy_pages<int64_t>(
-    const void*, int64_t, int64_t, const int64_t*, void*, int64_t, int64_t, const int64_t*, int64_t, int64_t, int32_t*,
-    cudaStream_t);
+template cudaError_t copy_pages<int32_t>(const void*,
+                                         int64_t,
+                                         int64_t,
+                                         const int32_t*,
+                                         void*,
+                                         int64_t,
+                                         int64_t,
+                                         const int32_t*,
+                                         int64_t,
+                                         int64_t,
+                                         int32_t*,
+                                         cudaStream_t);
+template cudaError_t copy_pages<int64_t>(const void*,
+                                         int64_t,
+                                         int64_t,
+                                         const int64_t*,
+                                         void*,
+                                         int64_t,
+                                         int64_t,
+                                         const int64_t*,
+                                         int64_t,
+                                         int64_t,
+                                         int32_t*,
+                                         cudaStream_t);
 
 }  // namespace sglang_cpkv

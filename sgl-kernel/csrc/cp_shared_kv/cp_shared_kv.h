@@ -46,17 +46,17 @@ cudaError_t build_page_inverse(const PageIdT* page_table,      // [R, P], row r 
 // (one count per element, as the reference). Request ids are compact, one per row (never broadcast).
 // LocT: int32_t, int64_t.
 template <typename LocT>
-cudaError_t remap_locs(const LocT* locs,          // [N, K], row n at locs + n * locs_row_stride, unit column stride
-                       int64_t num_rows,          // N
-                       int64_t row_len,           // K (1 for 1-D locs)
-                       int64_t locs_row_stride,   // elements between rows of locs (>= K)
-                       const int64_t* req_id,     // [N] request row of each row of locs, -1: padding row
-                       const int32_t* inverse,    // [R * C] from build_page_inverse
-                       int64_t batch_rows,        // R
-                       int64_t capacity,          // C
-                       int64_t page_size,         // tokens per page (> 0)
-                       int32_t* dense_locs,       // [N, K] contiguous, written entirely
-                       int32_t* errors,           // [kNumErrorKinds]
+cudaError_t remap_locs(const LocT* locs,         // [N, K], row n at locs + n * locs_row_stride, unit column stride
+                       int64_t num_rows,         // N
+                       int64_t row_len,          // K (1 for 1-D locs)
+                       int64_t locs_row_stride,  // elements between rows of locs (>= K)
+                       const int64_t* req_id,    // [N] request row of each row of locs, -1: padding row
+                       const int32_t* inverse,   // [R * C] from build_page_inverse
+                       int64_t batch_rows,       // R
+                       int64_t capacity,         // C
+                       int64_t page_size,        // tokens per page (> 0)
+                       int32_t* dense_locs,      // [N, K] contiguous, written entirely
+                       int32_t* errors,          // [kNumErrorKinds]
                        cudaStream_t stream);
 
 // dst[dst_page[i]] = src[src_page[i]] (page_bytes bytes each) for every i where both ids are >= 0. An id >= its
@@ -64,32 +64,32 @@ cudaError_t remap_locs(const LocT* locs,          // [N, K], row n at locs + n *
 // Copies 16 bytes per access when every size, stride and base pointer allows it, else the widest that does.
 // PageIdT: int32_t, int64_t (src_page and dst_page share it).
 template <typename PageIdT>
-cudaError_t copy_pages(const void* src,             // [src_pages, page_bytes] bytes, page p at src + p * src_stride
-                       int64_t src_pages,           // pages of src
-                       int64_t src_page_stride,     // bytes between pages of src (>= page_bytes)
-                       const PageIdT* src_page,     // [S]
-                       void* dst,                   // [dst_pages, page_bytes] bytes
-                       int64_t dst_pages,           // pages of dst
-                       int64_t dst_page_stride,     // bytes between pages of dst (>= page_bytes)
-                       const PageIdT* dst_page,     // [S]
-                       int64_t num_pairs,           // S
-                       int64_t page_bytes,          // bytes of one page
-                       int32_t* errors,             // [kNumErrorKinds]
+cudaError_t copy_pages(const void* src,          // [src_pages, page_bytes] bytes, page p at src + p * src_stride
+                       int64_t src_pages,        // pages of src
+                       int64_t src_page_stride,  // bytes between pages of src (>= page_bytes)
+                       const PageIdT* src_page,  // [S]
+                       void* dst,                // [dst_pages, page_bytes] bytes
+                       int64_t dst_pages,        // pages of dst
+                       int64_t dst_page_stride,  // bytes between pages of dst (>= page_bytes)
+                       const PageIdT* dst_page,  // [S]
+                       int64_t num_pairs,        // S
+                       int64_t page_bytes,       // bytes of one page
+                       int32_t* errors,          // [kNumErrorKinds]
                        cudaStream_t stream);
 
 // dst[dst_loc[i]] = src[i] (row_bytes bytes each) for every dst_loc[i] >= 0; a row >= dst_rows or < -1 counts
 // errors[kErrLocOutOfRange] and is skipped. Duplicate destinations: one of the rows wins (unspecified).
 // LocT: int32_t, int64_t.
 template <typename LocT>
-cudaError_t scatter_rows(const void* src,          // [N, row_bytes] bytes, row i at src + i * src_row_stride
-                         int64_t num_rows,         // N
-                         int64_t src_row_stride,   // bytes between rows of src (>= row_bytes)
-                         const LocT* dst_loc,      // [N]
-                         void* dst,                // [dst_rows, row_bytes] bytes
-                         int64_t dst_rows,         // M
-                         int64_t dst_row_stride,   // bytes between rows of dst (>= row_bytes)
-                         int64_t row_bytes,        // bytes of one row
-                         int32_t* errors,          // [kNumErrorKinds]
+cudaError_t scatter_rows(const void* src,         // [N, row_bytes] bytes, row i at src + i * src_row_stride
+                         int64_t num_rows,        // N
+                         int64_t src_row_stride,  // bytes between rows of src (>= row_bytes)
+                         const LocT* dst_loc,     // [N]
+                         void* dst,               // [dst_rows, row_bytes] bytes
+                         int64_t dst_rows,        // M
+                         int64_t dst_row_stride,  // bytes between rows of dst (>= row_bytes)
+                         int64_t row_bytes,       // bytes of one row
+                         int32_t* errors,         // [kNumErrorKinds]
                          cudaStream_t stream);
 
 // The per-layer dense view in one call: copy_pages(pool -> dense) of the history pages, then

@@ -75,22 +75,22 @@ cudaError_t materialize_and_fill(const void* pool,
       stream);
 }
 
-#define SGLANG_CPKV_INSTANTIATE_MATERIALIZE_AND_FILL(PAGE_ID_T, LOC_T) \
-  template cudaError_t materialize_and_fill<PAGE_ID_T, LOC_T>(const void*,   \
-                                                              int64_t,       \
-                                                              int64_t,       \
+#define SGLANG_CPKV_INSTANTIATE_MATERIALIZE_AND_FILL(PAGE_ID_T, LOC_T)          \
+  template cudaError_t materialize_and_fill<PAGE_ID_T, LOC_T>(const void*,      \
+                                                              int64_t,          \
+                                                              int64_t,          \
                                                               const PAGE_ID_T*, \
                                                               const PAGE_ID_T*, \
-                                                              int64_t,       \
-                                                              const void*,   \
-                                                              int64_t,       \
-                                                              int64_t,       \
-                                                              const LOC_T*,  \
-                                                              void*,         \
-                                                              int64_t,       \
-                                                              int64_t,       \
-                                                              int64_t,       \
-                                                              int32_t*,      \
+                                                              int64_t,          \
+                                                              const void*,      \
+                                                              int64_t,          \
+                                                              int64_t,          \
+                                                              const LOC_T*,     \
+                                                              void*,            \
+                                                              int64_t,          \
+                                                              int64_t,          \
+                                                              int64_t,          \
+                                                              int32_t*,         \
                                                               cudaStream_t);
 SGLANG_CPKV_INSTANTIATE_MATERIALIZE_AND_FILL(int32_t, int32_t)
 SGLANG_CPKV_INSTANTIATE_MATERIALIZE_AND_FILL(int32_t, int64_t)

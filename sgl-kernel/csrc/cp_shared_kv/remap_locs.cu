@@ -23,8 +23,8 @@ struct Lookup {
   int error;       // error kind, or -1
 };
 
-__device__ __forceinline__ Lookup classify(
-    int64_t loc, int64_t req, int64_t batch_rows, int64_t capacity, int64_t page_size, int page_shift) {
+__device__ __forceinline__ Lookup
+classify(int64_t loc, int64_t req, int64_t batch_rows, int64_t capacity, int64_t page_size, int page_shift) {
   // A negative location or a padding row (-1) is padding: -1, nothing counted.
   if (loc < 0 || req == -1) return {-1, 0, -1};
   if (req < -1 || req >= batch_rows) return {-1, 0, kErrReqOutOfRange};
@@ -74,8 +74,12 @@ __global__ void __launch_bounds__(kRemapThreads)
   for (int k = 0; k < kUnroll; ++k) {
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
-      lookup[k][e] = classify(
-          req[k] == -1 ? -1 : static_cast<int64_t>(loc[k].value[e]), req[k], batch_rows, capacity, page_size, page_shift);
+      lookup[k][e] = classify(req[k] == -1 ? -1 : static_cast<int64_t>(loc[k].value[e]),
+                              req[k],
+                              batch_rows,
+                              capacity,
+                              page_size,
+                              page_shift);
     }
   }
   int32_t slot[kUnroll][kVec];
@@ -91,11 +95,17 @@ __global__ void __launch_bounds__(kRemapThreads)
     Lanes<int32_t, kVec> dense;
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
-      if (lookup[k][e].error >= 0) detail::count_error(errors, lookup[k][e].error);
+      // One branch per kind: count_error adds its coalesced group's size to one kind, so a group must never mix
+      // kinds (a single call with a run-time kind would credit one kind with the other's count).
+      if (lookup[k][e].error == kErrReqOutOfRange) {
+        detail::count_error(errors, kErrReqOutOfRange);
+      } else if (lookup[k][e].error == kErrPageOutOfRange) {
+        detail::count_error(errors, kErrPageOutOfRange);
+      }
       // Truncation to int32 as the reference's .to(torch.int32).
-      dense.value[e] = slot[k][e] >= 0 ? static_cast<int32_t>(static_cast<int64_t>(slot[k][e]) * page_size +
-                                                              lookup[k][e].offset)
-                                       : -1;
+      dense.value[e] = slot[k][e] >= 0
+                           ? static_cast<int32_t>(static_cast<int64_t>(slot[k][e]) * page_size + lookup[k][e].offset)
+                           : -1;
     }
     *reinterpret_cast<Lanes<int32_t, kVec>*>(dense_locs + static_cast<int64_t>(group) * kVec) = dense;
   }
@@ -120,13 +130,31 @@ cudaError_t launch_remap_locs(const LocT* locs,
   const dim3 grid(static_cast<unsigned>((total + kElemsPerBlock - 1) / kElemsPerBlock));
   // The last block's flat indices reach past total by less than one block.
   if (total + kElemsPerBlock <= static_cast<int64_t>(UINT32_MAX)) {
-    remap_locs_kernel<LocT, kVec, kUnroll, uint32_t><<<grid, kRemapThreads, 0, stream>>>(
-        locs, locs_row_stride, req_id, inverse, static_cast<uint32_t>(total), static_cast<uint32_t>(row_len),
-        batch_rows, capacity, page_size, page_shift, dense_locs, errors);
+    remap_locs_kernel<LocT, kVec, kUnroll, uint32_t><<<grid, kRemapThreads, 0, stream>>>(locs,
+                                                                                         locs_row_stride,
+                                                                                         req_id,
+                                                                                         inverse,
+                                                                                         static_cast<uint32_t>(total),
+                                                                                         static_cast<uint32_t>(row_len),
+                                                                                         batch_rows,
+                                                                                         capacity,
+                                                                                         page_size,
+                                                                                         page_shift,
+                                                                                         dense_locs,
+                                                                                         errors);
   } else {
-    remap_locs_kernel<LocT, kVec, kUnroll, uint64_t><<<grid, kRemapThreads, 0, stream>>>(
-        locs, locs_row_stride, req_id, inverse, static_cast<uint64_t>(total), static_cast<uint64_t>(row_len),
-        batch_rows, capacity, page_size, page_shift, dense_locs, errors);
+    remap_locs_kernel<LocT, kVec, kUnroll, uint64_t><<<grid, kRemapThreads, 0, stream>>>(locs,
+                                                                                         locs_row_stride,
+                                                                                         req_id,
+                                                                                         inverse,
+                                                                                         static_cast<uint64_t>(total),
+                                                                                         static_cast<uint64_t>(row_len),
+                                                                                         batch_rows,
+                                                                                         capacity,
+                                                                                         page_size,
+                                                                                         page_shift,
+                                                                                         dense_locs,
+                                                                                         errors);
   }
   return cudaGetLastError();
 }
@@ -158,11 +186,33 @@ cudaError_t remap_locs(const LocT* locs,
                           reinterpret_cast<uintptr_t>(locs) % 16 == 0 &&
                           reinterpret_cast<uintptr_t>(dense_locs) % (sizeof(int32_t) * kVec) == 0;
   if (vectorized) {
-    return launch_remap_locs<LocT, kVec, 2>(locs, num_rows, row_len, locs_row_stride, req_id, inverse, batch_rows,
-                                            capacity, page_size, page_shift, dense_locs, errors, stream);
+    return launch_remap_locs<LocT, kVec, 2>(locs,
+                                            num_rows,
+                                            row_len,
+                                            locs_row_stride,
+                                            req_id,
+                                            inverse,
+                                            batch_rows,
+                                            capacity,
+                                            page_size,
+                                            page_shift,
+                                            dense_locs,
+                                            errors,
+                                            stream);
   }
-  return launch_remap_locs<LocT, 1, 4>(locs, num_rows, row_len, locs_row_stride, req_id, inverse, batch_rows,
-                                       capacity, page_size, page_shift, dense_locs, errors, stream);
+  return launch_remap_locs<LocT, 1, 4>(locs,
+                                       num_rows,
+                                       row_len,
+                                       locs_row_stride,
+                                       req_id,
+                                       inverse,
+                                       batch_rows,
+                                       capacity,
+                                       page_size,
+                                       page_shift,
+                                       dense_locs,
+                                       errors,
+                                       stream);
 }
 
 template cudaError_t remap_locs<int32_t>(const int32_t*,

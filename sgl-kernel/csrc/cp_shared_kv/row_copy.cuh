@@ -18,6 +18,7 @@ constexpr int kCopyUnroll = 4;
 constexpr int64_t kCopyVecsPerBlock = kCopyThreads * kCopyUnroll;
 
 /// \brief Adds one per calling thread to errors[kind] with one atomic per coalesced group of a warp.
+/// Every thread of the group must pass the same kind (call it from a branch taken for that kind only).
 __device__ __forceinline__ void count_error(int32_t* errors, int kind) {
   namespace cg = cooperative_groups;
   cg::coalesced_group active = cg::coalesced_threads();
@@ -59,18 +60,18 @@ template <typename VecT,
           bool kLaunchDependents,
           bool kWaitPrior>
 __global__ void __launch_bounds__(kCopyThreads)
-    copy_rows_kernel(const char* __restrict__ src,        // [src_rows, row bytes], row at src + r * src_stride
-                     int64_t src_rows,                    // rows of src
-                     int64_t src_stride,                  // bytes between rows of src
-                     const SrcIdxT* __restrict__ src_idx, // [num_rows] (kGatherSrc only)
-                     char* __restrict__ dst,              // [dst_rows, row bytes]
-                     int64_t dst_rows,                    // rows of dst
-                     int64_t dst_stride,                  // bytes between rows of dst
-                     const DstIdxT* __restrict__ dst_idx, // [num_rows]
-                     FlatT num_rows,                      // rows to copy
-                     FlatT num_vecs_per_row,              // row bytes / sizeof(VecT)
-                     int32_t* __restrict__ errors,        // [kNumErrorKinds]
-                     int err_kind) {                      // counter index of a bad id
+    copy_rows_kernel(const char* __restrict__ src,         // [src_rows, row bytes], row at src + r * src_stride
+                     int64_t src_rows,                     // rows of src
+                     int64_t src_stride,                   // bytes between rows of src
+                     const SrcIdxT* __restrict__ src_idx,  // [num_rows] (kGatherSrc only)
+                     char* __restrict__ dst,               // [dst_rows, row bytes]
+                     int64_t dst_rows,                     // rows of dst
+                     int64_t dst_stride,                   // bytes between rows of dst
+                     const DstIdxT* __restrict__ dst_idx,  // [num_rows]
+                     FlatT num_rows,                       // rows to copy
+                     FlatT num_vecs_per_row,               // row bytes / sizeof(VecT)
+                     int32_t* __restrict__ errors,         // [kNumErrorKinds]
+                     int err_kind) {                       // counter index of a bad id
   if constexpr (kLaunchDependents) allow_dependent_launch();
   const FlatT total = num_rows * num_vecs_per_row;
   const FlatT first = static_cast<FlatT>(blockIdx.x) * static_cast<FlatT>(kCopyVecsPerBlock) + threadIdx.x;
@@ -145,14 +146,34 @@ cudaError_t launch_copy_rows_vec(const void* src,
     return cudaLaunchKernelEx(
         &config,
         copy_rows_kernel<VecT, SrcIdxT, DstIdxT, uint32_t, kGatherSrc, kLaunchDependents, kWaitPrior>,
-        src_bytes, src_rows, src_stride, src_idx, dst_bytes, dst_rows, dst_stride, dst_idx,
-        static_cast<uint32_t>(num_rows), static_cast<uint32_t>(vecs_per_row), errors, err_kind);
+        src_bytes,
+        src_rows,
+        src_stride,
+        src_idx,
+        dst_bytes,
+        dst_rows,
+        dst_stride,
+        dst_idx,
+        static_cast<uint32_t>(num_rows),
+        static_cast<uint32_t>(vecs_per_row),
+        errors,
+        err_kind);
   }
   return cudaLaunchKernelEx(
       &config,
       copy_rows_kernel<VecT, SrcIdxT, DstIdxT, uint64_t, kGatherSrc, kLaunchDependents, kWaitPrior>,
-      src_bytes, src_rows, src_stride, src_idx, dst_bytes, dst_rows, dst_stride, dst_idx,
-      static_cast<uint64_t>(num_rows), static_cast<uint64_t>(vecs_per_row), errors, err_kind);
+      src_bytes,
+      src_rows,
+      src_stride,
+      src_idx,
+      dst_bytes,
+      dst_rows,
+      dst_stride,
+      dst_idx,
+      static_cast<uint64_t>(num_rows),
+      static_cast<uint64_t>(vecs_per_row),
+      errors,
+      err_kind);
 }
 
 /// \brief The indexed row copy at the widest access the sizes, strides and addresses allow.
@@ -176,10 +197,21 @@ cudaError_t launch_copy_rows(const void* src,
                                    static_cast<uint64_t>(dst_stride),
                                    reinterpret_cast<uint64_t>(src),
                                    reinterpret_cast<uint64_t>(dst)});
-#define SGLANG_CPKV_LAUNCH_COPY_ROWS(VEC_T)                                                     \
-  launch_copy_rows_vec<VEC_T, SrcIdxT, DstIdxT, kGatherSrc, kLaunchDependents, kWaitPrior>(  \
-      src, src_rows, src_stride, src_idx, dst, dst_rows, dst_stride, dst_idx, num_rows, row_bytes, errors, \
-      err_kind, programmatic_dependent, stream)
+#define SGLANG_CPKV_LAUNCH_COPY_ROWS(VEC_T)                                                                        \
+  launch_copy_rows_vec<VEC_T, SrcIdxT, DstIdxT, kGatherSrc, kLaunchDependents, kWaitPrior>(src,                    \
+                                                                                           src_rows,               \
+                                                                                           src_stride,             \
+                                                                                           src_idx,                \
+                                                                                           dst,                    \
+                                                                                           dst_rows,               \
+                                                                                           dst_stride,             \
+                                                                                           dst_idx,                \
+                                                                                           num_rows,               \
+                                                                                           row_bytes,              \
+                                                                                           errors,                 \
+                                                                                           err_kind,               \
+                                                                                           programmatic_dependent, \
+                                                                                           stream)
   switch (width) {
     case 16:
       return SGLANG_CPKV_LAUNCH_COPY_ROWS(uint4);

@@ -18,19 +18,19 @@ cudaError_t scatter_rows(const void* src,
                          cudaStream_t stream) {
   // src rows are taken in order, so the src "index" type is irrelevant; LocT keeps the instantiation single.
   return detail::launch_copy_rows<LocT, LocT, /*kGatherSrc=*/false>(src,
-                                                                   num_rows,
-                                                                   src_row_stride,
-                                                                   nullptr,
-                                                                   dst,
-                                                                   dst_rows,
-                                                                   dst_row_stride,
-                                                                   dst_loc,
-                                                                   num_rows,
-                                                                   row_bytes,
-                                                                   errors,
-                                                                   kErrLocOutOfRange,
-                                                                   /*programmatic_dependent=*/false,
-                                                                   stream);
+                                                                    num_rows,
+                                                                    src_row_stride,
+                                                                    nullptr,
+                                                                    dst,
+                                                                    dst_rows,
+                                                                    dst_row_stride,
+                                                                    dst_loc,
+                                                                    num_rows,
+                                                                    row_bytes,
+                                                                    errors,
+                                                                    kErrLocOutOfRange,
+                                                                    /*programmatic_dependent=*/false,
+                                                                    stream);
 }
 
 template cudaError_t scatter_rows<int32_t>(

@@ -11,12 +11,25 @@
 
 #include <cstdint>
 #include <limits>
+#include <string>
 
 #include "cp_shared_kv.h"
 
 namespace sglang_cpkv {
 namespace torch_ops {
 namespace {
+
+// "[4, 2]": sizes and strides for messages, formatted here rather than through c10's ArrayRef stream operator.
+// NOTE: a check message streaming locs.sizes() itself segfaulted on the H200 machine (torch 2.11, AOT build,
+// 2026-11-30) while the same check with a dtype in its message raised cleanly; cause not established.
+std::string format_dims(at::IntArrayRef values) {
+  std::string out = "[";
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (i > 0) out += ", ";
+    out += std::to_string(values[i]);
+  }
+  return out + "]";
+}
 
 void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Tensor& anchor, const char* anchor_name) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
@@ -44,14 +57,14 @@ void check_error_counter(const at::Tensor& errors, const at::Tensor& anchor, con
               "errors must be a contiguous [",
               kNumErrorKinds,
               "] counter, got shape ",
-              errors.sizes(),
+              format_dims(errors.sizes()),
               " strides ",
-              errors.strides());
+              format_dims(errors.strides()));
 }
 
 void check_index_vector(const at::Tensor& t, const char* name, int64_t expected_len, const char* len_source) {
   check_index_dtype(t, name);
-  TORCH_CHECK(t.dim() == 1, name, " must be 1-D, got shape ", t.sizes());
+  TORCH_CHECK(t.dim() == 1, name, " must be 1-D, got shape ", format_dims(t.sizes()));
   TORCH_CHECK(t.size(0) == expected_len,
               name,
               " must have one entry per ",
@@ -60,20 +73,20 @@ void check_index_vector(const at::Tensor& t, const char* name, int64_t expected_
               expected_len,
               "), got ",
               t.size(0));
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got stride ", t.strides());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got stride ", format_dims(t.strides()));
 }
 
 // Bytes of one row of a [rows, ...] tensor whose trailing dims are contiguous (a row is one run of bytes).
 int64_t contiguous_row_bytes(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() >= 2, name, " must be [rows, ...] with at least 2 dims, got shape ", t.sizes());
+  TORCH_CHECK(t.dim() >= 2, name, " must be [rows, ...] with at least 2 dims, got shape ", format_dims(t.sizes()));
   int64_t expected_stride = 1;
   for (int64_t d = t.dim() - 1; d >= 1; --d) {
     TORCH_CHECK(t.size(d) == 1 || t.stride(d) == expected_stride,
                 name,
                 " must be contiguous after dim 0, got shape ",
-                t.sizes(),
+                format_dims(t.sizes()),
                 " strides ",
-                t.strides());
+                format_dims(t.strides()));
     expected_stride *= t.size(d);
   }
   return expected_stride * static_cast<int64_t>(t.element_size());
@@ -93,9 +106,9 @@ void check_same_rows(const at::Tensor& src, const char* src_name, const at::Tens
               " and ",
               dst_name,
               " must have one row shape, got ",
-              src.sizes(),
+              format_dims(src.sizes()),
               " and ",
-              dst.sizes());
+              format_dims(dst.sizes()));
 }
 
 void check_launch(cudaError_t status, const char* op) {
@@ -107,10 +120,10 @@ void check_launch(cudaError_t status, const char* op) {
 at::Tensor build_page_inverse(const at::Tensor& page_table, int64_t capacity, at::Tensor& errors) {
   check_cuda_tensor(page_table, "page_table", page_table, "page_table");
   check_index_dtype(page_table, "page_table");
-  TORCH_CHECK(page_table.dim() == 2, "page_table must be [R, P], got shape ", page_table.sizes());
+  TORCH_CHECK(page_table.dim() == 2, "page_table must be [R, P], got shape ", format_dims(page_table.sizes()));
   TORCH_CHECK(page_table.size(1) <= 1 || page_table.stride(1) == 1,
               "page_table must have unit column stride, got strides ",
-              page_table.strides());
+              format_dims(page_table.strides()));
   TORCH_CHECK(capacity >= 0, "capacity must be >= 0, got ", capacity);
   check_error_counter(errors, page_table, "page_table");
   const int64_t rows = page_table.size(0);
@@ -126,22 +139,22 @@ at::Tensor build_page_inverse(const at::Tensor& page_table, int64_t capacity, at
   cudaError_t status;
   if (page_table.scalar_type() == at::kInt) {
     status = sglang_cpkv::build_page_inverse<int32_t>(page_table.data_ptr<int32_t>(),
-                                                       rows,
-                                                       pages_per_request,
-                                                       page_table.stride(0),
-                                                       capacity,
-                                                       inverse.data_ptr<int32_t>(),
-                                                       errors.data_ptr<int32_t>(),
-                                                       stream);
+                                                      rows,
+                                                      pages_per_request,
+                                                      page_table.stride(0),
+                                                      capacity,
+                                                      inverse.data_ptr<int32_t>(),
+                                                      errors.data_ptr<int32_t>(),
+                                                      stream);
   } else {
     status = sglang_cpkv::build_page_inverse<int64_t>(page_table.data_ptr<int64_t>(),
-                                                       rows,
-                                                       pages_per_request,
-                                                       page_table.stride(0),
-                                                       capacity,
-                                                       inverse.data_ptr<int32_t>(),
-                                                       errors.data_ptr<int32_t>(),
-                                                       stream);
+                                                      rows,
+                                                      pages_per_request,
+                                                      page_table.stride(0),
+                                                      capacity,
+                                                      inverse.data_ptr<int32_t>(),
+                                                      errors.data_ptr<int32_t>(),
+                                                      stream);
   }
   check_launch(status, "build_page_inverse");
   return inverse;
@@ -155,23 +168,25 @@ at::Tensor remap_locs(const at::Tensor& locs,
                       at::Tensor& errors) {
   check_cuda_tensor(locs, "locs", locs, "locs");
   check_index_dtype(locs, "locs");
-  TORCH_CHECK(locs.dim() == 1 || locs.dim() == 2, "locs must be [N] or [N, K], got shape ", locs.sizes());
+  TORCH_CHECK(locs.dim() == 1 || locs.dim() == 2, "locs must be [N] or [N, K], got shape ", format_dims(locs.sizes()));
   const int64_t num_rows = locs.size(0);
   const int64_t row_len = locs.dim() == 2 ? locs.size(1) : 1;
-  TORCH_CHECK(row_len <= 1 || locs.stride(1) == 1, "locs must have unit column stride, got strides ", locs.strides());
+  TORCH_CHECK(row_len <= 1 || locs.stride(1) == 1,
+              "locs must have unit column stride, got strides ",
+              format_dims(locs.strides()));
   check_cuda_tensor(req_id, "req_id", locs, "locs");
   TORCH_CHECK(req_id.scalar_type() == at::kLong, "req_id must be int64, got ", req_id.scalar_type());
   TORCH_CHECK(req_id.dim() == 1 && req_id.size(0) == num_rows,
               "req_id must have one id per row of locs: locs ",
-              locs.sizes(),
+              format_dims(locs.sizes()),
               ", req_id ",
-              req_id.sizes());
-  TORCH_CHECK(req_id.is_contiguous(), "req_id must be contiguous, got stride ", req_id.strides());
+              format_dims(req_id.sizes()));
+  TORCH_CHECK(req_id.is_contiguous(), "req_id must be contiguous, got stride ", format_dims(req_id.strides()));
   check_cuda_tensor(inverse, "inverse", locs, "locs");
   TORCH_CHECK(inverse.scalar_type() == at::kInt, "inverse must be int32, got ", inverse.scalar_type());
   TORCH_CHECK(inverse.dim() == 1 && inverse.is_contiguous(),
               "inverse must be a contiguous 1-D [R * C] tensor, got shape ",
-              inverse.sizes());
+              format_dims(inverse.sizes()));
   TORCH_CHECK(capacity > 0, "capacity must be > 0, got ", capacity);
   TORCH_CHECK(inverse.numel() % capacity == 0,
               "inverse must hold R * C entries with C = capacity = ",
@@ -188,43 +203,46 @@ at::Tensor remap_locs(const at::Tensor& locs,
   cudaError_t status;
   if (locs.scalar_type() == at::kInt) {
     status = sglang_cpkv::remap_locs<int32_t>(locs.data_ptr<int32_t>(),
-                                               num_rows,
-                                               row_len,
-                                               locs_row_stride,
-                                               req_id.data_ptr<int64_t>(),
-                                               inverse.data_ptr<int32_t>(),
-                                               batch_rows,
-                                               capacity,
-                                               page_size,
-                                               dense_locs.data_ptr<int32_t>(),
-                                               errors.data_ptr<int32_t>(),
-                                               stream);
+                                              num_rows,
+                                              row_len,
+                                              locs_row_stride,
+                                              req_id.data_ptr<int64_t>(),
+                                              inverse.data_ptr<int32_t>(),
+                                              batch_rows,
+                                              capacity,
+                                              page_size,
+                                              dense_locs.data_ptr<int32_t>(),
+                                              errors.data_ptr<int32_t>(),
+                                              stream);
   } else {
     status = sglang_cpkv::remap_locs<int64_t>(locs.data_ptr<int64_t>(),
-                                               num_rows,
-                                               row_len,
-                                               locs_row_stride,
-                                               req_id.data_ptr<int64_t>(),
-                                               inverse.data_ptr<int32_t>(),
-                                               batch_rows,
-                                               capacity,
-                                               page_size,
-                                               dense_locs.data_ptr<int32_t>(),
-                                               errors.data_ptr<int32_t>(),
-                                               stream);
+                                              num_rows,
+                                              row_len,
+                                              locs_row_stride,
+                                              req_id.data_ptr<int64_t>(),
+                                              inverse.data_ptr<int32_t>(),
+                                              batch_rows,
+                                              capacity,
+                                              page_size,
+                                              dense_locs.data_ptr<int32_t>(),
+                                              errors.data_ptr<int32_t>(),
+                                              stream);
   }
   check_launch(status, "remap_locs");
   return dense_locs;
 }
 
-void copy_pages(
-    const at::Tensor& src, const at::Tensor& src_page, at::Tensor& dst, const at::Tensor& dst_page, at::Tensor& errors) {
+void copy_pages(const at::Tensor& src,
+                const at::Tensor& src_page,
+                at::Tensor& dst,
+                const at::Tensor& dst_page,
+                at::Tensor& errors) {
   check_cuda_tensor(src, "src", src, "src");
   check_cuda_tensor(dst, "dst", src, "src");
   check_same_rows(src, "src", dst, "dst");
   const int64_t page_bytes = contiguous_row_bytes(src, "src");
   contiguous_row_bytes(dst, "dst");
-  TORCH_CHECK(page_bytes > 0, "src pages must not be empty, got shape ", src.sizes());
+  TORCH_CHECK(page_bytes > 0, "src pages must not be empty, got shape ", format_dims(src.sizes()));
   check_cuda_tensor(src_page, "src_page", src, "src");
   check_cuda_tensor(dst_page, "dst_page", src, "src");
   check_index_vector(src_page, "src_page", src_page.numel(), "src_page entry");
@@ -241,30 +259,30 @@ void copy_pages(
   cudaError_t status;
   if (src_page.scalar_type() == at::kInt) {
     status = sglang_cpkv::copy_pages<int32_t>(src.data_ptr(),
-                                               src.size(0),
-                                               src.stride(0) * element,
-                                               src_page.data_ptr<int32_t>(),
-                                               dst.data_ptr(),
-                                               dst.size(0),
-                                               dst.stride(0) * element,
-                                               dst_page.data_ptr<int32_t>(),
-                                               src_page.numel(),
-                                               page_bytes,
-                                               errors.data_ptr<int32_t>(),
-                                               stream);
+                                              src.size(0),
+                                              src.stride(0) * element,
+                                              src_page.data_ptr<int32_t>(),
+                                              dst.data_ptr(),
+                                              dst.size(0),
+                                              dst.stride(0) * element,
+                                              dst_page.data_ptr<int32_t>(),
+                                              src_page.numel(),
+                                              page_bytes,
+                                              errors.data_ptr<int32_t>(),
+                                              stream);
   } else {
     status = sglang_cpkv::copy_pages<int64_t>(src.data_ptr(),
-                                               src.size(0),
-                                               src.stride(0) * element,
-                                               src_page.data_ptr<int64_t>(),
-                                               dst.data_ptr(),
-                                               dst.size(0),
-                                               dst.stride(0) * element,
-                                               dst_page.data_ptr<int64_t>(),
-                                               src_page.numel(),
-                                               page_bytes,
-                                               errors.data_ptr<int32_t>(),
-                                               stream);
+                                              src.size(0),
+                                              src.stride(0) * element,
+                                              src_page.data_ptr<int64_t>(),
+                                              dst.data_ptr(),
+                                              dst.size(0),
+                                              dst.stride(0) * element,
+                                              dst_page.data_ptr<int64_t>(),
+                                              src_page.numel(),
+                                              page_bytes,
+                                              errors.data_ptr<int32_t>(),
+                                              stream);
   }
   check_launch(status, "copy_pages");
 }
@@ -275,7 +293,7 @@ void scatter_rows(const at::Tensor& src, const at::Tensor& dst_loc, at::Tensor& 
   check_same_rows(src, "src", dst, "dst");
   const int64_t row_bytes = contiguous_row_bytes(src, "src");
   contiguous_row_bytes(dst, "dst");
-  TORCH_CHECK(row_bytes > 0, "src rows must not be empty, got shape ", src.sizes());
+  TORCH_CHECK(row_bytes > 0, "src rows must not be empty, got shape ", format_dims(src.sizes()));
   check_cuda_tensor(dst_loc, "dst_loc", src, "src");
   check_index_vector(dst_loc, "dst_loc", src.size(0), "src row");
   check_error_counter(errors, src, "src");
@@ -285,26 +303,26 @@ void scatter_rows(const at::Tensor& src, const at::Tensor& dst_loc, at::Tensor& 
   cudaError_t status;
   if (dst_loc.scalar_type() == at::kInt) {
     status = sglang_cpkv::scatter_rows<int32_t>(src.data_ptr(),
-                                                 src.size(0),
-                                                 src.stride(0) * element,
-                                                 dst_loc.data_ptr<int32_t>(),
-                                                 dst.data_ptr(),
-                                                 dst.size(0),
-                                                 dst.stride(0) * element,
-                                                 row_bytes,
-                                                 errors.data_ptr<int32_t>(),
-                                                 stream);
+                                                src.size(0),
+                                                src.stride(0) * element,
+                                                dst_loc.data_ptr<int32_t>(),
+                                                dst.data_ptr(),
+                                                dst.size(0),
+                                                dst.stride(0) * element,
+                                                row_bytes,
+                                                errors.data_ptr<int32_t>(),
+                                                stream);
   } else {
     status = sglang_cpkv::scatter_rows<int64_t>(src.data_ptr(),
-                                                 src.size(0),
-                                                 src.stride(0) * element,
-                                                 dst_loc.data_ptr<int64_t>(),
-                                                 dst.data_ptr(),
-                                                 dst.size(0),
-                                                 dst.stride(0) * element,
-                                                 row_bytes,
-                                                 errors.data_ptr<int32_t>(),
-                                                 stream);
+                                                src.size(0),
+                                                src.stride(0) * element,
+                                                dst_loc.data_ptr<int64_t>(),
+                                                dst.data_ptr(),
+                                                dst.size(0),
+                                                dst.stride(0) * element,
+                                                row_bytes,
+                                                errors.data_ptr<int32_t>(),
+                                                stream);
   }
   check_launch(status, "scatter_rows");
 }
@@ -356,8 +374,9 @@ void materialize_and_fill(const at::Tensor& pool,
               " and ",
               pool.scalar_type());
   const int64_t page_bytes = contiguous_row_bytes(pool, "pool");
-  TORCH_CHECK(dense.is_contiguous(), "dense must be contiguous (its row view is dense.view(-1, D)), got strides ",
-              dense.strides());
+  TORCH_CHECK(dense.is_contiguous(),
+              "dense must be contiguous (its row view is dense.view(-1, D)), got strides ",
+              format_dims(dense.strides()));
   const int64_t row_bytes = contiguous_row_bytes(current, "current");
   TORCH_CHECK(row_bytes > 0 && page_bytes % row_bytes == 0,
               "a page of pool (",

@@ -393,25 +393,6 @@ def _unique_current_locs(table: torch.Tensor, per_request: int, page_size: int, 
     return torch.cat(locs).to(DEVICE), torch.cat(req).to(DEVICE)
 
 
-@pytest.mark.parametrize(
-    "op, make_args, message",
-    [
-        ("remap_locs", lambda: (torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), torch.zeros(4, dtype=torch.int32, device=DEVICE), torch.full((24,), -1, dtype=torch.int32, device=DEVICE), 12, 4), "req_id must be int64, got Int"),
-        ("remap_locs", lambda: (torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), torch.zeros(3, dtype=torch.int64, device=DEVICE), torch.full((24,), -1, dtype=torch.int32, device=DEVICE), 12, 4), "req_id must have one id per row of locs"),
-        ("remap_locs", lambda: (torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.full((25,), -1, dtype=torch.int32, device=DEVICE), 12, 4), "inverse must hold R * C entries with C = capacity = 12, got 25"),
-        ("build_page_inverse", lambda: (torch.zeros(2, 3, dtype=torch.float32, device=DEVICE), 12), "page_table must be int32 or int64, got Float"),
-        ("build_page_inverse", lambda: (torch.zeros(2, 3, dtype=torch.int32), 12), "page_table must be a CUDA tensor"),
-        ("copy_pages", lambda: (torch.zeros(4, 8, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE), torch.zeros(4, 8, dtype=torch.float16, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE)), "src and dst must have one dtype"),
-        ("copy_pages", lambda: (torch.zeros(4, 8, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE), torch.zeros(4, 8, device=DEVICE), torch.zeros(3, dtype=torch.int32, device=DEVICE)), "dst_page must have one entry per src_page entry (2), got 3"),
-        ("scatter_rows", lambda: (torch.zeros(4, 8, device=DEVICE), torch.zeros(5, dtype=torch.int64, device=DEVICE), torch.zeros(6, 8, device=DEVICE)), "dst_loc must have one entry per src row (4), got 5"),
-        ("scatter_rows", lambda: (torch.zeros(4, 8, device=DEVICE)[:, ::2], torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(6, 4, device=DEVICE)), "src must be contiguous after dim 0"),
-    ],
-)
-def test_checks_name_the_bad_argument(cuda_ops, op, make_args, message):
-    with pytest.raises(RuntimeError, match=re.escape(message)):
-        getattr(cuda_ops, op)(*make_args(), new_error_counter(DEVICE))
-
-
 def test_torch_compile_fullgraph(cuda_ops):
     """The ops trace into one graph (fake implementations, declared mutations) and give the eager results."""
     capacity, page_size = 400, 16
@@ -519,6 +500,26 @@ def test_probe_refuses_missing_stale_and_jit_off(cuda_ops, tmp_path):
     metadata["source_hash"] = cuda_build.source_hash()
     stale.with_suffix(".json").write_text(json.dumps(metadata))
     assert _reason_in_fresh_process({cuda_build.LIB_ENV: str(tmp_path), cuda_build.JIT_ENV: "0"}) == "None"
+
+
+# Last in the file: on the H200 run of 2026-11-30 the second case segfaulted the process (see torch_bindings.cc).
+@pytest.mark.parametrize(
+    "op, make_args, message",
+    [
+        ("remap_locs", lambda: (torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), torch.zeros(4, dtype=torch.int32, device=DEVICE), torch.full((24,), -1, dtype=torch.int32, device=DEVICE), 12, 4), "req_id must be int64, got Int"),
+        ("remap_locs", lambda: (torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), torch.zeros(3, dtype=torch.int64, device=DEVICE), torch.full((24,), -1, dtype=torch.int32, device=DEVICE), 12, 4), "req_id must have one id per row of locs"),
+        ("remap_locs", lambda: (torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.full((25,), -1, dtype=torch.int32, device=DEVICE), 12, 4), "inverse must hold R * C entries with C = capacity = 12, got 25"),
+        ("build_page_inverse", lambda: (torch.zeros(2, 3, dtype=torch.float32, device=DEVICE), 12), "page_table must be int32 or int64, got Float"),
+        ("build_page_inverse", lambda: (torch.zeros(2, 3, dtype=torch.int32), 12), "page_table must be a CUDA tensor"),
+        ("copy_pages", lambda: (torch.zeros(4, 8, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE), torch.zeros(4, 8, dtype=torch.float16, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE)), "src and dst must have one dtype"),
+        ("copy_pages", lambda: (torch.zeros(4, 8, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE), torch.zeros(4, 8, device=DEVICE), torch.zeros(3, dtype=torch.int32, device=DEVICE)), "dst_page must have one entry per src_page entry (2), got 3"),
+        ("scatter_rows", lambda: (torch.zeros(4, 8, device=DEVICE), torch.zeros(5, dtype=torch.int64, device=DEVICE), torch.zeros(6, 8, device=DEVICE)), "dst_loc must have one entry per src row (4), got 5"),
+        ("scatter_rows", lambda: (torch.zeros(4, 8, device=DEVICE)[:, ::2], torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(6, 4, device=DEVICE)), "src must be contiguous after dim 0"),
+    ],
+)
+def test_checks_name_the_bad_argument(cuda_ops, op, make_args, message):
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        getattr(cuda_ops, op)(*make_args(), new_error_counter(DEVICE))
 
 
 if __name__ == "__main__":
