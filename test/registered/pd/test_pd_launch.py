@@ -35,7 +35,7 @@ from sglang_cpkv.pd_launch import (
 )
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=40, suite="cpkv-cpu")
+register_cpu_ci(est_time=45, suite="cpkv-cpu")
 
 REPO = Path(__file__).resolve().parents[3]
 PD = REPO / "scripts" / "pd"
@@ -249,6 +249,22 @@ def test_start_health_wait_status_and_stop_end_exactly_the_started_group(stub_en
     finally:
         decoy.kill()
         decoy.wait()
+
+
+def test_up_starts_all_three_roles_in_order_and_stop_ends_them(stub_env, tmp_path):
+    env = {**stub_env, "PD_DECODE_HOST": "127.0.0.1", "PD_DECODE_PORT": str(free_port()),
+           "PD_ROUTER_HOST": "127.0.0.1", "PD_ROUTER_PORT": str(free_port())}  # fmt: skip
+    up = launch(PD / "up.sh", env=env)
+    assert up.returncode == 0, up.stderr
+    assert [line for line in up.stderr.splitlines() if "is healthy" in line] == [f"[pd_launch] {r} is healthy" for r in ROLES]
+    records = {r: json.loads((tmp_path / "logs" / f"{r}.pid").read_text()) for r in ROLES}
+    assert "-m sglang_router.launch_router --pd-disaggregation" in " ".join(records["router"]["argv"])
+    assert launch(PD / "stop.sh", env=env).returncode == 0
+    deadline = time.monotonic() + 10
+    while any(alive(rec["pid"]) for rec in records.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(rec["pid"]) for rec in records.values())
+    assert not list((tmp_path / "logs").glob("*.pid"))
 
 
 def test_stop_leaves_a_recycled_pid_alone(stub_env, tmp_path):
