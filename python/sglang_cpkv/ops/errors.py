@@ -3,7 +3,8 @@
 Outside checked mode the hot path never synchronizes with the host, so an op that meets a bad
 id does not raise: it drops the element (writes nothing, or -1) and adds one to the counter of
 that kind. The batch plan owns one counter and surfaces it at the next natural sync point
-(:meth:`DeviceErrorCounter.raise_if_any`); checked mode (``SGLANG_CPKV_CHECKED=1``, see
+(:meth:`sglang_cpkv.runtime.plan.CpSharedKvPlan.raise_if_errors`, which calls
+:func:`raise_if_errors`); checked mode (``SGLANG_CPKV_CHECKED=1``, see
 :mod:`sglang_cpkv.runtime.checked`) raises right after each op.
 
 The layout is fixed (int32 ``[NUM_ERROR_KINDS]``) because the CUDA and Triton kernels
