@@ -99,7 +99,8 @@ def run_one(reg: Registration, timeout: float) -> tuple[Registration, int, float
         proc = subprocess.run([sys.executable, str(reg.path)], cwd=reg.path.parent, env=env, capture_output=True, text=True, timeout=timeout)
         code, out = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
-        code, out = 124, f"{exc.stdout or ''}{exc.stderr or ''}\nTIMEOUT after {timeout:.0f}s"
+        partial = "".join(s.decode(errors="replace") if isinstance(s, bytes) else s for s in (exc.stdout, exc.stderr) if s)
+        code, out = 124, f"{partial}\nTIMEOUT after {timeout:.0f}s"
     return reg, code, time.monotonic() - start, out
 
 
@@ -108,7 +109,7 @@ def main() -> int:
     parser.add_argument("--hw", choices=sorted(DEFAULT_SUITES), required=True)
     parser.add_argument("--suite", help="suite name (default: cpkv-cpu for cpu, cpkv-test-1-gpu for cuda)")
     parser.add_argument("--jobs", type=int, default=1, help="files run in parallel")
-    parser.add_argument("--timeout-factor", type=float, default=4.0, help="per-file timeout = factor * est_time (min 120 s)")
+    parser.add_argument("--timeout-factor", type=float, default=4.0, help="per-file timeout = factor * est_time (min 300 s)")
     parser.add_argument("--list", action="store_true", help="print the selected files and exit")
     args = parser.parse_args()
     suite = args.suite or DEFAULT_SUITES[args.hw]
@@ -132,7 +133,7 @@ def main() -> int:
     failed = []
     passed = 0
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = [pool.submit(run_one, r, max(120.0, args.timeout_factor * r.est_time)) for r in runnable]
+        futures = [pool.submit(run_one, r, max(300.0, args.timeout_factor * r.est_time)) for r in runnable]
         for fut in futures:
             reg, code, seconds, out = fut.result()
             rel = reg.path.relative_to(REGISTERED_DIR.parent)
