@@ -34,7 +34,7 @@ import torch
 
 from sglang_cpkv import ops
 from sglang_cpkv.harness.allocator import PrefixCachingAllocator
-from sglang_cpkv.harness.model import ToyDsa, ToyDsaConfig
+from sglang_cpkv.harness.model import MAX_POSITION, ToyDsa, ToyDsaConfig
 from sglang_cpkv.harness.scenarios import Scenario
 from sglang_cpkv.runtime import (
     CpGroup,
@@ -207,6 +207,8 @@ def run_forward(
 
     # Token-order host inputs: token ids, positions, and every causal candidate's pool location.
     lmax = max(p + e for p, e in zip(prefix_lens, extend_lens))
+    if lmax > MAX_POSITION:
+        raise ValueError(f"scenario {scenario.name}: a prompt of {lmax} tokens exceeds the toy model's exact range ({MAX_POSITION})")
     tokens, positions, candidates = [], [], []
     for r, (a, e) in enumerate(zip(batch, extend_lens)):
         for pos in range(a.done, a.done + e):

@@ -13,8 +13,8 @@ grid by ``remainder``:
   is a weighted sum of the selected value rows: exact, order-free.
 
 The bounds (``hidden = kv_dim = 16``, ``index_dim = 8``, ``topk <= 32``): ``h @ W`` <= 16 * 63 * 3;
-score <= 8 * 15 * 15; attention output <= topk * 7 * 63 (< 2**24). :class:`ToyDsaConfig` checks
-them.
+score <= 8 * 15 * 15; attention output <= topk * 7 * 63; embedding <= 63 * MAX_POSITION (all < 2**24).
+:class:`ToyDsaConfig` checks them; the engine refuses positions >= ``MAX_POSITION``.
 
 One layer, on this rank's local query rows (the CP split of the current tokens):
 
@@ -41,6 +41,7 @@ INDEX_GRID = 16
 WEIGHT_GRID = 4
 ATTN_WEIGHT_MOD = 7
 WINDOW = 4  # the most recent positions every query attends to (itself included)
+MAX_POSITION = 4096  # positions below it keep the layer-0 embedding exact
 FP32_EXACT = 2**24
 # Top-k key: window positions above every scored position, scores above positions (int64, exact).
 _WINDOW_BONUS = 2**40
@@ -66,7 +67,7 @@ class ToyDsaConfig:
             "kv/hidden projection": max(self.hidden, self.kv_dim) * (GRID - 1) * (WEIGHT_GRID - 1),
             "indexer score": self.index_dim * (INDEX_GRID - 1) ** 2,
             "attention output": self.topk * ATTN_WEIGHT_MOD * (GRID - 1),
-            "embedding + position": (GRID - 1) * 4096,
+            "embedding + position": (GRID - 1) * MAX_POSITION,
         }
         inexact = {name: bound for name, bound in limits.items() if bound >= FP32_EXACT}
         if inexact:
