@@ -19,9 +19,10 @@ test: setup
 demo: setup
 	$(PY) -m sglang_cpkv.demo
 
-# On a GPU host (registered CUDA suites).
+# On a GPU host (registered CUDA suites; the 2-GPU suite needs two GPUs of one host).
 test-cuda: setup
 	$(PY) test/run_suite.py --hw cuda --suite cpkv-test-1-gpu
+	$(PY) test/run_suite.py --hw cuda --suite cpkv-test-2-gpu
 
 clean:
 	rm -rf $(VENV) .cache
