@@ -1,0 +1,193 @@
+"""The patched ``DeepseekSparseAttnBackend.init_forward_metadata`` on CPU, with the flag off and on.
+
+Server args are resolved and published in this process exactly as a prefill scheduler does it (a
+local DSA ``config.json``, ``--tp 2 --enable-prefill-cp --cp-strategy interleave
+--disaggregation-mode prefill``, with or without ``--enable-cp-shared-kv``). The backend is
+upstream's class with the attributes its ``__init__`` derives from a model runner set directly
+(no model runner on CPU); pools are upstream's ``ReqToTokenPool`` / ``MLATokenToKVPool``; the CP
+split is upstream's (``build_metadata`` + ``pad_logical_token_to_physical``; the metadata build
+runs upstream's ``shard_per_request``). The batch has four requests, two sharing prefix pages, and
+a one-token request that CP rank 0 drops (upstream's ``bs_idx``).
+
+Checked on both CP ranks:
+
+* flag off: no plan, and the metadata is upstream's (page table = the selected requests' pool
+  locations);
+* flag on: every metadata field equals the flag-off one except the page tables, which address the
+  per-request dense view: ``page_table_1`` is the flag-off table remapped through the plan's
+  per-request inverse (row ``i`` = request ``bs_idx[i]``), each location inside its own request's
+  slots, and ``real_page_table`` its dense slot ids.
+"""
+
+import dataclasses
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from sglang_cpkv.testing.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=35, suite="cpkv-cpu")
+
+CP = 2
+PAGE = 64
+CAPACITY = 12
+PREFIX = [128, 128, 100, 0]
+EXTEND = [40, 71, 50, 1]  # 162 tokens: the last request's only token is on rank 1
+PAGES = [[1, 2, 3], [1, 2, 4, 5], [6, 7, 8], [9]]
+REQ_POOL_INDICES = [3, 1, 2, 4]
+DSA_CONFIG = {
+    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "index_topk": 2048,
+    "index_head_dim": 128, "index_n_heads": 64, "hidden_size": 7168, "num_attention_heads": 128,
+    "num_hidden_layers": 61, "num_key_value_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
+    "max_position_embeddings": 163840, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "torch_dtype": "bfloat16", "rope_theta": 10000, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+}
+TABLE_FIELDS = {"page_table_1", "real_page_table", "page_table_1_flattened"}
+
+
+def _loc(r, pos):
+    return PAGES[r][pos // PAGE] * PAGE + pos % PAGE
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory):
+    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+
+    install_torchvision_stub()
+    torch.cuda.get_device_capability = lambda *a, **k: (9, 0)  # resolve as on Hopper
+    from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
+    from sglang.srt.layers.cp.base import get_cp_strategy, init_cp_strategy
+    from sglang.srt.layers.cp.padding import pad_logical_token_to_physical
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
+
+    model = tmp_path_factory.mktemp("dsa")
+    (model / "config.json").write_text(json.dumps(DSA_CONFIG))
+    init_cp_strategy(enable_prefill_cp=True, cp_size=CP, cp_strategy="interleave")
+    return SimpleNamespace(
+        backend_cls=DeepseekSparseAttnBackend, strategy=get_cp_strategy(), pad=pad_logical_token_to_physical,
+        pool_cls=MLATokenToKVPool, req_pool_cls=ReqToTokenPool, extend=ForwardMode.EXTEND, parallel=get_parallel,
+        prepare=prepare_server_args, publish=set_global_server_args_for_scheduler, model=str(model),
+    )
+
+
+def _publish(up, flag_on, monkeypatch):
+    from sglang_cpkv.integration import dsa_hooks
+
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
+    argv = ["--model-path", up.model, "--skip-tokenizer-init", "--device", "cuda", "--tp", str(CP), "--enable-prefill-cp",
+            "--cp-strategy", "interleave", "--disaggregation-mode", "prefill", "--random-seed", "1"]
+    server_args = up.prepare(argv + (["--enable-cp-shared-kv"] if flag_on else []))
+    server_args.resolve_once()
+    up.publish(server_args)
+    monkeypatch.setattr(dsa_hooks, "_ENABLED", None)  # read the flag of what was just published
+    # The metadata build gathers nothing; the per-layer hooks do (tested in test_cp_shared_kv_dsa_hooks.py).
+    monkeypatch.setattr(dsa_hooks, "_attn_cp_group", lambda: None)
+
+
+def _backend(up):
+    """Upstream's backend class, with the attributes its __init__ derives from a model runner."""
+    backend = object.__new__(up.backend_cls)
+    req_pool = up.req_pool_cls(size=5, max_context_len=4 * PAGE, device="cpu", enable_memory_saver=False)
+    for r, row in enumerate(REQ_POOL_INDICES):
+        seq = PREFIX[r] + EXTEND[r]
+        req_pool.req_to_token[row, :seq] = torch.tensor([_loc(r, p) for p in range(seq)], dtype=torch.int32)
+    attrs = dict(
+        token_to_kv_pool=up.pool_cls(
+            size=(CAPACITY - 1) * PAGE, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=8, qk_rope_head_dim=4,
+            layer_num=1, device="cpu", enable_memory_saver=False, use_dsa=True,
+        ),
+        req_to_token_pool=req_pool, req_to_token=req_pool.req_to_token, _kv_shard_pool=None,
+        _is_in_breakable_cuda_graph=lambda: False, _is_in_tc_piecewise_cuda_graph=lambda: False,
+        _get_device_sm=lambda: 90, _is_blackwell=lambda: False, supports_mha_one_shot=False, hisparse_coordinator=None,
+        enable_auto_select_prefill_impl=False, dsa_kv_cache_store_fp8=False, dsa_prefill_impl="flashmla_sparse",
+        dsa_decode_impl="fa3", dsa_index_kpool=1, dsa_index_topk=2048, physical_page_size=PAGE, device="cpu",
+        speculative_num_draft_tokens=0, use_fused_topk=True, _arange_buf=torch.arange(16384, dtype=torch.int32),
+        dsa_topk_backend=SimpleNamespace(should_use_topk_v2=lambda: False),
+    )
+    for name, value in attrs.items():
+        setattr(backend, name, value)
+    return backend
+
+
+def _forward_batch(up):
+    seq = [p + e for p, e in zip(PREFIX, EXTEND)]
+    n = sum(EXTEND)
+    metadata = up.strategy.build_metadata(num_tokens=n, seqs_len=seq, extend_seqs_len=EXTEND)
+    up.pad(metadata)
+    return SimpleNamespace(
+        batch_size=len(EXTEND), forward_mode=up.extend, seq_lens=torch.tensor(seq), seq_lens_cpu=torch.tensor(seq),
+        seq_lens_sum=sum(seq), req_pool_indices=torch.tensor(REQ_POOL_INDICES), extend_seq_lens_cpu=EXTEND,
+        extend_seq_lens=torch.tensor(EXTEND, dtype=torch.int32), extend_prefix_lens_cpu=PREFIX, extend_num_tokens=n,
+        out_cache_loc=torch.tensor([_loc(r, p) for r in range(len(EXTEND)) for p in range(PREFIX[r], seq[r])]),
+        attn_cp_metadata=metadata, input_ids=torch.zeros(n, dtype=torch.int64), global_num_tokens_cpu=None,
+    )
+
+
+def _metadata(up, rank, flag_on, monkeypatch):
+    _publish(up, flag_on, monkeypatch)
+    up.parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, attn_cp_rank=rank)
+    backend, forward_batch = _backend(up), _forward_batch(up)
+    backend.init_forward_metadata(forward_batch)
+    return backend.forward_metadata, forward_batch
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("rank", range(CP))
+def test_flag_off_builds_upstreams_metadata_and_no_plan(up, rank, monkeypatch):
+    from sglang_cpkv.integration import dsa_hooks
+
+    metadata, forward_batch = _metadata(up, rank, False, monkeypatch)
+    assert not dsa_hooks.enabled()
+    assert dsa_hooks.batch_state(forward_batch) is None
+    kept = [0, 1, 2] if rank == 0 else [0, 1, 2, 3]  # rank 0 holds no token of request 3
+    assert metadata.dsa_extend_seq_lens_list == [n for n in [[20, 36, 25, 0], [20, 35, 25, 1]][rank] if n]
+    for row, r in enumerate(kept):
+        seq = PREFIX[r] + EXTEND[r]
+        assert metadata.page_table_1[row, :seq].tolist() == [_loc(r, p) for p in range(seq)]
+
+
+@pytest.mark.parametrize("rank", range(CP))
+def test_flag_on_changes_only_the_page_tables_which_address_each_requests_dense_view(up, rank, monkeypatch):
+    from sglang_cpkv.integration import dsa_hooks
+
+    off, _ = _metadata(up, rank, False, monkeypatch)
+    on, forward_batch = _metadata(up, rank, True, monkeypatch)
+    assert dsa_hooks.enabled()
+    state = dsa_hooks.batch_state(forward_batch)
+    assert state is not None
+    for field in dataclasses.fields(on):
+        if field.name not in TABLE_FIELDS:
+            assert _equal(getattr(on, field.name), getattr(off, field.name)), field.name
+
+    plan = state.plan
+    kept = [0, 1, 2] if rank == 0 else [0, 1, 2, 3]
+    bs_idx = torch.tensor(kept)
+    assert torch.equal(on.page_table_1, dsa_hooks.remap_page_table(plan, off.page_table_1, bs_idx))
+    slot_rows = plan.pages_per_request * PAGE
+    for row, r in enumerate(kept):
+        dense = on.page_table_1[row, : PREFIX[r] + EXTEND[r]]
+        assert bool((dense // slot_rows == r).all()), f"request {r} reads outside its own dense slots"
+        assert dense.tolist() == [r * slot_rows + p for p in range(PREFIX[r] + EXTEND[r])]
+    assert torch.equal(on.real_page_table, torch.div(on.page_table_1[:, ::PAGE], PAGE, rounding_mode="floor"))
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
