@@ -1,4 +1,4 @@
-"""The patched ``DeepseekSparseAttnBackend.init_forward_metadata`` on CPU, with the flag off and on.
+"""The patched ``DeepseekSparseAttnBackend`` (``init_forward_metadata``, ``forward_extend``) on CPU.
 
 Server args are resolved and published in this process exactly as a prefill scheduler does it (a
 local DSA ``config.json``, ``--tp 2 --enable-prefill-cp --cp-strategy interleave
@@ -17,6 +17,13 @@ Checked on both CP ranks:
   per-request dense view: ``page_table_1`` is the flag-off table remapped through the plan's
   per-request inverse (row ``i`` = request ``bs_idx[i]``), each location inside its own request's
   slots, and ``real_page_table`` its dense slot ids.
+
+``forward_extend`` runs up to the flashmla sparse kernel (GPU-only), which is replaced by a capture
+of what it is handed; the two CP ranks run in lockstep, their owned-page all-gather a
+concatenation of both ranks' packs. Flag off: upstream writes every current row and hands the
+kernel its pool. Flag on: each rank writes only the current rows of its owned pages, and the kernel
+gets the dense view, in which every top-k location (history pages from both owners, current rows)
+holds its own request's KV.
 """
 
 import dataclasses
@@ -32,7 +39,7 @@ import torch
 
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=35, suite="cpkv-cpu")
+register_cpu_ci(est_time=40, suite="cpkv-cpu")
 
 CP = 2
 PAGE = 64
@@ -113,7 +120,7 @@ def _backend(up):
         enable_auto_select_prefill_impl=False, dsa_kv_cache_store_fp8=False, dsa_prefill_impl="flashmla_sparse",
         dsa_decode_impl="fa3", dsa_index_kpool=1, dsa_index_topk=2048, physical_page_size=PAGE, device="cpu",
         speculative_num_draft_tokens=0, use_fused_topk=True, _arange_buf=torch.arange(16384, dtype=torch.int32),
-        dsa_topk_backend=SimpleNamespace(should_use_topk_v2=lambda: False),
+        dsa_topk_backend=SimpleNamespace(should_use_topk_v2=lambda: False, is_sgl_kernel=lambda: True),
     )
     for name, value in attrs.items():
         setattr(backend, name, value)
@@ -188,6 +195,140 @@ def test_flag_on_changes_only_the_page_tables_which_address_each_requests_dense_
         assert dense.tolist() == [r * slot_rows + p for p in range(PREFIX[r] + EXTEND[r])]
     assert torch.equal(on.real_page_table, torch.div(on.page_table_1[:, ::PAGE], PAGE, rounding_mode="floor"))
 
+
+# ---- forward_extend: the patched method up to the attention kernel, which is captured ----
+
+KV_LORA, ROPE, TOPK = 8, 4, 160
+
+
+class PrecomputedAllGather:
+    """Both ranks' contributions to the owned-page all-gather, known up front (lockstep ranks)."""
+
+    def __init__(self, contributions, rank):
+        self.contributions, self.cp_rank, self.cp_size = contributions, rank, len(contributions)
+
+    def all_gather_rows(self, local):
+        assert torch.equal(local, self.contributions[self.cp_rank])
+        return torch.cat(self.contributions)
+
+
+def _layer():
+    # RadixAttention's fields that forward_extend reads (one head, tiny head dims).
+    return SimpleNamespace(
+        layer_id=0, is_cross_attention=False, tp_q_head_num=1, tp_k_head_num=1, v_head_dim=KV_LORA,
+        head_dim=KV_LORA + ROPE, scaling=1.0,
+    )
+
+
+def _extend_inputs(rank, plan_pages_per_request=None):
+    """This rank's query rows, the gathered current k/k_rope, and top-k rows over the visible prefix.
+
+    Top-k rows hold, per local query token, the first TOPK positions of its own request as dense
+    locations (flag on) or pool locations (flag off): what the fused top-k transform would emit.
+    """
+    g = torch.Generator().manual_seed(3)
+    n = sum(EXTEND)
+    k = torch.randn(n, 1, KV_LORA, generator=g).to(torch.bfloat16)
+    k_rope = torch.randn(n, 1, ROPE, generator=g).to(torch.bfloat16)
+    owner = [(r, PREFIX[r] + i) for r in range(len(EXTEND)) for i in range(EXTEND[r])]
+    local = list(range(rank, n, CP))
+    physical = -(-max(len(range(q, n, CP)) for q in range(CP)) // CP) * CP
+    topk = torch.full((physical, TOPK), -1, dtype=torch.int32)
+    for row, t in enumerate(local):
+        r, pos = owner[t]
+        visible = range(min(TOPK, pos + 1))
+        if plan_pages_per_request is None:
+            topk[row, : len(visible)] = torch.tensor([_loc(r, p) for p in visible], dtype=torch.int32)
+        else:
+            topk[row, : len(visible)] = torch.tensor([r * plan_pages_per_request * PAGE + p for p in visible], dtype=torch.int32)
+    q = torch.randn(physical, KV_LORA + ROPE, generator=g).to(torch.bfloat16)
+    return q, k, k_rope, topk, owner
+
+
+def _history_rows():
+    g = torch.Generator().manual_seed(4)
+    return torch.randn(CAPACITY * PAGE, 1, KV_LORA + ROPE, generator=g).to(torch.bfloat16)
+
+
+def _fill_history(pool, rows, owned_by=None):
+    buf = pool.kv_buffer[0]
+    for r in range(len(EXTEND)):
+        for p in range(PREFIX[r]):
+            loc = _loc(r, p)
+            if owned_by is None or (loc // PAGE) % CP == owned_by:
+                buf[loc] = rows[loc]
+
+
+def _run_forward_extend(backend, forward_batch, q, k, k_rope, topk):
+    captured = {}
+
+    def kernel(**kwargs):  # the flashmla sparse kernel needs a GPU; capture what it is handed
+        captured.update(kwargs)
+        return torch.zeros(kwargs["q_all"].shape[0], 1, KV_LORA)
+
+    backend._forward_flashmla_sparse = kernel
+    backend.forward_extend(q, k, k, _layer(), forward_batch, save_kv_cache=True, k_rope=k_rope, topk_indices=topk)
+    return captured
+
+
+def _truth(history, k, k_rope, owner, r, pos):
+    if pos < PREFIX[r]:
+        return history[_loc(r, pos)]
+    t = owner.index((r, pos))
+    return torch.cat([k[t], k_rope[t]], dim=-1)
+
+
+def test_flag_off_forward_extend_writes_every_row_and_reads_the_pool(up, monkeypatch):
+    rank = 1
+    _publish(up, False, monkeypatch)
+    up.parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, attn_cp_rank=rank)
+    backend, forward_batch = _backend(up), _forward_batch(up)
+    history = _history_rows()
+    _fill_history(backend.token_to_kv_pool, history)
+    backend.init_forward_metadata(forward_batch)
+    q, k, k_rope, topk, owner = _extend_inputs(rank)
+    captured = _run_forward_extend(backend, forward_batch, q, k, k_rope, topk)
+    pool = backend.token_to_kv_pool.get_key_buffer(0)
+    assert captured["kv_cache"].data_ptr() == pool.data_ptr()  # upstream reads its pool
+    assert torch.equal(captured["page_table_1"], topk)
+    current = torch.cat([k, k_rope], dim=-1)
+    assert torch.equal(pool[forward_batch.out_cache_loc], current)  # every rank writes every row
+
+
+def test_flag_on_forward_extend_reads_each_requests_dense_view_and_writes_owned_rows(up, monkeypatch):
+    from sglang_cpkv.integration import dsa_hooks
+    from sglang_cpkv.runtime.layer import pack_owned_history
+
+    _publish(up, True, monkeypatch)
+    history = _history_rows()
+    ranks = []
+    for rank in range(CP):
+        up.parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, attn_cp_rank=rank)
+        backend, forward_batch = _backend(up), _forward_batch(up)
+        _fill_history(backend.token_to_kv_pool, history, owned_by=rank)  # a rank holds its pages only
+        backend.init_forward_metadata(forward_batch)
+        ranks.append((backend, forward_batch))
+    packs = [pack_owned_history(dsa_hooks.batch_state(fb).plan, b.token_to_kv_pool.kv_buffer[0]) for b, fb in ranks]
+    for rank, (backend, forward_batch) in enumerate(ranks):
+        state = dsa_hooks.batch_state(forward_batch)
+        state.group = PrecomputedAllGather(packs, rank)
+        up.parallel().override_permanently(attn_cp_rank=rank)
+        q, k, k_rope, topk, owner = _extend_inputs(rank, state.plan.pages_per_request)
+        captured = _run_forward_extend(backend, forward_batch, q, k, k_rope, topk)
+        kv_cache = captured["kv_cache"]
+        assert kv_cache.shape[0] == state.plan.dense_rows
+        for row, t in enumerate(range(rank, sum(EXTEND), CP)):
+            r, pos = owner[t]
+            for loc in topk[row][topk[row] >= 0].tolist():
+                p = loc - r * state.plan.pages_per_request * PAGE
+                assert torch.equal(kv_cache[loc], _truth(history, k, k_rope, owner, r, p)), f"rank {rank} request {r}"
+        pool = backend.token_to_kv_pool.get_key_buffer(0)
+        locs = forward_batch.out_cache_loc
+        owned = (locs // PAGE) % CP == rank
+        current = torch.cat([k, k_rope], dim=-1)
+        assert torch.equal(pool[locs[owned]], current[owned])
+        assert not pool[locs[~owned]].any()
+        state.plan.raise_if_errors()
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
