@@ -35,7 +35,7 @@ import torch
 
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=90, suite="cpkv-cpu")
+register_cpu_ci(est_time=45, suite="cpkv-cpu")
 
 pytest.importorskip("sglang", reason="needs upstream sglang 0.5.23 installed (make setup)")
 
@@ -44,7 +44,6 @@ from sglang_cpkv.testing.upstream_env import install_torchvision_stub  # noqa: E
 
 install_torchvision_stub()
 
-import sglang  # noqa: E402
 from sglang.srt import runtime_context  # noqa: E402
 from sglang.srt.arg_groups import model_hook, overrides  # noqa: E402
 from sglang.srt.disaggregation import utils as disagg_utils  # noqa: E402
