@@ -6,8 +6,9 @@ local DSA ``config.json``, ``--tp 2 --enable-prefill-cp --cp-strategy interleave
 upstream's class with the attributes its ``__init__`` derives from a model runner set directly
 (no model runner on CPU); pools are upstream's ``ReqToTokenPool`` / ``MLATokenToKVPool``; the CP
 split is upstream's (``build_metadata`` + ``pad_logical_token_to_physical``; the metadata build
-runs upstream's ``shard_per_request``). The batch has four requests, two sharing prefix pages, and
-a one-token request that CP rank 0 drops (upstream's ``bs_idx``).
+runs upstream's ``shard_per_request``). The batch has four requests: two sharing prefix pages, one
+continuing a partial history page and then writing a page id the first two read as history, and a
+one-token request that CP rank 0 drops (upstream's ``bs_idx``).
 
 Checked on both CP ranks:
 
@@ -46,7 +47,11 @@ PAGE = 64
 CAPACITY = 12
 PREFIX = [128, 128, 100, 0]
 EXTEND = [40, 71, 50, 1]  # 162 tokens: the last request's only token is on rank 1
-PAGES = [[1, 2, 3], [1, 2, 4, 5], [6, 7, 8], [9]]
+# Requests 0 and 1 share history pages 1 and 2. Request 2's history ends mid-page 7, its current
+# tokens continue it (CURRENT_REUSE) and then go to page 2, which requests 0 and 1 read as history:
+# a page id reused across requests of one batch (reachable only with allocators that do so, the
+# contract's second class), where a value-keyed inverse would mix requests up.
+PAGES = [[1, 2, 3], [1, 2, 4, 5], [6, 7, 2], [9]]
 REQ_POOL_INDICES = [3, 1, 2, 4]
 DSA_CONFIG = {
     "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "index_topk": 2048,
@@ -98,7 +103,7 @@ def _publish(up, flag_on, monkeypatch):
     server_args.resolve_once()
     up.publish(server_args)
     monkeypatch.setattr(dsa_hooks, "_ENABLED", None)  # read the flag of what was just published
-    # The metadata build gathers nothing; the per-layer hooks do (tested in test_cp_shared_kv_dsa_hooks.py).
+    # The metadata build gathers nothing; forward_extend's tests set each rank's group themselves.
     monkeypatch.setattr(dsa_hooks, "_attn_cp_group", lambda: None)
 
 
@@ -299,6 +304,7 @@ def test_flag_on_forward_extend_reads_each_requests_dense_view_and_writes_owned_
     from sglang_cpkv.integration import dsa_hooks
     from sglang_cpkv.runtime.layer import pack_owned_history
 
+    monkeypatch.setenv("SGLANG_CPKV_CHECKED", "1")  # the plan's and remap's invariants raise on violation
     _publish(up, True, monkeypatch)
     history = _history_rows()
     ranks = []
@@ -311,6 +317,7 @@ def test_flag_on_forward_extend_reads_each_requests_dense_view_and_writes_owned_
     packs = [pack_owned_history(dsa_hooks.batch_state(fb).plan, b.token_to_kv_pool.kv_buffer[0]) for b, fb in ranks]
     for rank, (backend, forward_batch) in enumerate(ranks):
         state = dsa_hooks.batch_state(forward_batch)
+        assert state.plan.checked
         state.group = PrecomputedAllGather(packs, rank)
         up.parallel().override_permanently(attn_cp_rank=rank)
         q, k, k_rope, topk, owner = _extend_inputs(rank, state.plan.pages_per_request)
