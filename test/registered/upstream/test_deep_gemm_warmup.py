@@ -102,6 +102,15 @@ def test_zigzag_at_batch_size_one_shrinks(monkeypatch, tmp_path):
     assert asked[KernelType.GROUPED_GEMM_NT_F8F8BF16_CONTIG] == full
 
 
+def test_prefill_server_with_target_layout_draft_shrinks(monkeypatch, tmp_path):
+    # EAGLE/NextN's prefill-time draft extend is an EXTEND batch under the target's CP; a P/D prefill
+    # server never runs the decode-time draft extend
+    asked, full = compiled_m_lists(monkeypatch, tmp_path, disaggregation_mode="prefill", speculative_algorithm="EAGLE",
+                                   speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4,
+                                   **SPLIT_FFN_ON_RANK_ROWS)
+    assert asked[KernelType.GEMM_NT_F8F8BF16] == expected_dense(full, cp=8)
+
+
 def test_decoding_server_with_draft_under_cp_env(monkeypatch, tmp_path):
     eagle = dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=1,
                  speculative_num_draft_tokens=4, max_running_requests=1024)
