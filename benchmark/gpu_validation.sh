@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# One GPU-machine run of everything that needs a GPU, in one call: the AOT build of our CUDA ops
+# (the image's archs), the registered CUDA suites (1 GPU; 2 GPUs when present), the multi-GPU
+# bs>1-vs-bs=1 harness on both kernel backends, the op benchmark against the measured copy
+# roofline, a SASS check of the copy loop and a compute-sanitizer memcheck of a slice of the ops
+# tests. Needs torch+triton+pytest on the machine, not sglang (upstream-only tests skip).
+#
+#   OUT=/some/dir benchmark/gpu_validation.sh            # repo root; results and logs under $OUT
+set -uo pipefail
+export PYTHONPATH=python PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/cpkv_gpu_validation}
+mkdir -p "$OUT"
+status=0
+step() { printf '\n=== %s (%s)\n' "$1" "$(date -u +%T)"; }
+
+step environment
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
+  nvcc --version | tail -1; git log -1 --format='commit %H' 2>/dev/null || true; } | tee "$OUT/env.txt"
+
+step "AOT build of the CUDA ops (sm_90a, sm_100a, sm_103a)"
+python3 -m sglang_cpkv.ops.cuda_build --aot --arch 90a,100a,103a --out /tmp/cpkv_aot 2>&1 | tee "$OUT/aot.log" | tail -3
+export SGLANG_CPKV_CUDA_LIB=/tmp/cpkv_aot
+python3 -c "from sglang_cpkv.ops import cuda; assert cuda.is_available(), cuda.unavailable_reason(); print('CUDA ops loaded from the AOT library')" || status=1
+
+step "CUDA suite, 1 GPU"
+python3 test/run_suite.py --hw cuda --suite cpkv-test-1-gpu 2>&1 | tee "$OUT/suite_1gpu.log" | grep -E '^(=== |files:|FAILED)|passed|failed' || true
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  step "CUDA suite, 2 GPUs"
+  python3 test/run_suite.py --hw cuda --suite cpkv-test-2-gpu 2>&1 | tee "$OUT/suite_2gpu.log" | grep -E '^(=== |files:|FAILED)|passed|failed' || true
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  for backend in cuda triton; do
+    step "multi-GPU harness, ops backend $backend"
+    python3 scripts/run_cp_harness.py --cp 1,2 --bs-list 2,4,8 --scenarios all --device cuda --backend "$backend" \
+      --out "$OUT/harness_$backend.json" > "$OUT/harness_$backend.log" 2>&1 || status=1
+    tail -4 "$OUT/harness_$backend.log"
+  done
+fi
+
+step "op benchmark (roofline + every op per provider)"
+python3 benchmark/bench_cp_shared_kv_ops.py --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -60 || status=1
+
+step "SASS: 16-byte loads in the sm_90a library"
+cuobjdump --dump-sass --gpu-architecture sm_90a /tmp/cpkv_aot/*.so 2>/dev/null | grep -cE 'LDG\.E\.128' | sed 's/^/LDG.E.128 instructions: /'
+
+step "compute-sanitizer memcheck (slice of the ops tests, uncached allocator)"
+PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest \
+  test/registered/kernels/test_cuda_ops.py -q -p no:cacheprovider -k "shared_page or bad_ids" 2>&1 |
+  tee "$OUT/memcheck.log" | tail -4
+
+step "done: status $status"
+exit "$status"
