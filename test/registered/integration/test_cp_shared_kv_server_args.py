@@ -21,7 +21,7 @@ import pytest
 
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=45, suite="cpkv-cpu")
+register_cpu_ci(est_time=30, suite="cpkv-cpu")
 
 FLAG = "--enable-cp-shared-kv"
 ALL_RANKS_ENV = {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1"}
