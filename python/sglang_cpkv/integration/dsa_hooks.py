@@ -231,32 +231,41 @@ def _index_k_pages(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
     return buffer.view(buffer.shape[0] * page_size, buffer.shape[1] // page_size)
 
 
-def store_index_k(pool: Any, forward_batch: Any, layer_id: int, key: torch.Tensor) -> bool:
+def store_index_k(
+    pool: Any, forward_batch: Any, layer_id: int, key: torch.Tensor, act_quant: Any, block_size: int, scale_fmt: Any
+) -> bool:
     """Index-K store in the mode: dense view (history, then current), then owned rows to the pool.
 
+    Uses the store upstream's ``_store_index_k_cache`` would: the fused CUDA store when it applies,
+    else ``act_quant`` + ``SetKAndS`` (its fallback, which also runs on CPU).
     Returns False (nothing done) when the mode is off, so the indexer runs upstream's store.
     """
     state = batch_state(forward_batch)
     if state is None:
         return False
+    from sglang.kernels.ops.kvcache import dsa_index_k_cache
     from sglang.kernels.ops.kvcache.dsa_fused_store_index_cache import can_use_dsa_fused_store, fused_store_index_k_cache
 
     plan = state.plan
     check_cache_write_rows(plan, key.shape[0], f"layer {layer_id} index-K store")
     page_size = pool.index_page_size
-    if not key.is_cuda or not can_use_dsa_fused_store(key.dtype, torch.int64, page_size):
-        raise CpSharedKvError(
-            f"layer {layer_id}: CP shared-KV stores index K with upstream's fused store "
-            f"(CUDA, key dtype {key.dtype}, page size {page_size}), which is not available here"
-        )
     pool_pages = pool.get_index_k_with_scale_buffer(layer_id)
     if state.dense_index_k is None:
         state.dense_index_k = torch.empty(
             (plan.num_requests * plan.pages_per_request, pool_pages.shape[1]), dtype=pool_pages.dtype, device=pool_pages.device
         )
     materialize_history(plan, _index_k_pages(pool_pages, page_size), _index_k_pages(state.dense_index_k, page_size), state.group)
-    fused_store_index_k_cache(key, state.dense_index_k, plan.current_dense_locs.to(torch.int64), page_size)
-    fused_store_index_k_cache(key, pool_pages, state.pool_write_locs.to(torch.int64), page_size)
+    dense_locs = plan.current_dense_locs.to(torch.int64)
+    owned_locs = state.pool_write_locs.to(torch.int64)
+    if key.is_cuda and can_use_dsa_fused_store(key.dtype, torch.int64, page_size):
+        fused_store_index_k_cache(key, state.dense_index_k, dense_locs, page_size)
+        fused_store_index_k_cache(key, pool_pages, owned_locs, page_size)
+        return True
+    if act_quant is None:
+        raise CpSharedKvError(f"layer {layer_id}: no fused index-K store here and no act_quant to quantize the keys")
+    index_k, index_k_scale = act_quant(key, block_size, scale_fmt)
+    dsa_index_k_cache.SetKAndS.execute(pool=pool, buf=state.dense_index_k, loc=dense_locs, index_k=index_k, index_k_scale=index_k_scale)
+    pool.set_index_k_scale_buffer(layer_id=layer_id, loc=owned_locs, index_k=index_k, index_k_scale=index_k_scale)
     return True
 
 

@@ -24,7 +24,10 @@ of what it is handed; the two CP ranks run in lockstep, their owned-page all-gat
 concatenation of both ranks' packs. Flag off: upstream writes every current row and hands the
 kernel its pool. Flag on: each rank writes only the current rows of its owned pages, and the kernel
 gets the dense view, in which every top-k location (history pages from both owners, current rows)
-holds its own request's KV.
+holds its own request's KV. The indexer's hooks then store index K (upstream's non-fused store,
+``act_quant`` + ``SetKAndS``, which runs on CPU) and read it with the dense block table through
+upstream's ``GetKAndS``: per request, the bytes equal upstream's read of a pool holding that request
+alone.
 """
 
 import dataclasses
@@ -78,7 +81,8 @@ def up(tmp_path_factory):
     from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
     from sglang.srt.layers.cp.base import get_cp_strategy, init_cp_strategy
     from sglang.srt.layers.cp.padding import pad_logical_token_to_physical
-    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
+    from sglang.kernels.ops.quantization.act_quant_triton import act_quant
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
@@ -88,7 +92,7 @@ def up(tmp_path_factory):
     init_cp_strategy(enable_prefill_cp=True, cp_size=CP, cp_strategy="interleave")
     return SimpleNamespace(
         backend_cls=DeepseekSparseAttnBackend, strategy=get_cp_strategy(), pad=pad_logical_token_to_physical,
-        pool_cls=MLATokenToKVPool, req_pool_cls=ReqToTokenPool, extend=ForwardMode.EXTEND, parallel=get_parallel,
+        pool_cls=DSATokenToKVPool, req_pool_cls=ReqToTokenPool, act_quant=act_quant, extend=ForwardMode.EXTEND, parallel=get_parallel,
         prepare=prepare_server_args, publish=set_global_server_args_for_scheduler, model=str(model),
     )
 
@@ -107,6 +111,13 @@ def _publish(up, flag_on, monkeypatch):
     monkeypatch.setattr(dsa_hooks, "_attn_cp_group", lambda: None)
 
 
+def _pool(up):
+    return up.pool_cls(
+        size=(CAPACITY - 1) * PAGE, page_size=PAGE, kv_lora_rank=8, dtype=torch.bfloat16, qk_rope_head_dim=4,
+        layer_num=1, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=12,
+    )
+
+
 def _backend(up):
     """Upstream's backend class, with the attributes its __init__ derives from a model runner."""
     backend = object.__new__(up.backend_cls)
@@ -115,10 +126,7 @@ def _backend(up):
         seq = PREFIX[r] + EXTEND[r]
         req_pool.req_to_token[row, :seq] = torch.tensor([_loc(r, p) for p in range(seq)], dtype=torch.int32)
     attrs = dict(
-        token_to_kv_pool=up.pool_cls(
-            size=(CAPACITY - 1) * PAGE, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=8, qk_rope_head_dim=4,
-            layer_num=1, device="cpu", enable_memory_saver=False, use_dsa=True,
-        ),
+        token_to_kv_pool=_pool(up),
         req_to_token_pool=req_pool, req_to_token=req_pool.req_to_token, _kv_shard_pool=None,
         _is_in_breakable_cuda_graph=lambda: False, _is_in_tc_piecewise_cuda_graph=lambda: False,
         _get_device_sm=lambda: 90, _is_blackwell=lambda: False, supports_mha_one_shot=False, hisparse_coordinator=None,
@@ -207,14 +215,16 @@ KV_LORA, ROPE, TOPK = 8, 4, 160
 
 
 class PrecomputedAllGather:
-    """Both ranks' contributions to the owned-page all-gather, known up front (lockstep ranks)."""
+    """Every rank's contribution to each all-gather of a layer (latent, then index K), known up front
+    because the ranks run in lockstep in one process."""
 
-    def __init__(self, contributions, rank):
-        self.contributions, self.cp_rank, self.cp_size = contributions, rank, len(contributions)
+    def __init__(self, rounds, rank):
+        self.rounds, self.cp_rank, self.cp_size = list(rounds), rank, len(rounds[0])
 
     def all_gather_rows(self, local):
-        assert torch.equal(local, self.contributions[self.cp_rank])
-        return torch.cat(self.contributions)
+        contributions = self.rounds.pop(0)
+        assert torch.equal(local, contributions[self.cp_rank])
+        return torch.cat(contributions)
 
 
 def _layer():
@@ -255,13 +265,24 @@ def _history_rows():
     return torch.randn(CAPACITY * PAGE, 1, KV_LORA + ROPE, generator=g).to(torch.bfloat16)
 
 
-def _fill_history(pool, rows, owned_by=None):
+def _index_keys():
+    """Index keys: one per pool location for history, one per current token (token order)."""
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(CAPACITY * PAGE, 128, generator=g).to(torch.bfloat16), torch.randn(sum(EXTEND), 128, generator=g).to(torch.bfloat16)
+
+
+def _store_index_k(up, pool, keys, locs):
+    """Upstream's non-fused index-K store (act_quant + the pool's SetKAndS), as the indexer does on CPU."""
+    k_fp8, k_scale = up.act_quant(keys, 128, None)
+    pool.set_index_k_scale_buffer(layer_id=0, loc=locs, index_k=k_fp8, index_k_scale=k_scale)
+
+
+def _fill_history(up, pool, rows, index_keys, owned_by=None):
     buf = pool.kv_buffer[0]
-    for r in range(len(EXTEND)):
-        for p in range(PREFIX[r]):
-            loc = _loc(r, p)
-            if owned_by is None or (loc // PAGE) % CP == owned_by:
-                buf[loc] = rows[loc]
+    locs = [_loc(r, p) for r in range(len(EXTEND)) for p in range(PREFIX[r])]
+    locs = sorted({loc for loc in locs if owned_by is None or (loc // PAGE) % CP == owned_by})
+    buf[locs] = rows[locs]
+    _store_index_k(up, pool, index_keys[locs], torch.tensor(locs))
 
 
 def _run_forward_extend(backend, forward_batch, q, k, k_rope, topk):
@@ -289,7 +310,7 @@ def test_flag_off_forward_extend_writes_every_row_and_reads_the_pool(up, monkeyp
     up.parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, attn_cp_rank=rank)
     backend, forward_batch = _backend(up), _forward_batch(up)
     history = _history_rows()
-    _fill_history(backend.token_to_kv_pool, history)
+    _fill_history(up, backend.token_to_kv_pool, history, _index_keys()[0])
     backend.init_forward_metadata(forward_batch)
     q, k, k_rope, topk, owner = _extend_inputs(rank)
     captured = _run_forward_extend(backend, forward_batch, q, k, k_rope, topk)
@@ -307,18 +328,23 @@ def test_flag_on_forward_extend_reads_each_requests_dense_view_and_writes_owned_
     monkeypatch.setenv("SGLANG_CPKV_CHECKED", "1")  # the plan's and remap's invariants raise on violation
     _publish(up, True, monkeypatch)
     history = _history_rows()
+    history_keys, current_keys = _index_keys()
     ranks = []
     for rank in range(CP):
         up.parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, attn_cp_rank=rank)
         backend, forward_batch = _backend(up), _forward_batch(up)
-        _fill_history(backend.token_to_kv_pool, history, owned_by=rank)  # a rank holds its pages only
+        _fill_history(up, backend.token_to_kv_pool, history, history_keys, owned_by=rank)  # its pages only
         backend.init_forward_metadata(forward_batch)
         ranks.append((backend, forward_batch))
-    packs = [pack_owned_history(dsa_hooks.batch_state(fb).plan, b.token_to_kv_pool.kv_buffer[0]) for b, fb in ranks]
+    latent_packs, index_packs = [], []
+    for b, fb in ranks:
+        plan, pool = dsa_hooks.batch_state(fb).plan, b.token_to_kv_pool
+        latent_packs.append(pack_owned_history(plan, pool.kv_buffer[0]))
+        index_packs.append(pack_owned_history(plan, dsa_hooks._index_k_pages(pool.get_index_k_with_scale_buffer(0), PAGE)))
     for rank, (backend, forward_batch) in enumerate(ranks):
         state = dsa_hooks.batch_state(forward_batch)
         assert state.plan.checked
-        state.group = PrecomputedAllGather(packs, rank)
+        state.group = PrecomputedAllGather([latent_packs, index_packs], rank)
         up.parallel().override_permanently(attn_cp_rank=rank)
         q, k, k_rope, topk, owner = _extend_inputs(rank, state.plan.pages_per_request)
         captured = _run_forward_extend(backend, forward_batch, q, k, k_rope, topk)
@@ -335,6 +361,30 @@ def test_flag_on_forward_extend_reads_each_requests_dense_view_and_writes_owned_
         current = torch.cat([k, k_rope], dim=-1)
         assert torch.equal(pool[locs[owned]], current[owned])
         assert not pool[locs[~owned]].any()
+
+        # Index K: the indexer's store hook, then its read hook with the dense block table, against
+        # upstream's own store/read of each request alone (a pool holding only that request).
+        pool_obj = backend.token_to_kv_pool
+        assert dsa_hooks.store_index_k(pool_obj, forward_batch, 0, current_keys, up.act_quant, 128, None)
+        metadata = backend.forward_metadata
+        seq_lens = metadata.indexer_seq_lens.to(torch.int32)
+        total, longest = int(seq_lens.sum()), int(seq_lens.max())
+        got_k, got_s = dsa_hooks.index_k_and_scale(pool_obj, forward_batch, 0, seq_lens, metadata.real_page_table, total, longest)
+        kept = [0, 1, 2] if rank == 0 else [0, 1, 2, 3]
+        start = 0
+        for r in kept:
+            seq = PREFIX[r] + EXTEND[r]
+            alone = _pool(up)
+            hist = [_loc(r, p) for p in range(PREFIX[r])]
+            if hist:
+                _store_index_k(up, alone, history_keys[hist], torch.tensor(hist))
+            first = sum(EXTEND[:r])
+            _store_index_k(up, alone, current_keys[first : first + EXTEND[r]], torch.tensor([_loc(r, p) for p in range(PREFIX[r], seq)]))
+            pages = torch.tensor([PAGES[r]], dtype=torch.int32)
+            want_k, want_s = alone.get_index_k_scale_buffer(0, torch.tensor([seq], dtype=torch.int32), pages, seq, seq)
+            assert torch.equal(got_k[start : start + seq], want_k), f"rank {rank} request {r}: index K"
+            assert torch.equal(got_s[start : start + seq], want_s), f"rank {rank} request {r}: index-K scales"
+            start += seq
         state.plan.raise_if_errors()
 
 if __name__ == "__main__":
