@@ -92,7 +92,7 @@ def test_dense_views_match_upstream_reads_per_request():
     )
     fb = SimpleNamespace(**{dsa_hooks.BATCH_ATTR: state})
     dense = dsa_hooks.extend_dense_kv(pool, 0, fb, k[n_hist:], k_rope[n_hist:])
-    assert dsa_hooks.store_index_k(pool, fb, 0, index_key[n_hist:])
+    assert dsa_hooks.store_index_k(pool, fb, 0, index_key[n_hist:], None, 128, None)  # the fused store: no act_quant
 
     table = req_pool.req_to_token[torch.tensor(REQ_POOL_INDICES, device=dev), : max(seq)]
     remapped = dsa_hooks.remap_page_table(state.plan, table, None)
