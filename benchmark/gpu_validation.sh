@@ -7,10 +7,13 @@
 #
 #   OUT=/some/dir benchmark/gpu_validation.sh            # repo root; results and logs under $OUT
 set -uo pipefail
-export PYTHONPATH=python PYTHONUNBUFFERED=1
+# Absolute: the suite runner starts each test file in the file's own directory.
+export PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/cpkv_gpu_validation}
 mkdir -p "$OUT"
 status=0
+# Every log also goes into one archive at the end (the device tool returns at most 8 files).
+trap 'tar -czf "$OUT/logs.tar.gz" -C "$OUT" --exclude logs.tar.gz . 2>/dev/null' EXIT
 step() { printf '\n=== %s (%s)\n' "$1" "$(date -u +%T)"; }
 
 step environment
@@ -24,22 +27,23 @@ export SGLANG_CPKV_CUDA_LIB=/tmp/cpkv_aot
 python3 -c "from sglang_cpkv.ops import cuda; assert cuda.is_available(), cuda.unavailable_reason(); print('CUDA ops loaded from the AOT library')" || status=1
 
 step "CUDA suite, 1 GPU"
-python3 test/run_suite.py --hw cuda --suite cpkv-test-1-gpu 2>&1 | tee "$OUT/suite_1gpu.log" | grep -E '^(=== |files:|FAILED)|passed|failed' || true
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+python3 test/run_suite.py --hw cuda --suite cpkv-test-1-gpu > "$OUT/suite_1gpu.log" 2>&1 || status=1
+grep -E '^(=== |files:|FAILED)|passed|failed|skipped' "$OUT/suite_1gpu.log"
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   step "CUDA suite, 2 GPUs"
-  python3 test/run_suite.py --hw cuda --suite cpkv-test-2-gpu 2>&1 | tee "$OUT/suite_2gpu.log" | grep -E '^(=== |files:|FAILED)|passed|failed' || true
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  python3 test/run_suite.py --hw cuda --suite cpkv-test-2-gpu > "$OUT/suite_2gpu.log" 2>&1 || status=1
+  grep -E '^(=== |files:|FAILED)|passed|failed|skipped' "$OUT/suite_2gpu.log"
   for backend in cuda triton; do
     step "multi-GPU harness, ops backend $backend"
     python3 scripts/run_cp_harness.py --cp 1,2 --bs-list 2,4,8 --scenarios all --device cuda --backend "$backend" \
       --out "$OUT/harness_$backend.json" > "$OUT/harness_$backend.log" 2>&1 || status=1
-    tail -4 "$OUT/harness_$backend.log"
+    tail -n 3 "$OUT/harness_$backend.log"
   done
 fi
 
 step "op benchmark (roofline + every op per provider)"
-python3 benchmark/bench_cp_shared_kv_ops.py --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -60 || status=1
+python3 benchmark/bench_cp_shared_kv_ops.py --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1 || status=1
+tail -n 80 "$OUT/bench.log"
 
 step "SASS: 16-byte loads in the sm_90a library"
 cuobjdump --dump-sass --gpu-architecture sm_90a /tmp/cpkv_aot/*.so 2>/dev/null | grep -cE 'LDG\.E\.128' | sed 's/^/LDG.E.128 instructions: /'
