@@ -352,9 +352,13 @@ def check_against_truth(
         written_locs = out_cache_loc[mine_written]
         ok_write = torch.zeros(pool.shape[0], dtype=torch.bool)
         cur_bytes = _row_bytes(current_kv)
-        for t in mine_written.nonzero().flatten().tolist():  # any writer of a duplicated loc may win
-            loc = int(out_cache_loc[t])
-            ok_write[loc] |= bool(torch.equal(after[loc], cur_bytes[t]))
+        mine = mine_written.nonzero().flatten()
+        for loc in written_locs.unique().tolist():
+            # A location written by several tokens (collision class only) is a scatter with duplicate
+            # indices: the contract leaves the winner unspecified, and a parallel scatter may even
+            # interleave the writers' bytes, so each byte must come from one of the writers.
+            writers = cur_bytes[mine[out_cache_loc[mine] == loc]]
+            ok_write[loc] = bool((writers == after[loc]).any(dim=0).all())
         is_written = torch.zeros(pool.shape[0], dtype=torch.bool)
         is_written[written_locs] = True
         if bool((is_written & ~ok_write).any()):

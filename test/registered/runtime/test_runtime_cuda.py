@@ -25,6 +25,8 @@ from sglang_cpkv.runtime import (
 from sglang_cpkv.testing.batches import (
     POISON_BYTE,
     BatchCase,
+    RankResult,
+    check_against_truth,
     make_pool_and_current,
     random_case,
     random_topk,
@@ -49,7 +51,7 @@ def test_gpu_layers_equal_cpu_without_host_sync(index):
     device = torch.device("cuda")
     layers = 3
     kv = [make_pool_and_current(case, torch.uint8, 656, seed=10 * index + layer) for layer in range(layers)]
-    topk, _ = random_topk(case, 8, seed=index)
+    topk, topk_positions = random_topk(case, 8, seed=index)
     expected = [simulate_cp_ranks(case, pool, current, topk)[0] for pool, current in kv]
 
     pools = [pool.to(device) for pool, _ in kv]
@@ -90,7 +92,13 @@ def test_gpu_layers_equal_cpu_without_host_sync(index):
         # Rows the CPU run wrote must match; a buffer reused two layers later may hold stale rows elsewhere.
         assert rows_equal(dense_out[layer].cpu()[rows], ref.dense[rows]), f"layer {layer}: dense view differs from CPU"
         assert torch.equal(remapped_out[layer].cpu(), ref.remapped), f"layer {layer}: remapped top-k differs from CPU"
-        assert rows_equal(pools[layer].cpu(), ref.pool_after), f"layer {layer}: pool after persist differs from CPU"
+        # Pool rows: collision-class batches write one pool location from two requests, and the
+        # contract leaves that scatter's winner unspecified, so the pool is judged against the truth
+        # (any writer of a duplicated location may win), not byte-compared with the CPU run.
+        pool_before, current = kv[layer]
+        got = RankResult(plan=ref.plan, dense=ref.dense, remapped=ref.remapped, pool_after=pools[layer].cpu())
+        problems = check_against_truth(case, pool_before, current, topk_positions, [got])
+        assert not problems, f"layer {layer}: pool after persist: " + "; ".join(problems[:5])
 
 
 if __name__ == "__main__":
