@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "cp_shared_kv.h"
 
@@ -19,9 +20,31 @@ namespace sglang_cpkv {
 namespace torch_ops {
 namespace {
 
-// "[4, 2]": sizes and strides for messages, formatted here rather than through c10's ArrayRef stream operator.
-// NOTE: a check message streaming locs.sizes() itself segfaulted on the H200 machine (torch 2.11, AOT build,
-// 2026-11-30) while the same check with a dtype in its message raised cleanly; cause not established.
+// Check messages are concatenated here, without std::ostream, and handed to TORCH_CHECK as one C string.
+// NOTE: on the H200 image (torch 2.11+cu130, g++ 13) the built library carries its own copy of libstdc++
+// (ldd lists none), and c10::str's `ss << int64_t` inside it segfaulted (cuda-gdb, 2026-11-30: frame
+// c10::detail::_str<long> -> std::basic_ostream::_M_insert<long>) whenever a check with an integer in its
+// message failed. std::to_string and std::string appends need no locale, and a single const char* argument
+// makes c10::str return the pointer untouched.
+inline void append(std::string& out, const char* s) { out += s; }
+inline void append(std::string& out, const std::string& s) { out += s; }
+inline void append(std::string& out, c10::ScalarType t) { out += c10::toString(t); }
+inline void append(std::string& out, const c10::Device& d) { out += d.str(); }
+template <typename Int, typename = std::enable_if_t<std::is_integral_v<Int>>>
+inline void append(std::string& out, Int v) {
+  out += std::to_string(v);
+}
+
+template <typename... Args>
+std::string message(const Args&... args) {
+  std::string out;
+  (append(out, args), ...);
+  return out;
+}
+
+#define CPKV_CHECK(cond, ...) TORCH_CHECK(cond, ::sglang_cpkv::torch_ops::message(__VA_ARGS__).c_str())
+
+// "[4, 2]": sizes and strides for messages.
 std::string format_dims(at::IntArrayRef values) {
   std::string out = "[";
   for (size_t i = 0; i < values.size(); ++i) {
@@ -32,8 +55,8 @@ std::string format_dims(at::IntArrayRef values) {
 }
 
 void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Tensor& anchor, const char* anchor_name) {
-  TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
-  TORCH_CHECK(t.device() == anchor.device(),
+  CPKV_CHECK(t.is_cuda(), name, " must be a CUDA tensor, got device ", t.device());
+  CPKV_CHECK(t.device() == anchor.device(),
               name,
               " must be on the device of ",
               anchor_name,
@@ -44,7 +67,7 @@ void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Tensor& 
 }
 
 void check_index_dtype(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong,
+  CPKV_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong,
               name,
               " must be int32 or int64, got ",
               t.scalar_type());
@@ -52,8 +75,8 @@ void check_index_dtype(const at::Tensor& t, const char* name) {
 
 void check_error_counter(const at::Tensor& errors, const at::Tensor& anchor, const char* anchor_name) {
   check_cuda_tensor(errors, "errors", anchor, anchor_name);
-  TORCH_CHECK(errors.scalar_type() == at::kInt, "errors must be int32, got ", errors.scalar_type());
-  TORCH_CHECK(errors.dim() == 1 && errors.size(0) == kNumErrorKinds && errors.is_contiguous(),
+  CPKV_CHECK(errors.scalar_type() == at::kInt, "errors must be int32, got ", errors.scalar_type());
+  CPKV_CHECK(errors.dim() == 1 && errors.size(0) == kNumErrorKinds && errors.is_contiguous(),
               "errors must be a contiguous [",
               kNumErrorKinds,
               "] counter, got shape ",
@@ -64,8 +87,8 @@ void check_error_counter(const at::Tensor& errors, const at::Tensor& anchor, con
 
 void check_index_vector(const at::Tensor& t, const char* name, int64_t expected_len, const char* len_source) {
   check_index_dtype(t, name);
-  TORCH_CHECK(t.dim() == 1, name, " must be 1-D, got shape ", format_dims(t.sizes()));
-  TORCH_CHECK(t.size(0) == expected_len,
+  CPKV_CHECK(t.dim() == 1, name, " must be 1-D, got shape ", format_dims(t.sizes()));
+  CPKV_CHECK(t.size(0) == expected_len,
               name,
               " must have one entry per ",
               len_source,
@@ -73,15 +96,15 @@ void check_index_vector(const at::Tensor& t, const char* name, int64_t expected_
               expected_len,
               "), got ",
               t.size(0));
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got stride ", format_dims(t.strides()));
+  CPKV_CHECK(t.is_contiguous(), name, " must be contiguous, got stride ", format_dims(t.strides()));
 }
 
 // Bytes of one row of a [rows, ...] tensor whose trailing dims are contiguous (a row is one run of bytes).
 int64_t contiguous_row_bytes(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() >= 2, name, " must be [rows, ...] with at least 2 dims, got shape ", format_dims(t.sizes()));
+  CPKV_CHECK(t.dim() >= 2, name, " must be [rows, ...] with at least 2 dims, got shape ", format_dims(t.sizes()));
   int64_t expected_stride = 1;
   for (int64_t d = t.dim() - 1; d >= 1; --d) {
-    TORCH_CHECK(t.size(d) == 1 || t.stride(d) == expected_stride,
+    CPKV_CHECK(t.size(d) == 1 || t.stride(d) == expected_stride,
                 name,
                 " must be contiguous after dim 0, got shape ",
                 format_dims(t.sizes()),
@@ -93,7 +116,7 @@ int64_t contiguous_row_bytes(const at::Tensor& t, const char* name) {
 }
 
 void check_same_rows(const at::Tensor& src, const char* src_name, const at::Tensor& dst, const char* dst_name) {
-  TORCH_CHECK(src.scalar_type() == dst.scalar_type(),
+  CPKV_CHECK(src.scalar_type() == dst.scalar_type(),
               src_name,
               " and ",
               dst_name,
@@ -101,7 +124,7 @@ void check_same_rows(const at::Tensor& src, const char* src_name, const at::Tens
               src.scalar_type(),
               " and ",
               dst.scalar_type());
-  TORCH_CHECK(src.sizes().slice(1) == dst.sizes().slice(1),
+  CPKV_CHECK(src.sizes().slice(1) == dst.sizes().slice(1),
               src_name,
               " and ",
               dst_name,
@@ -112,7 +135,7 @@ void check_same_rows(const at::Tensor& src, const char* src_name, const at::Tens
 }
 
 void check_launch(cudaError_t status, const char* op) {
-  TORCH_CHECK(status == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(status));
+  CPKV_CHECK(status == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(status));
 }
 
 }  // namespace
@@ -120,16 +143,16 @@ void check_launch(cudaError_t status, const char* op) {
 at::Tensor build_page_inverse(const at::Tensor& page_table, int64_t capacity, at::Tensor& errors) {
   check_cuda_tensor(page_table, "page_table", page_table, "page_table");
   check_index_dtype(page_table, "page_table");
-  TORCH_CHECK(page_table.dim() == 2, "page_table must be [R, P], got shape ", format_dims(page_table.sizes()));
-  TORCH_CHECK(page_table.size(1) <= 1 || page_table.stride(1) == 1,
+  CPKV_CHECK(page_table.dim() == 2, "page_table must be [R, P], got shape ", format_dims(page_table.sizes()));
+  CPKV_CHECK(page_table.size(1) <= 1 || page_table.stride(1) == 1,
               "page_table must have unit column stride, got strides ",
               format_dims(page_table.strides()));
-  TORCH_CHECK(capacity >= 0, "capacity must be >= 0, got ", capacity);
+  CPKV_CHECK(capacity >= 0, "capacity must be >= 0, got ", capacity);
   check_error_counter(errors, page_table, "page_table");
   const int64_t rows = page_table.size(0);
   const int64_t pages_per_request = page_table.size(1);
-  TORCH_CHECK(rows <= 65535, "page_table has ", rows, " rows, more than the 65535 request rows supported");
-  TORCH_CHECK(rows * pages_per_request <= std::numeric_limits<int32_t>::max(),
+  CPKV_CHECK(rows <= 65535, "page_table has ", rows, " rows, more than the 65535 request rows supported");
+  CPKV_CHECK(rows * pages_per_request <= std::numeric_limits<int32_t>::max(),
               "R * P = ",
               rows * pages_per_request,
               " dense slots do not fit the int32 inverse");
@@ -168,32 +191,32 @@ at::Tensor remap_locs(const at::Tensor& locs,
                       at::Tensor& errors) {
   check_cuda_tensor(locs, "locs", locs, "locs");
   check_index_dtype(locs, "locs");
-  TORCH_CHECK(locs.dim() == 1 || locs.dim() == 2, "locs must be [N] or [N, K], got shape ", format_dims(locs.sizes()));
+  CPKV_CHECK(locs.dim() == 1 || locs.dim() == 2, "locs must be [N] or [N, K], got shape ", format_dims(locs.sizes()));
   const int64_t num_rows = locs.size(0);
   const int64_t row_len = locs.dim() == 2 ? locs.size(1) : 1;
-  TORCH_CHECK(row_len <= 1 || locs.stride(1) == 1,
+  CPKV_CHECK(row_len <= 1 || locs.stride(1) == 1,
               "locs must have unit column stride, got strides ",
               format_dims(locs.strides()));
   check_cuda_tensor(req_id, "req_id", locs, "locs");
-  TORCH_CHECK(req_id.scalar_type() == at::kLong, "req_id must be int64, got ", req_id.scalar_type());
-  TORCH_CHECK(req_id.dim() == 1 && req_id.size(0) == num_rows,
+  CPKV_CHECK(req_id.scalar_type() == at::kLong, "req_id must be int64, got ", req_id.scalar_type());
+  CPKV_CHECK(req_id.dim() == 1 && req_id.size(0) == num_rows,
               "req_id must have one id per row of locs: locs ",
               format_dims(locs.sizes()),
               ", req_id ",
               format_dims(req_id.sizes()));
-  TORCH_CHECK(req_id.is_contiguous(), "req_id must be contiguous, got stride ", format_dims(req_id.strides()));
+  CPKV_CHECK(req_id.is_contiguous(), "req_id must be contiguous, got stride ", format_dims(req_id.strides()));
   check_cuda_tensor(inverse, "inverse", locs, "locs");
-  TORCH_CHECK(inverse.scalar_type() == at::kInt, "inverse must be int32, got ", inverse.scalar_type());
-  TORCH_CHECK(inverse.dim() == 1 && inverse.is_contiguous(),
+  CPKV_CHECK(inverse.scalar_type() == at::kInt, "inverse must be int32, got ", inverse.scalar_type());
+  CPKV_CHECK(inverse.dim() == 1 && inverse.is_contiguous(),
               "inverse must be a contiguous 1-D [R * C] tensor, got shape ",
               format_dims(inverse.sizes()));
-  TORCH_CHECK(capacity > 0, "capacity must be > 0, got ", capacity);
-  TORCH_CHECK(inverse.numel() % capacity == 0,
+  CPKV_CHECK(capacity > 0, "capacity must be > 0, got ", capacity);
+  CPKV_CHECK(inverse.numel() % capacity == 0,
               "inverse must hold R * C entries with C = capacity = ",
               capacity,
               ", got ",
               inverse.numel());
-  TORCH_CHECK(page_size > 0, "page_size must be > 0, got ", page_size);
+  CPKV_CHECK(page_size > 0, "page_size must be > 0, got ", page_size);
   check_error_counter(errors, locs, "locs");
   const c10::cuda::CUDAGuard device_guard(locs.device());
   at::Tensor dense_locs = at::empty(locs.sizes(), locs.options().dtype(at::kInt));
@@ -242,12 +265,12 @@ void copy_pages(const at::Tensor& src,
   check_same_rows(src, "src", dst, "dst");
   const int64_t page_bytes = contiguous_row_bytes(src, "src");
   contiguous_row_bytes(dst, "dst");
-  TORCH_CHECK(page_bytes > 0, "src pages must not be empty, got shape ", format_dims(src.sizes()));
+  CPKV_CHECK(page_bytes > 0, "src pages must not be empty, got shape ", format_dims(src.sizes()));
   check_cuda_tensor(src_page, "src_page", src, "src");
   check_cuda_tensor(dst_page, "dst_page", src, "src");
   check_index_vector(src_page, "src_page", src_page.numel(), "src_page entry");
   check_index_vector(dst_page, "dst_page", src_page.numel(), "src_page entry");
-  TORCH_CHECK(src_page.scalar_type() == dst_page.scalar_type(),
+  CPKV_CHECK(src_page.scalar_type() == dst_page.scalar_type(),
               "src_page and dst_page must have one dtype, got ",
               src_page.scalar_type(),
               " and ",
@@ -293,7 +316,7 @@ void scatter_rows(const at::Tensor& src, const at::Tensor& dst_loc, at::Tensor& 
   check_same_rows(src, "src", dst, "dst");
   const int64_t row_bytes = contiguous_row_bytes(src, "src");
   contiguous_row_bytes(dst, "dst");
-  TORCH_CHECK(row_bytes > 0, "src rows must not be empty, got shape ", format_dims(src.sizes()));
+  CPKV_CHECK(row_bytes > 0, "src rows must not be empty, got shape ", format_dims(src.sizes()));
   check_cuda_tensor(dst_loc, "dst_loc", src, "src");
   check_index_vector(dst_loc, "dst_loc", src.size(0), "src row");
   check_error_counter(errors, src, "src");
@@ -368,17 +391,17 @@ void materialize_and_fill(const at::Tensor& pool,
   check_cuda_tensor(dense, "dense", pool, "pool");
   check_cuda_tensor(current, "current", pool, "pool");
   check_same_rows(pool, "pool", dense, "dense");
-  TORCH_CHECK(current.scalar_type() == pool.scalar_type(),
+  CPKV_CHECK(current.scalar_type() == pool.scalar_type(),
               "current and pool must have one dtype, got ",
               current.scalar_type(),
               " and ",
               pool.scalar_type());
   const int64_t page_bytes = contiguous_row_bytes(pool, "pool");
-  TORCH_CHECK(dense.is_contiguous(),
+  CPKV_CHECK(dense.is_contiguous(),
               "dense must be contiguous (its row view is dense.view(-1, D)), got strides ",
               format_dims(dense.strides()));
   const int64_t row_bytes = contiguous_row_bytes(current, "current");
-  TORCH_CHECK(row_bytes > 0 && page_bytes % row_bytes == 0,
+  CPKV_CHECK(row_bytes > 0 && page_bytes % row_bytes == 0,
               "a page of pool (",
               page_bytes,
               " bytes) must be a whole number of current rows (",
@@ -388,7 +411,7 @@ void materialize_and_fill(const at::Tensor& pool,
   check_cuda_tensor(dst_page, "dst_page", pool, "pool");
   check_index_vector(src_page, "src_page", src_page.numel(), "src_page entry");
   check_index_vector(dst_page, "dst_page", src_page.numel(), "src_page entry");
-  TORCH_CHECK(src_page.scalar_type() == dst_page.scalar_type(),
+  CPKV_CHECK(src_page.scalar_type() == dst_page.scalar_type(),
               "src_page and dst_page must have one dtype, got ",
               src_page.scalar_type(),
               " and ",
