@@ -138,6 +138,13 @@ void check_launch(cudaError_t status, const char* op) {
   CPKV_CHECK(status == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(status));
 }
 
+// Calls fn(IndexT{}) with the index type of `index` (int32_t or int64_t; callers check the dtype first), so
+// each op names its launcher once instead of once per index dtype.
+template <typename Fn>
+cudaError_t dispatch_index_type(const at::Tensor& index, Fn&& fn) {
+  return index.scalar_type() == at::kInt ? fn(int32_t{}) : fn(int64_t{});
+}
+
 }  // namespace
 
 at::Tensor build_page_inverse(const at::Tensor& page_table, int64_t capacity, at::Tensor& errors) {
@@ -159,26 +166,17 @@ at::Tensor build_page_inverse(const at::Tensor& page_table, int64_t capacity, at
   const c10::cuda::CUDAGuard device_guard(page_table.device());
   at::Tensor inverse = at::empty({rows * capacity}, page_table.options().dtype(at::kInt));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  cudaError_t status;
-  if (page_table.scalar_type() == at::kInt) {
-    status = sglang_cpkv::build_page_inverse<int32_t>(page_table.data_ptr<int32_t>(),
-                                                      rows,
-                                                      pages_per_request,
-                                                      page_table.stride(0),
-                                                      capacity,
-                                                      inverse.data_ptr<int32_t>(),
-                                                      errors.data_ptr<int32_t>(),
-                                                      stream);
-  } else {
-    status = sglang_cpkv::build_page_inverse<int64_t>(page_table.data_ptr<int64_t>(),
-                                                      rows,
-                                                      pages_per_request,
-                                                      page_table.stride(0),
-                                                      capacity,
-                                                      inverse.data_ptr<int32_t>(),
-                                                      errors.data_ptr<int32_t>(),
-                                                      stream);
-  }
+  const cudaError_t status = dispatch_index_type(page_table, [&](auto page_id) {
+    using PageIdT = decltype(page_id);
+    return sglang_cpkv::build_page_inverse<PageIdT>(page_table.data_ptr<PageIdT>(),
+                                                    rows,
+                                                    pages_per_request,
+                                                    page_table.stride(0),
+                                                    capacity,
+                                                    inverse.data_ptr<int32_t>(),
+                                                    errors.data_ptr<int32_t>(),
+                                                    stream);
+  });
   check_launch(status, "build_page_inverse");
   return inverse;
 }
@@ -223,34 +221,21 @@ at::Tensor remap_locs(const at::Tensor& locs,
   const int64_t locs_row_stride = locs.stride(0);
   const int64_t batch_rows = inverse.numel() / capacity;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  cudaError_t status;
-  if (locs.scalar_type() == at::kInt) {
-    status = sglang_cpkv::remap_locs<int32_t>(locs.data_ptr<int32_t>(),
-                                              num_rows,
-                                              row_len,
-                                              locs_row_stride,
-                                              req_id.data_ptr<int64_t>(),
-                                              inverse.data_ptr<int32_t>(),
-                                              batch_rows,
-                                              capacity,
-                                              page_size,
-                                              dense_locs.data_ptr<int32_t>(),
-                                              errors.data_ptr<int32_t>(),
-                                              stream);
-  } else {
-    status = sglang_cpkv::remap_locs<int64_t>(locs.data_ptr<int64_t>(),
-                                              num_rows,
-                                              row_len,
-                                              locs_row_stride,
-                                              req_id.data_ptr<int64_t>(),
-                                              inverse.data_ptr<int32_t>(),
-                                              batch_rows,
-                                              capacity,
-                                              page_size,
-                                              dense_locs.data_ptr<int32_t>(),
-                                              errors.data_ptr<int32_t>(),
-                                              stream);
-  }
+  const cudaError_t status = dispatch_index_type(locs, [&](auto loc) {
+    using LocT = decltype(loc);
+    return sglang_cpkv::remap_locs<LocT>(locs.data_ptr<LocT>(),
+                                         num_rows,
+                                         row_len,
+                                         locs_row_stride,
+                                         req_id.data_ptr<int64_t>(),
+                                         inverse.data_ptr<int32_t>(),
+                                         batch_rows,
+                                         capacity,
+                                         page_size,
+                                         dense_locs.data_ptr<int32_t>(),
+                                         errors.data_ptr<int32_t>(),
+                                         stream);
+  });
   check_launch(status, "remap_locs");
   return dense_locs;
 }
@@ -279,34 +264,21 @@ void copy_pages(const at::Tensor& src,
   const c10::cuda::CUDAGuard device_guard(src.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t element = static_cast<int64_t>(src.element_size());
-  cudaError_t status;
-  if (src_page.scalar_type() == at::kInt) {
-    status = sglang_cpkv::copy_pages<int32_t>(src.data_ptr(),
-                                              src.size(0),
-                                              src.stride(0) * element,
-                                              src_page.data_ptr<int32_t>(),
-                                              dst.data_ptr(),
-                                              dst.size(0),
-                                              dst.stride(0) * element,
-                                              dst_page.data_ptr<int32_t>(),
-                                              src_page.numel(),
-                                              page_bytes,
-                                              errors.data_ptr<int32_t>(),
-                                              stream);
-  } else {
-    status = sglang_cpkv::copy_pages<int64_t>(src.data_ptr(),
-                                              src.size(0),
-                                              src.stride(0) * element,
-                                              src_page.data_ptr<int64_t>(),
-                                              dst.data_ptr(),
-                                              dst.size(0),
-                                              dst.stride(0) * element,
-                                              dst_page.data_ptr<int64_t>(),
-                                              src_page.numel(),
-                                              page_bytes,
-                                              errors.data_ptr<int32_t>(),
-                                              stream);
-  }
+  const cudaError_t status = dispatch_index_type(src_page, [&](auto page_id) {
+    using PageIdT = decltype(page_id);
+    return sglang_cpkv::copy_pages<PageIdT>(src.data_ptr(),
+                                            src.size(0),
+                                            src.stride(0) * element,
+                                            src_page.data_ptr<PageIdT>(),
+                                            dst.data_ptr(),
+                                            dst.size(0),
+                                            dst.stride(0) * element,
+                                            dst_page.data_ptr<PageIdT>(),
+                                            src_page.numel(),
+                                            page_bytes,
+                                            errors.data_ptr<int32_t>(),
+                                            stream);
+  });
   check_launch(status, "copy_pages");
 }
 
@@ -323,30 +295,19 @@ void scatter_rows(const at::Tensor& src, const at::Tensor& dst_loc, at::Tensor& 
   const c10::cuda::CUDAGuard device_guard(src.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t element = static_cast<int64_t>(src.element_size());
-  cudaError_t status;
-  if (dst_loc.scalar_type() == at::kInt) {
-    status = sglang_cpkv::scatter_rows<int32_t>(src.data_ptr(),
-                                                src.size(0),
-                                                src.stride(0) * element,
-                                                dst_loc.data_ptr<int32_t>(),
-                                                dst.data_ptr(),
-                                                dst.size(0),
-                                                dst.stride(0) * element,
-                                                row_bytes,
-                                                errors.data_ptr<int32_t>(),
-                                                stream);
-  } else {
-    status = sglang_cpkv::scatter_rows<int64_t>(src.data_ptr(),
-                                                src.size(0),
-                                                src.stride(0) * element,
-                                                dst_loc.data_ptr<int64_t>(),
-                                                dst.data_ptr(),
-                                                dst.size(0),
-                                                dst.stride(0) * element,
-                                                row_bytes,
-                                                errors.data_ptr<int32_t>(),
-                                                stream);
-  }
+  const cudaError_t status = dispatch_index_type(dst_loc, [&](auto loc) {
+    using LocT = decltype(loc);
+    return sglang_cpkv::scatter_rows<LocT>(src.data_ptr(),
+                                           src.size(0),
+                                           src.stride(0) * element,
+                                           dst_loc.data_ptr<LocT>(),
+                                           dst.data_ptr(),
+                                           dst.size(0),
+                                           dst.stride(0) * element,
+                                           row_bytes,
+                                           errors.data_ptr<int32_t>(),
+                                           stream);
+  });
   check_launch(status, "scatter_rows");
 }
 
@@ -421,22 +382,12 @@ void materialize_and_fill(const at::Tensor& pool,
   check_error_counter(errors, pool, "pool");
   const c10::cuda::CUDAGuard device_guard(pool.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const bool page_id_int32 = src_page.scalar_type() == at::kInt;
-  const bool loc_int32 = dst_loc.scalar_type() == at::kInt;
-  cudaError_t status;
-  if (page_id_int32 && loc_int32) {
-    status = call_materialize_and_fill<int32_t, int32_t>(
-        pool, src_page, dense, dst_page, current, dst_loc, errors, page_bytes, row_bytes, stream);
-  } else if (page_id_int32) {
-    status = call_materialize_and_fill<int32_t, int64_t>(
-        pool, src_page, dense, dst_page, current, dst_loc, errors, page_bytes, row_bytes, stream);
-  } else if (loc_int32) {
-    status = call_materialize_and_fill<int64_t, int32_t>(
-        pool, src_page, dense, dst_page, current, dst_loc, errors, page_bytes, row_bytes, stream);
-  } else {
-    status = call_materialize_and_fill<int64_t, int64_t>(
-        pool, src_page, dense, dst_page, current, dst_loc, errors, page_bytes, row_bytes, stream);
-  }
+  const cudaError_t status = dispatch_index_type(src_page, [&](auto page_id) {
+    return dispatch_index_type(dst_loc, [&](auto loc) {
+      return call_materialize_and_fill<decltype(page_id), decltype(loc)>(
+          pool, src_page, dense, dst_page, current, dst_loc, errors, page_bytes, row_bytes, stream);
+    });
+  });
   check_launch(status, "materialize_and_fill");
 }
 
