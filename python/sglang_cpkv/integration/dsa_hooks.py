@@ -10,34 +10,40 @@ value unless the flag is on *and* the batch is an extend batch with a plan:
   ``attn_cp_metadata``; returns the selected-request page table remapped to dense locations, so
   that every table upstream derives from it (``real_page_table``, ``page_table_1_flattened``, the
   fused top-k transform's output) addresses the per-request dense view.
-* :func:`extend_dense_kv` - ``forward_extend`` before the cache write: materializes the layer's
-  history pages (owned pages from the pool, others all-gathered from their owners) and fills the
-  current chunk into the dense view; ``forward_extend`` reads it instead of the pool.
+* :func:`extend_dense_kv` - ``forward_extend`` before the cache write: takes the layer's history
+  (owned pages from the pool, others all-gathered from their owners; materialized one layer ahead
+  by :class:`~sglang_cpkv.integration.prefetch.LayerAheadHistory`) and fills the current chunk
+  into the dense view; ``forward_extend`` reads it instead of the pool.
 * :func:`cache_write_locs` - ``forward_extend``'s ``set_mla_kv_buffer``: only owned rows
   (:mod:`.cache_write`).
 * :func:`store_index_k` / :func:`index_k_and_scale` - the indexer's index-K store and read: the same
   dense view for index K (history + current), owned rows persisted.
+* :func:`on_attn_cp_group_created` - ``initialize_model_parallel``, right after upstream's
+  attention-CP group: the history exchange's own process group (same ranks).
+* :func:`mtp_seed_pool_locations` - ``prepare_mtp_seed_indices``: an MTP IndexShare seed exported
+  from a fused top-k addresses the dense view; the draft decode needs pool locations.
 
 Order within a layer: the dense view is built from the pool *before* this rank's owned rows are
 persisted, so a page id that one request reads as history and another writes as current (possible
 with allocators that share partial pages, contract "Which states matter") never changes history.
 
-The history materialization is synchronous per layer here; the layer-ahead prefetch
-(:class:`sglang_cpkv.runtime.prefetch.HistoryPrefetcher`) is not wired yet (design section 4).
+The first layer of a batch materializes its own history (latent and index K together, whichever
+hook of the layer comes first) and starts the next layer's on the prefetch stream; each layer then
+starts the one after it (design section 4).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
+from sglang_cpkv.integration import prefetch
 from sglang_cpkv.integration.cache_write import check_cache_write_rows, check_split_matches_upstream, owned_pool_write_locs
-from sglang_cpkv.ops.errors import CpSharedKvError
+from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, CpSharedKvError
 from sglang_cpkv.runtime.group import CpGroup, SingleRankGroup
-from sglang_cpkv.runtime.layer import fill_current, materialize_history, new_dense_buffer, remap_topk
+from sglang_cpkv.runtime.layer import fill_current, remap_topk
 from sglang_cpkv.runtime.plan import CpSharedKvPlan, build_plan
 
 # ForwardBatch attribute holding the batch's ExtendBatchState (absent or None: the mode is off).
@@ -46,13 +52,15 @@ BATCH_ATTR = "cp_shared_kv_batch"
 
 @dataclass
 class ExtendBatchState:
-    """What the layers of one extend batch share: the plan, the CP group and the dense buffers."""
+    """What the layers of one extend batch share: the plan, the exchange's CP group, the history
+    prefetch (made at the batch's first layer) and the current-row scratch."""
 
     plan: CpSharedKvPlan
     group: CpGroup
     pool_write_locs: torch.Tensor
-    dense_kv: Optional[torch.Tensor] = None
-    dense_index_k: Optional[torch.Tensor] = None
+    history: Optional[prefetch.LayerAheadHistory] = None
+    current_scratch: Optional[torch.Tensor] = None
+    dense_index_k: Optional[torch.Tensor] = None  # the current layer's dense index-K pages
 
 
 _ENABLED: Optional[bool] = None
@@ -125,13 +133,22 @@ def build_extend_state(
     return ExtendBatchState(plan=plan, group=group, pool_write_locs=owned_pool_write_locs(plan))
 
 
-@functools.lru_cache(maxsize=1)
-def _attn_cp_group() -> CpGroup:
-    from sglang.srt.distributed.parallel_state import get_attn_cp_group
+def on_attn_cp_group_created(attn_cp_group: Any) -> None:
+    """Make the history exchange's own process group over upstream's attention-CP ranks (mode on, cp > 1).
 
-    from sglang_cpkv.runtime.group import TorchDistCpGroup
+    Called by every rank right after ``initialize_model_parallel`` builds its attention-CP
+    ``GroupCoordinator``: the exchange runs on the prefetch stream, and a communicator of its own
+    keeps its all-gathers from interleaving with the model's collectives on upstream's groups.
+    """
+    if not enabled() or attn_cp_group.world_size <= 1:
+        return
+    import torch.distributed as dist
 
-    return TorchDistCpGroup(get_attn_cp_group().device_group)
+    prefetch.create_exchange_group(list(attn_cp_group.ranks), dist.get_backend(attn_cp_group.device_group))
+
+
+def _exchange_group() -> CpGroup:
+    return prefetch.exchange_group()
 
 
 def on_extend_metadata(backend: Any, forward_batch: Any, page_table: torch.Tensor, bs_idx: Optional[torch.Tensor]) -> torch.Tensor:
@@ -142,6 +159,7 @@ def on_extend_metadata(backend: Any, forward_batch: Any, page_table: torch.Tenso
         bs_idx: the batch row of each of its rows (upstream's ``bs_idx``), None when not cut.
     """
     setattr(forward_batch, BATCH_ATTR, None)
+    backend.cp_shared_kv_batch = None
     if not enabled():
         return page_table
     global _previous_plan
@@ -166,10 +184,12 @@ def on_extend_metadata(backend: Any, forward_batch: Any, page_table: torch.Tenso
         cp_size=parallel.attn_cp_size,
         cp_rank=parallel.attn_cp_rank,
         strategy="interleave" if split else "none",
-        group=_attn_cp_group() if parallel.attn_cp_size > 1 else SingleRankGroup(),
+        group=_exchange_group() if parallel.attn_cp_size > 1 else SingleRankGroup(),
         upstream_split=(metadata.per_rank_logical_token, metadata.per_rank_actual_token) if split else None,
     )
     setattr(forward_batch, BATCH_ATTR, state)
+    # prepare_mtp_seed_indices sees the backend, not the batch.
+    backend.cp_shared_kv_batch = state
     _previous_plan = state.plan
     return remap_page_table(state.plan, page_table, bs_idx)
 
@@ -184,8 +204,13 @@ def remap_page_table(plan: CpSharedKvPlan, page_table: torch.Tensor, bs_idx: Opt
     return remap_topk(plan, page_table, row_req).to(page_table.dtype)
 
 
-def _pool_rows(pool: Any, layer_id: int) -> torch.Tensor:
-    return pool.kv_buffer[layer_id - pool.start_layer]
+def _layer_history(state: ExtendBatchState, pool: Any, layer_id: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The layer's dense latent KV and index-K pages with its history in them (one layer ahead)."""
+    if state.history is None:
+        state.history = prefetch.LayerAheadHistory(state.plan, state.group, pool)
+    elif state.history.pool is not pool:
+        raise CpSharedKvError(f"layer {layer_id}: one extend batch reads two KV pools")
+    return state.history.acquire(layer_id)
 
 
 def extend_dense_kv(pool: Any, layer_id: int, forward_batch: Any, k: Optional[torch.Tensor], k_rope: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -202,18 +227,17 @@ def extend_dense_kv(pool: Any, layer_id: int, forward_batch: Any, k: Optional[to
         raise CpSharedKvError(f"layer {layer_id}: CP shared-KV needs the current KV of the extend (k is None)")
     plan = state.plan
     check_cache_write_rows(plan, k.shape[0], f"layer {layer_id} dense fill")
-    pool_rows = _pool_rows(pool, layer_id)
-    if state.dense_kv is None:
-        state.dense_kv = new_dense_buffer(plan, tuple(pool_rows.shape[1:]), pool_rows.dtype)
-    materialize_history(plan, pool_rows, state.dense_kv, state.group)
-    # Upstream's writer skips location 0, so the N current rows land at 1..N of a scratch.
-    scratch = torch.empty((plan.num_tokens + 1, *pool_rows.shape[1:]), dtype=pool_rows.dtype, device=pool_rows.device)
-    scratch_locs = torch.arange(1, plan.num_tokens + 1, dtype=torch.int64, device=pool_rows.device)
+    dense_kv, _ = _layer_history(state, pool, layer_id)
+    if state.current_scratch is None:
+        # Upstream's writer skips location 0, so the N current rows land at 1..N of a scratch.
+        state.current_scratch = torch.empty((plan.num_tokens + 1, *dense_kv.shape[1:]), dtype=dense_kv.dtype, device=dense_kv.device)
+    scratch = state.current_scratch
+    scratch_locs = torch.arange(1, plan.num_tokens + 1, dtype=torch.int64, device=dense_kv.device)
     pool._write_mla_kv_buffer(scratch, scratch_locs, k, k_rope)
-    fill_current(plan, scratch[1:], state.dense_kv)
+    fill_current(plan, scratch[1:], dense_kv)
     if pool.store_dtype != pool.dtype:
-        return state.dense_kv.view(pool.dtype)
-    return state.dense_kv
+        return dense_kv.view(pool.dtype)
+    return dense_kv
 
 
 def cache_write_locs(forward_batch: Any, cache_loc: torch.Tensor, kv_rows: int) -> torch.Tensor:
@@ -225,10 +249,7 @@ def cache_write_locs(forward_batch: Any, cache_loc: torch.Tensor, kv_rows: int) 
     return state.pool_write_locs
 
 
-def _index_k_pages(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
-    """An index-K page buffer ``[pages, page_bytes]`` seen as ``[pages * page_size, page_bytes / page_size]``
-    rows, the runtime's pool/dense shape (only whole pages are ever copied through this view)."""
-    return buffer.view(buffer.shape[0] * page_size, buffer.shape[1] // page_size)
+_index_k_pages = prefetch.index_k_pages_as_rows
 
 
 def store_index_k(
@@ -250,11 +271,7 @@ def store_index_k(
     check_cache_write_rows(plan, key.shape[0], f"layer {layer_id} index-K store")
     page_size = pool.index_page_size
     pool_pages = pool.get_index_k_with_scale_buffer(layer_id)
-    if state.dense_index_k is None:
-        state.dense_index_k = torch.empty(
-            (plan.num_requests * plan.pages_per_request, pool_pages.shape[1]), dtype=pool_pages.dtype, device=pool_pages.device
-        )
-    materialize_history(plan, _index_k_pages(pool_pages, page_size), _index_k_pages(state.dense_index_k, page_size), state.group)
+    _, state.dense_index_k = _layer_history(state, pool, layer_id)
     dense_locs = plan.current_dense_locs.to(torch.int64)
     owned_locs = state.pool_write_locs.to(torch.int64)
     if key.is_cuda and can_use_dsa_fused_store(key.dtype, torch.int64, page_size):
@@ -281,3 +298,38 @@ def index_k_and_scale(pool: Any, forward_batch: Any, layer_id: int, seq_len_tens
     return dsa_index_k_cache.GetKAndS.execute(
         pool, state.dense_index_k, page_indices=block_tables, seq_len_tensor=seq_len_tensor, seq_len_sum=seq_len_sum, max_seq_len=max_seq_len
     )
+
+
+def dense_to_pool_locs(plan: CpSharedKvPlan, dense_locs: torch.Tensor) -> torch.Tensor:
+    """Dense-view locations back to pool locations through the plan (-1 stays -1).
+
+    Dense location ``d`` of request ``r = d // (P * page_size)`` is slot ``j = d // page_size - r * P``,
+    whose page is ``plan.page_table[r, j]``: pool location ``page_table[r, j] * page_size + d % page_size``.
+    A location outside the plan's dense view or on a slot past its request's pages maps to -1
+    (and counts as a bad id in the plan's error counter, surfaced at the next batch).
+    """
+    page_size = plan.page_size
+    locs = dense_locs.to(torch.int64)
+    in_view = (locs >= 0) & (locs < plan.dense_rows)
+    slot = torch.div(torch.where(in_view, locs, torch.zeros_like(locs)), page_size, rounding_mode="floor")
+    page = plan.page_table.to(torch.int64).reshape(-1)[slot]
+    mapped = in_view & (page >= 0)
+    # No host sync: a bad location is counted on the device, like the ops' own errors.
+    plan.errors[ERR_LOC_OUT_OF_RANGE] += ((locs >= 0) & ~mapped).sum().to(plan.errors.dtype)
+    pool = page * page_size + locs % page_size
+    return torch.where(mapped, pool, torch.full_like(pool, -1)).to(dense_locs.dtype)
+
+
+def mtp_seed_pool_locations(backend: Any, seed: torch.Tensor, forward_mode: Any) -> torch.Tensor:
+    """``prepare_mtp_seed_indices``'s result with dense locations turned back into pool locations.
+
+    In the mode the fused top-k of an extend batch addresses the per-request dense view (PAGED:
+    the top-k itself; RAGGED: upstream's lookup through ``page_table_1_flattened``, which holds dense
+    locations), while the draft decode that consumes the seed reads the pool. Unfused seeds are
+    request-local positions (upstream exports them as they are) and stay untouched, as does every
+    seed with the mode off or of a batch the plan hook did not see.
+    """
+    state: Optional[ExtendBatchState] = getattr(backend, BATCH_ATTR, None)
+    if state is None or not backend.use_fused_topk or not forward_mode.is_extend_without_speculative():
+        return seed
+    return dense_to_pool_locs(state.plan, seed)

@@ -30,6 +30,37 @@ def _refuse(reason: str) -> None:
     raise ValueError(f"{FLAG}: {reason}")
 
 
+def _validate_draft(algorithm_name: str) -> None:
+    """Speculative decoding with the mode (design section 7).
+
+    The draft's DSA backend runs the same hooks as the target's, so its pool is owner-sharded too:
+    a draft extend that read it un-split on one rank would miss the pages other ranks own. On a
+    P/D prefill server the only draft extend is the prefill-time one (decode-time DRAFT_EXTEND_V2
+    runs on the decode server), an EXTEND batch that follows the target's CP split for drafts of
+    the target's layout (EAGLE / NextN / MTP), so it gets its own per-request plan and dense view.
+    ``SGLANG_CP_DRAFT_SHARED_KV=1`` is required as the explicit declaration that the draft's KV is
+    CP-shared and its extend runs under CP (the DeepGEMM warmup gating reads the same variable).
+    Drafts that run their extend without CP (EAGLE3, DFLASH, DSpark: SINGLE_GROUP layouts) or
+    whose draft path is not the DSA NextN one are refused.
+    """
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from sglang_cpkv.deep_gemm_warmup import DRAFT_SHARED_KV_ENV, env_flag
+
+    algorithm = SpeculativeAlgorithm.from_string(algorithm_name)
+    if algorithm is not SpeculativeAlgorithm.EAGLE:
+        _refuse(
+            f"supports speculative decoding with --speculative-algorithm EAGLE (or NEXTN: the DSA NextN/MTP "
+            f"draft, which extends under the target's CP split) only, got {algorithm_name!r}"
+        )
+    if not env_flag(DRAFT_SHARED_KV_ENV):
+        _refuse(
+            f"with --speculative-algorithm {algorithm_name} requires {DRAFT_SHARED_KV_ENV}=1: the draft's pool is "
+            "owner-sharded like the target's, so its extend must run under the CP split with its own "
+            "per-request plan (a draft extend at full M on one rank would read pages other ranks own)"
+        )
+
+
 def validate_cp_shared_kv_args(server_args: Any) -> None:
     """Refuse every configuration the CP shared-KV hooks do not cover; a no-op with the flag off.
 
@@ -75,12 +106,7 @@ def validate_cp_shared_kv_args(server_args: Any) -> None:
     if cfg.enable_dsa_cache_layer_split:
         _refuse("cannot be combined with --enable-dsa-cache-layer-split (layer ownership over the same pool)")
     if cfg.speculative_algorithm is not None:
-        _refuse(
-            f"does not cover speculative decoding yet (got --speculative-algorithm {cfg.speculative_algorithm}): "
-            "in this mode top-k rows hold dense-view locations, and the MTP seed export "
-            "(prepare_mtp_seed_indices) would hand the draft those instead of pool slots "
-            "(docs/design/cp-shared-kv.md section 7)"
-        )
+        _validate_draft(cfg.speculative_algorithm)
     if cfg.disaggregation_transfer_backend not in SUPPORTED_TRANSFER_BACKENDS:
         _refuse(
             f"supports --disaggregation-transfer-backend in {SUPPORTED_TRANSFER_BACKENDS} (the owned-page filter "

@@ -38,9 +38,18 @@ class HistoryPrefetcher:
         plan: the batch plan (the same for every layer).
         group: the CP group (all ranks must start the same layers in the same order).
         buffers: two dense views ``[R * P * page_size, row...]`` of one dtype and shape.
+        stream: the side CUDA stream to run on (default: a new one). Prefetchers whose collectives
+            share one communicator must share one stream, so that their all-gathers run in the
+            order they were started on every rank.
     """
 
-    def __init__(self, plan: CpSharedKvPlan, group: CpGroup, buffers: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        plan: CpSharedKvPlan,
+        group: CpGroup,
+        buffers: tuple[torch.Tensor, torch.Tensor],
+        stream: "torch.cuda.Stream | None" = None,
+    ) -> None:
         if len(buffers) != 2 or buffers[0].shape != buffers[1].shape or buffers[0].dtype != buffers[1].dtype:
             raise CpSharedKvError("HistoryPrefetcher needs two dense buffers of one shape and dtype")
         if buffers[0].data_ptr() == buffers[1].data_ptr():
@@ -49,7 +58,10 @@ class HistoryPrefetcher:
         self.group = group
         self.buffers = buffers
         self._on_cuda = buffers[0].is_cuda
-        self._stream = torch.cuda.Stream(device=buffers[0].device) if self._on_cuda else None
+        if not self._on_cuda:
+            self._stream = None
+        else:
+            self._stream = stream if stream is not None else torch.cuda.Stream(device=buffers[0].device)
         self._events: dict[int, torch.cuda.Event] = {}
         self._started: set[int] = set()
 

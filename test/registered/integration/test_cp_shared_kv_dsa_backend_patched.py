@@ -108,7 +108,7 @@ def _publish(up, flag_on, monkeypatch):
     up.publish(server_args)
     monkeypatch.setattr(dsa_hooks, "_ENABLED", None)  # read the flag of what was just published
     # The metadata build gathers nothing; forward_extend's tests set each rank's group themselves.
-    monkeypatch.setattr(dsa_hooks, "_attn_cp_group", lambda: None)
+    monkeypatch.setattr(dsa_hooks, "_exchange_group", lambda: None)
 
 
 def _pool(up):

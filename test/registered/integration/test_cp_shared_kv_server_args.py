@@ -25,6 +25,7 @@ register_cpu_ci(est_time=30, suite="cpkv-cpu")
 
 FLAG = "--enable-cp-shared-kv"
 ALL_RANKS_ENV = {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1"}
+DRAFT_ENV = {**ALL_RANKS_ENV, "SGLANG_CP_DRAFT_SHARED_KV": "1"}
 DSA_CONFIG = {
     "architectures": ["DeepseekV32ForCausalLM"],
     "model_type": "deepseek_v32",
@@ -70,6 +71,8 @@ LLAMA_CONFIG = {
 }
 CP = ["--enable-prefill-cp", "--cp-strategy", "interleave"]
 PREFILL = ["--disaggregation-mode", "prefill"]
+EAGLE = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
+         "--speculative-num-draft-tokens", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +95,7 @@ def _argv(models, model, *extra):
 def _start_resolving(tree: Path, cases: list[dict]) -> subprocess.Popen:
     python_dir = Path(__file__).resolve().parents[3] / "python"
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{python_dir}"}
-    for name in ALL_RANKS_ENV:
+    for name in DRAFT_ENV:
         env.pop(name, None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "sglang_cpkv.integration.resolve_server_args"],
@@ -124,6 +127,14 @@ def _valid_case(models):
     return {"argv": _argv(models, "dsa", *CP, *PREFILL, FLAG), "env": ALL_RANKS_ENV}
 
 
+def _speculative_cases(models):
+    """EAGLE with the flag and the draft setting (accepted), and the same without the flag."""
+    return [
+        {"argv": _argv(models, "dsa", *CP, *PREFILL, *EAGLE, FLAG), "env": DRAFT_ENV},
+        {"argv": _argv(models, "dsa", *CP, *PREFILL, *EAGLE), "env": DRAFT_ENV},
+    ]
+
+
 # (name, model, extra argv, env, a fragment of the expected error)
 BAD_CASES = [
     ("decode role", "dsa", ["--disaggregation-mode", "decode", FLAG], ALL_RANKS_ENV, "--disaggregation-mode prefill), got 'decode'"),
@@ -134,7 +145,8 @@ BAD_CASES = [
     ("trtllm prefill", "dsa", [*CP, *PREFILL, "--dsa-prefill-backend", "trtllm", FLAG], ALL_RANKS_ENV, "got 'trtllm'"),
     ("tilelang prefill", "dsa", [*CP, *PREFILL, "--dsa-prefill-backend", "tilelang", FLAG], ALL_RANKS_ENV, "got 'tilelang'"),
     ("layer split", "dsa", [*CP, *PREFILL, "--enable-dsa-cache-layer-split", "--disaggregation-transfer-backend", "mooncake", FLAG], ALL_RANKS_ENV, "--enable-dsa-cache-layer-split"),
-    ("speculative", "dsa", [*CP, *PREFILL, "--speculative-algorithm", "EAGLE", FLAG], ALL_RANKS_ENV, "does not cover speculative decoding yet"),
+    ("speculative without the draft setting", "dsa", [*CP, *PREFILL, *EAGLE, FLAG], ALL_RANKS_ENV, "requires SGLANG_CP_DRAFT_SHARED_KV=1"),
+    ("EAGLE3 draft", "dsa", [*CP, *PREFILL, "--speculative-algorithm", "EAGLE3", FLAG], DRAFT_ENV, "got 'EAGLE3'"),
     ("nixl transfer", "dsa", [*CP, *PREFILL, "--disaggregation-transfer-backend", "nixl", FLAG], ALL_RANKS_ENV, "got 'nixl'"),
     ("single CP rank sends", "dsa", [*CP, *PREFILL, FLAG], {}, "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1"),
 ]
@@ -148,7 +160,9 @@ def results(models, tmp_path_factory):
     non_dsa = {"argv": _argv(models, "llama", *CP, *PREFILL, FLAG), "env": ALL_RANKS_ENV}
     bad = [{"argv": _argv(models, model, *extra), "env": env} for _, model, extra, env, _ in BAD_CASES]
     # Both trees resolve at once (two processes; the imports dominate).
-    patched_proc = _start_resolving(patched_tree(tmp_path_factory.mktemp("patched")), off + [_valid_case(models), non_dsa] + bad)
+    patched_proc = _start_resolving(
+        patched_tree(tmp_path_factory.mktemp("patched")), off + [_valid_case(models), non_dsa] + bad + _speculative_cases(models)
+    )
     pristine_proc = _start_resolving(pristine_tree(tmp_path_factory.mktemp("pristine")), off + [_valid_case(models)])
     patched, pristine = _results(patched_proc), _results(pristine_proc)
     n = len(off)
@@ -158,7 +172,9 @@ def results(models, tmp_path_factory):
         "pristine_valid": pristine[n],
         "patched_valid": patched[n],
         "non_dsa": patched[n + 1],
-        "bad": dict(zip([name for name, *_ in BAD_CASES], patched[n + 2 :])),
+        "bad": dict(zip([name for name, *_ in BAD_CASES], patched[n + 2 : n + 2 + len(BAD_CASES)])),
+        "speculative": patched[n + 2 + len(BAD_CASES)],
+        "speculative_off": patched[n + 3 + len(BAD_CASES)],
     }
 
 
@@ -189,6 +205,15 @@ def test_flag_on_supported_configuration_is_accepted_and_changes_nothing_else(re
     assert valid["resolved"]["page_size"] == "64"
     # Same command line without the flag (case 2 of the flag-off set) resolves to the same values.
     assert _without_flag(valid["resolved"]) == _without_flag(results["patched_off"][2]["resolved"])
+
+
+def test_eagle_with_the_draft_setting_is_accepted_and_changes_nothing_else(results):
+    got, off = results["speculative"], results["speculative_off"]
+    assert "resolved" in got, got
+    assert "resolved" in off, off
+    assert got["resolved"]["enable_cp_shared_kv"] == "True"
+    assert got["resolved"]["speculative_algorithm"] == repr("EAGLE")
+    assert _without_flag(got["resolved"]) == _without_flag(off["resolved"])
 
 
 def test_non_dsa_model_is_refused(results):
