@@ -5,15 +5,21 @@
 # roofline, a SASS check of the copy loop and a compute-sanitizer memcheck of a slice of the ops
 # tests. Needs torch+triton+pytest on the machine, not sglang (upstream-only tests skip).
 #
-#   OUT=/some/dir benchmark/gpu_validation.sh            # repo root; results and logs under $OUT
+#   OUT=/some/dir benchmark/gpu_validation.sh   # repo root; env.txt, bench.{json,log}, harness_*.json and
+#                                                # logs.tar.gz (every log) under $OUT; exit 0 only when all passed
 set -uo pipefail
 # Absolute: the suite runner starts each test file in the file's own directory.
 export PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/cpkv_gpu_validation}
 mkdir -p "$OUT"
 status=0
-# Every log also goes into one archive at the end (the device tool returns at most 8 files).
-trap 'tar -czf "$OUT/logs.tar.gz" -C "$OUT" --exclude logs.tar.gz . 2>/dev/null' EXIT
+# At exit every log goes into one archive and only the key results stay beside it (the device tool
+# returns at most 8 files).
+pack_logs() {
+  tar -czf "$OUT/logs.tar.gz" -C "$OUT" --exclude logs.tar.gz . 2>/dev/null &&
+    find "$OUT" -maxdepth 1 -type f -name '*.log' ! -name bench.log -delete
+}
+trap pack_logs EXIT
 step() { printf '\n=== %s (%s)\n' "$1" "$(date -u +%T)"; }
 
 step environment
