@@ -135,6 +135,19 @@ def scatter_rows(src: torch.Tensor, dst_loc: torch.Tensor, dst: torch.Tensor, er
     _backend(dst.device).scatter_rows(src, dst_loc, dst, errors)
 
 
+def materialize_and_fill(
+    pool: torch.Tensor,
+    src_page: torch.Tensor,
+    dense: torch.Tensor,
+    dst_page: torch.Tensor,
+    current: torch.Tensor,
+    dst_loc: torch.Tensor,
+    errors: torch.Tensor,
+) -> None:
+    """History pages then current rows into one dense view: :func:`sglang_cpkv.ops.reference.materialize_and_fill`."""
+    _backend(dense.device).materialize_and_fill(pool, src_page, dense, dst_page, current, dst_loc, errors)
+
+
 __all__ = [
     "ERR_LOC_OUT_OF_RANGE",
     "ERR_PAGE_OUT_OF_RANGE",
@@ -149,4 +162,5 @@ __all__ = [
     "remap_locs",
     "copy_pages",
     "scatter_rows",
+    "materialize_and_fill",
 ]

@@ -15,6 +15,8 @@ Four ops cover every hot path of the runtime:
   history pool pages into dense slots; pack/unpack owned pages around the CP all-gather).
 * :func:`scatter_rows` - per layer: rows to destination rows (fill current KV into each
   request's dense slots, CURRENT_REUSE included; persist owned rows to the pool).
+* :func:`materialize_and_fill` - per layer: :func:`copy_pages` then :func:`scatter_rows` into one
+  dense view, as one op (the CUDA backend fuses the two launches).
 
 Every op treats bad ids the same way (see :mod:`sglang_cpkv.ops.errors`): -1 (padding, absent)
 is skipped silently; any other id outside its range is dropped and counted in ``errors``.
@@ -155,3 +157,31 @@ def scatter_rows(src: torch.Tensor, dst_loc: torch.Tensor, dst: torch.Tensor, er
     errors[ERR_LOC_OUT_OF_RANGE] += bad.sum().to(torch.int32)
     ok = (loc >= 0) & ~bad
     dst[loc[ok]] = src[ok]
+
+
+def materialize_and_fill(
+    pool: torch.Tensor,
+    src_page: torch.Tensor,
+    dense: torch.Tensor,
+    dst_page: torch.Tensor,
+    current: torch.Tensor,
+    dst_loc: torch.Tensor,
+    errors: torch.Tensor,
+) -> None:
+    """One layer's dense view: history pages, then current rows winning over them.
+
+    Exactly ``copy_pages(pool, src_page, dense, dst_page, errors)`` followed by
+    ``scatter_rows(current, dst_loc, dense.view(-1, *current.shape[1:]), errors)``: a current row
+    landing in a copied page (the partial last history page, CURRENT_REUSE) overwrites it.
+
+    Args:
+        pool: ``[src_pages, page_elems]`` pages to copy from (a pool, or the all-gathered pages).
+        src_page: int32 or int64 ``[S]`` page rows of ``pool`` (-1: skip).
+        dense: ``[dense_pages, page_elems]``, contiguous, same dtype; written in place.
+        dst_page: ``[S]``, same dtype as ``src_page``: the dense pages they go to.
+        current: ``[N, D]`` current KV rows (``page_elems`` a multiple of ``D``), same dtype.
+        dst_loc: int32 or int64 ``[N]`` rows of ``dense.view(-1, D)`` (-1: skip).
+        errors: int32 counter (bad page rows, bad destination rows).
+    """
+    copy_pages(pool, src_page, dense, dst_page, errors)
+    scatter_rows(current, dst_loc, dense.view(-1, *current.shape[1:]), errors)

@@ -58,6 +58,14 @@ def _check_dense(plan: CpSharedKvPlan, dense: torch.Tensor) -> None:
         )
 
 
+def _check_group(plan: CpSharedKvPlan, group: CpGroup) -> None:
+    if group.cp_size != plan.cp_size or group.cp_rank != plan.cp_rank:
+        raise CpSharedKvError(
+            f"group (cp_size {group.cp_size}, rank {group.cp_rank}) does not match the plan "
+            f"(cp_size {plan.cp_size}, rank {plan.cp_rank})"
+        )
+
+
 def new_dense_buffer(plan: CpSharedKvPlan, row_shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized dense view ``[R * P * page_size, *row_shape]`` on the plan's device."""
     return torch.empty((plan.dense_rows, *row_shape), dtype=dtype, device=plan.device)
@@ -101,11 +109,7 @@ def materialize_history(plan: CpSharedKvPlan, pool: torch.Tensor, dense: torch.T
         group: the CP group (``cp_size`` must match the plan's); a collective when ``cp_size > 1``
             and the batch has history, so every rank must call it.
     """
-    if group.cp_size != plan.cp_size or group.cp_rank != plan.cp_rank:
-        raise CpSharedKvError(
-            f"group (cp_size {group.cp_size}, rank {group.cp_rank}) does not match the plan "
-            f"(cp_size {plan.cp_size}, rank {plan.cp_rank})"
-        )
+    _check_group(plan, group)
     _check_pool(plan, pool)
     _check_dense(plan, dense)
     if plan.cp_size == 1:
@@ -190,7 +194,24 @@ def gather_current(plan: CpSharedKvPlan, local_kv: torch.Tensor, group: CpGroup)
 def build_dense_view(
     plan: CpSharedKvPlan, pool: torch.Tensor, current_kv: torch.Tensor, dense: torch.Tensor, group: CpGroup
 ) -> torch.Tensor:
-    """Steps 1 and 2 for one layer: history then current KV into ``dense``; returns ``dense``."""
-    materialize_history(plan, pool, dense, group)
-    fill_current(plan, current_kv, dense)
+    """Steps 1 and 2 for one layer in one op: history, then current KV, into ``dense``; returns it.
+
+    Same result as :func:`materialize_history` followed by :func:`fill_current`, through
+    ``ops.materialize_and_fill`` (one launch on the CUDA backend). Under CP the history pages come
+    from the all-gather of owned pages (a collective: every rank calls this). The layer-ahead path
+    (:class:`~.prefetch.HistoryPrefetcher`) runs the two steps apart instead, history one layer early.
+    """
+    _check_group(plan, group)
+    _check_pool(plan, pool)
+    _check_dense(plan, dense)
+    if current_kv.shape[0] != plan.num_tokens:
+        raise CpSharedKvError(f"current KV has {current_kv.shape[0]} rows, the batch has {plan.num_tokens} tokens")
+    if plan.cp_size > 1 and plan.exchange_pages_per_rank > 0:
+        src, src_page = group.all_gather_rows(pack_owned_history(plan, pool)), plan.exchange_recv_rows
+    else:  # cp = 1, or no history anywhere in the batch (no slot to copy)
+        src, src_page = _pages(pool, plan.page_size, "pool"), plan.history_pages
+    dense_pages = _pages(dense, plan.page_size, "dense view")
+    ops.materialize_and_fill(src, src_page, dense_pages, plan.history_slots, current_kv.flatten(1), plan.current_dense_locs, plan.errors)
+    if plan.checked:
+        checked_mode.check_errors(plan, "build_dense_view")
     return dense

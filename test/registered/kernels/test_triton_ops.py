@@ -178,6 +178,34 @@ def test_scatter_rows_byte_exact_and_bounded(layout, index_dtype, block_rows):
     assert same_bytes(tri[1 + 11], src[3])
 
 
+@pytest.mark.parametrize("layout", sorted(ROW_LAYOUTS))
+def test_materialize_and_fill_current_rows_win_over_copied_pages(layout):
+    """The one-op dense view == copy_pages then scatter_rows; a current row in a copied page wins."""
+    gen = _gen(9)
+    page_size = 4
+    pool = random_rows(8 * page_size, layout, gen).view(8, -1)
+    current = random_rows(6, layout, gen)
+    src_page = torch.tensor([3, 5, 9, 1], dtype=torch.int32)  # 9: bad pool page, dropped and counted
+    dst_page = torch.tensor([0, 2, 1, 3], dtype=torch.int32)
+    # Rows 1 and 2 land in dense page 0, which page 3 of the pool was copied into (CURRENT_REUSE);
+    # row 4 is padding (-1); row 5 is beyond the 16 dense rows (dropped and counted).
+    dst_loc = torch.tensor([13, 1, 2, 9, -1, 16], dtype=torch.int64)
+    outs = []
+    for impl in (reference, triton_ops, ops):
+        buffer, dense = _guarded(4, layout, _gen(10), page_size)
+        before = buffer.clone()
+        errors = new_error_counter("cpu")
+        impl.materialize_and_fill(pool, src_page, dense, dst_page, current, dst_loc, errors)
+        assert same_bytes(buffer[0], before[0]) and same_bytes(buffer[-1], before[-1]), "a bad id wrote outside dense"
+        outs.append((dense, errors))
+    rows = outs[0][0].view(16, -1)
+    assert same_bytes(rows[1], current[1]) and same_bytes(rows[2], current[2]), "current rows must win over the copied page"
+    assert same_bytes(rows[0], pool[3].view(page_size, -1)[0]) and same_bytes(rows[3], pool[3].view(page_size, -1)[3])
+    for dense, errors in outs:
+        assert same_bytes(dense, outs[0][0])
+        assert errors.tolist() == [1, 0, 1]
+
+
 def test_scatter_rows_unaligned_view_falls_back_to_narrower_words():
     """A destination starting mid-word (odd byte offset) is still copied byte-exact."""
     gen = _gen(8)
