@@ -387,5 +387,61 @@ def test_flag_on_forward_extend_reads_each_requests_dense_view_and_writes_owned_
             start += seq
         state.plan.raise_if_errors()
 
+# ---- MTP IndexShare seed export (prepare_mtp_seed_indices): pool locations whatever the mode ----
+
+
+def _seed_backend(up, rank, flag_on, monkeypatch, **attrs):
+    _publish(up, flag_on, monkeypatch)
+    up.parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, attn_cp_rank=rank)
+    backend, forward_batch = _backend(up), _forward_batch(up)
+    for name, value in attrs.items():
+        setattr(backend, name, value)
+    backend.init_forward_metadata(forward_batch)
+    return backend, forward_batch
+
+
+@pytest.mark.parametrize("rank", range(CP))
+def test_paged_mtp_seed_is_exported_as_pool_locations_with_the_flag_on(up, rank, monkeypatch):
+    from sglang_cpkv.integration import dsa_hooks
+
+    off, _ = _seed_backend(up, rank, False, monkeypatch)
+    on, forward_batch = _seed_backend(up, rank, True, monkeypatch)
+    plan = dsa_hooks.batch_state(forward_batch).plan
+    *_, pool_topk, _ = _extend_inputs(rank)
+    *_, dense_topk, _ = _extend_inputs(rank, plan.pages_per_request)
+    # Upstream exports a PAGED seed as it is (pool locations, flag off); with the flag on the same
+    # rows hold dense locations and must come back as the same pool locations, padding kept.
+    assert torch.equal(off.prepare_mtp_seed_indices(pool_topk, up.extend), pool_topk)
+    seed = on.prepare_mtp_seed_indices(dense_topk, up.extend)
+    assert seed.dtype == dense_topk.dtype
+    assert torch.equal(seed, pool_topk)
+    plan.raise_if_errors()
+
+
+@pytest.mark.parametrize("rank", range(CP))
+def test_ragged_mtp_seed_equals_upstreams_pool_locations_with_the_flag_on(up, rank, monkeypatch):
+    # An FP8 pool with flashmla_sparse selects RAGGED: the seed is upstream's lookup of the top-k
+    # offsets through page_table_1_flattened, which holds dense locations with the flag on.
+    off, _ = _seed_backend(up, rank, False, monkeypatch, dsa_kv_cache_store_fp8=True)
+    on, forward_batch = _seed_backend(up, rank, True, monkeypatch, dsa_kv_cache_store_fp8=True)
+    flat = off.forward_metadata.page_table_1_flattened
+    assert flat is not None and on.forward_metadata.page_table_1_flattened.shape == flat.shape
+    g = torch.Generator().manual_seed(6)
+    offsets = torch.randint(0, flat.shape[0], (24, TOPK), generator=g, dtype=torch.int32)
+    offsets[:, -7:] = -1
+    want = off.prepare_mtp_seed_indices(offsets, up.extend)
+    assert not torch.equal(on.forward_metadata.page_table_1_flattened, flat)  # the flag on does change the table
+    assert torch.equal(on.prepare_mtp_seed_indices(offsets, up.extend), want)
+    from sglang_cpkv.integration import dsa_hooks
+
+    dsa_hooks.batch_state(forward_batch).plan.raise_if_errors()
+
+
+def test_unfused_mtp_seed_stays_request_local_with_the_flag_on(up, monkeypatch):
+    on, forward_batch = _seed_backend(up, 0, True, monkeypatch, use_fused_topk=False)
+    positions = torch.arange(2 * TOPK, dtype=torch.int32).view(2, TOPK)
+    assert torch.equal(on.prepare_mtp_seed_indices(positions, up.extend), positions)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
