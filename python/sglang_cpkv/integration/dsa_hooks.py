@@ -60,7 +60,7 @@ class ExtendBatchState:
     pool_write_locs: torch.Tensor
     history: Optional[prefetch.LayerAheadHistory] = None
     current_scratch: Optional[torch.Tensor] = None
-    dense_index_k: Optional[torch.Tensor] = None  # the current layer's dense index-K pages
+    index_k_stored_layer: Optional[int] = None  # the last layer whose current index K is in its dense view
 
 
 _ENABLED: Optional[bool] = None
@@ -271,18 +271,20 @@ def store_index_k(
     check_cache_write_rows(plan, key.shape[0], f"layer {layer_id} index-K store")
     page_size = pool.index_page_size
     pool_pages = pool.get_index_k_with_scale_buffer(layer_id)
-    _, state.dense_index_k = _layer_history(state, pool, layer_id)
+    _, dense_index_k = _layer_history(state, pool, layer_id)
     dense_locs = plan.current_dense_locs.to(torch.int64)
     owned_locs = state.pool_write_locs.to(torch.int64)
     if key.is_cuda and can_use_dsa_fused_store(key.dtype, torch.int64, page_size):
-        fused_store_index_k_cache(key, state.dense_index_k, dense_locs, page_size)
+        fused_store_index_k_cache(key, dense_index_k, dense_locs, page_size)
         fused_store_index_k_cache(key, pool_pages, owned_locs, page_size)
+        state.index_k_stored_layer = layer_id
         return True
     if act_quant is None:
         raise CpSharedKvError(f"layer {layer_id}: no fused index-K store here and no act_quant to quantize the keys")
     index_k, index_k_scale = act_quant(key, block_size, scale_fmt)
-    dsa_index_k_cache.SetKAndS.execute(pool=pool, buf=state.dense_index_k, loc=dense_locs, index_k=index_k, index_k_scale=index_k_scale)
+    dsa_index_k_cache.SetKAndS.execute(pool=pool, buf=dense_index_k, loc=dense_locs, index_k=index_k, index_k_scale=index_k_scale)
     pool.set_index_k_scale_buffer(layer_id=layer_id, loc=owned_locs, index_k=index_k, index_k_scale=index_k_scale)
+    state.index_k_stored_layer = layer_id
     return True
 
 
@@ -291,12 +293,13 @@ def index_k_and_scale(pool: Any, forward_batch: Any, layer_id: int, seq_len_tens
     state = batch_state(forward_batch)
     if state is None:
         return pool.get_index_k_scale_buffer(layer_id, seq_len_tensor, block_tables, seq_len_sum, max_seq_len)
-    if state.dense_index_k is None:
-        raise CpSharedKvError(f"layer {layer_id}: index K read before this batch stored any (no dense index-K view)")
+    if state.index_k_stored_layer != layer_id:
+        raise CpSharedKvError(f"layer {layer_id}: index K read before the layer stored its current keys in the dense view")
+    _, dense_index_k = _layer_history(state, pool, layer_id)
     from sglang.kernels.ops.kvcache import dsa_index_k_cache
 
     return dsa_index_k_cache.GetKAndS.execute(
-        pool, state.dense_index_k, page_indices=block_tables, seq_len_tensor=seq_len_tensor, seq_len_sum=seq_len_sum, max_seq_len=max_seq_len
+        pool, dense_index_k, page_indices=block_tables, seq_len_tensor=seq_len_tensor, seq_len_sum=seq_len_sum, max_seq_len=max_seq_len
     )
 
 
