@@ -36,7 +36,7 @@ import torch.multiprocessing as mp
 
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=35, suite="cpkv-cpu")
+register_cpu_ci(est_time=40, suite="cpkv-cpu")
 
 CP = 2
 PAGE = 64
