@@ -200,19 +200,5 @@ def materialize_and_fill(
     dst_loc: torch.Tensor,
     errors: torch.Tensor,
 ) -> None:
-    """The per-layer dense view in one call: history pages, then current rows winning over them.
-
-    Exactly ``copy_pages(pool, src_page, dense, dst_page, errors)`` followed by
-    ``scatter_rows(current, dst_loc, dense.view(-1, *current.shape[1:]), errors)``, so a current row that lands
-    in a copied page (the partial last history page, CURRENT_REUSE) overwrites the pool's row there.
-
-    Args:
-        pool: ``[pool_pages, page_elems]`` paged KV pool viewed one page per row.
-        src_page: int32 or int64 ``[S]`` pool pages to copy (-1: skip).
-        dense: ``[dense_pages, page_elems]``, same dtype, contiguous; written in place.
-        dst_page: ``[S]``, same dtype as ``src_page``: the dense pages they go to.
-        current: ``[N, D]`` current KV rows (``page_elems`` a multiple of ``D``), same dtype.
-        dst_loc: int32 or int64 ``[N]`` rows of ``dense.view(-1, D)`` (-1: skip).
-        errors: int32 counter: bad page ids (``ERR_PAGE_OUT_OF_RANGE``), bad rows (``ERR_LOC_OUT_OF_RANGE``).
-    """
+    """History pages then current rows in one fused launch: :func:`sglang_cpkv.ops.reference.materialize_and_fill`."""
     _ops().materialize_and_fill(pool, src_page, dense, dst_page, current, dst_loc, errors)

@@ -42,6 +42,7 @@ import pytest
 import torch
 
 from sglang_cpkv.testing.ci_register import register_cpu_ci
+from sglang_cpkv.testing.dsa_backend_standin import make_dsa_backend
 
 register_cpu_ci(est_time=30, suite="cpkv-cpu")
 
@@ -120,24 +121,11 @@ def _pool(up):
 
 def _backend(up):
     """Upstream's backend class, with the attributes its __init__ derives from a model runner."""
-    backend = object.__new__(up.backend_cls)
     req_pool = up.req_pool_cls(size=5, max_context_len=4 * PAGE, device="cpu", enable_memory_saver=False)
     for r, row in enumerate(REQ_POOL_INDICES):
         seq = PREFIX[r] + EXTEND[r]
         req_pool.req_to_token[row, :seq] = torch.tensor([_loc(r, p) for p in range(seq)], dtype=torch.int32)
-    attrs = dict(
-        token_to_kv_pool=_pool(up),
-        req_to_token_pool=req_pool, req_to_token=req_pool.req_to_token, _kv_shard_pool=None,
-        _is_in_breakable_cuda_graph=lambda: False, _is_in_tc_piecewise_cuda_graph=lambda: False,
-        _get_device_sm=lambda: 90, _is_blackwell=lambda: False, supports_mha_one_shot=False, hisparse_coordinator=None,
-        enable_auto_select_prefill_impl=False, dsa_kv_cache_store_fp8=False, dsa_prefill_impl="flashmla_sparse",
-        dsa_decode_impl="fa3", dsa_index_kpool=1, dsa_index_topk=2048, physical_page_size=PAGE, device="cpu",
-        speculative_num_draft_tokens=0, use_fused_topk=True, _arange_buf=torch.arange(16384, dtype=torch.int32),
-        dsa_topk_backend=SimpleNamespace(should_use_topk_v2=lambda: False, is_sgl_kernel=lambda: True),
-    )
-    for name, value in attrs.items():
-        setattr(backend, name, value)
-    return backend
+    return make_dsa_backend(up.backend_cls, _pool(up), req_pool, PAGE)
 
 
 def _forward_batch(up):

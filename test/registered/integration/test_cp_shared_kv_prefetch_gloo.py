@@ -25,7 +25,6 @@ of its collectives, not the overlap: that the side stream overlaps layer compute
 import json
 import os
 import sys
-import tempfile
 from types import SimpleNamespace
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -35,6 +34,7 @@ import torch
 import torch.multiprocessing as mp
 
 from sglang_cpkv.testing.ci_register import register_cpu_ci
+from sglang_cpkv.testing.dsa_backend_standin import make_dsa_backend
 
 register_cpu_ci(est_time=40, suite="cpkv-cpu")
 
@@ -81,7 +81,6 @@ def _backend(batch):
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
 
     prefix, extend, pages, rows = batch
-    backend = object.__new__(DeepseekSparseAttnBackend)
     req_pool = ReqToTokenPool(size=5, max_context_len=4 * PAGE, device="cpu", enable_memory_saver=False)
     for r, row in enumerate(rows):
         seq = prefix[r] + extend[r]
@@ -90,18 +89,7 @@ def _backend(batch):
         size=(CAPACITY - 1) * PAGE, page_size=PAGE, kv_lora_rank=KV_LORA, dtype=torch.bfloat16, qk_rope_head_dim=ROPE,
         layer_num=LAYERS, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=KV_LORA + ROPE,
     )
-    attrs = dict(
-        token_to_kv_pool=pool, req_to_token_pool=req_pool, req_to_token=req_pool.req_to_token, _kv_shard_pool=None,
-        _is_in_breakable_cuda_graph=lambda: False, _is_in_tc_piecewise_cuda_graph=lambda: False,
-        _get_device_sm=lambda: 90, _is_blackwell=lambda: False, supports_mha_one_shot=False, hisparse_coordinator=None,
-        enable_auto_select_prefill_impl=False, dsa_kv_cache_store_fp8=False, dsa_prefill_impl="flashmla_sparse",
-        dsa_decode_impl="fa3", dsa_index_kpool=1, dsa_index_topk=2048, physical_page_size=PAGE, device="cpu",
-        speculative_num_draft_tokens=0, use_fused_topk=True, _arange_buf=torch.arange(16384, dtype=torch.int32),
-        dsa_topk_backend=SimpleNamespace(should_use_topk_v2=lambda: False, is_sgl_kernel=lambda: True),
-    )
-    for name, value in attrs.items():
-        setattr(backend, name, value)
-    return backend
+    return make_dsa_backend(DeepseekSparseAttnBackend, pool, req_pool, PAGE)
 
 
 def _forward_batch(batch):
