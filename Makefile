@@ -4,13 +4,18 @@
 VENV ?= $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo test-cuda clean
+.PHONY: setup lint test demo test-cuda clean
 
 setup:
 	VENV=$(VENV) scripts/setup_env.sh
 
-# The registered CPU suite: exactly what .ci/run runs. Triton kernels run in the interpreter.
-test: setup
+# ruff lint and format check over the whole tree (settings: python/pyproject.toml).
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+# Lint, then the registered CPU suite: exactly what .ci/run runs. Triton kernels run in the interpreter.
+test: setup lint
 	$(PY) -m sglang_cpkv.overlay check
 	TRITON_INTERPRET=1 $(PY) test/run_suite.py --hw cpu --jobs 2
 

@@ -131,7 +131,8 @@ class Bench:
         self.records: list[dict] = []
         self.copy_gbps: float | None = None
         self.errors: list[str] = []
-        from sglang_cpkv.ops import errors as err_mod, reference
+        from sglang_cpkv.ops import errors as err_mod
+        from sglang_cpkv.ops import reference
         from sglang_cpkv.ops import triton as triton_ops
 
         self.reference, self.triton, self.new_errors = reference, triton_ops, err_mod.new_error_counter
@@ -156,7 +157,17 @@ class Bench:
             found.append(("cuda", self.cuda))
         return found
 
-    def record(self, op: str, provider: str, params: dict, time_us: float | None, nbytes: int, *, verified: bool | None = None, note: str = ""):
+    def record(
+        self,
+        op: str,
+        provider: str,
+        params: dict,
+        time_us: float | None,
+        nbytes: int,
+        *,
+        verified: bool | None = None,
+        note: str = "",
+    ):
         rec = {"op": op, "provider": provider, **params, "time_us": time_us, "bytes": nbytes}
         if time_us:
             rec["gbps"] = nbytes / (time_us * 1e-6) / 1e9
@@ -208,7 +219,7 @@ class Bench:
         self.copy_gbps = max(2 * nbytes / (t * 1e-6) / 1e9 for _, t in measured)
         for name, time_us in measured:
             self.record("copy_roofline", name, {"GiB": round(nbytes / (1 << 30), 3)}, time_us, 2 * nbytes)
-        del src, dst
+        src = dst = None  # free before the next size
 
     # -- ops ----------------------------------------------------------------------------------
 
@@ -251,10 +262,19 @@ class Bench:
                     self.measure("copy_pages", name, params, fn, nbytes, check=run_and_check(fn))
                 if tokens == max(self.args.tokens):
                     for block_words, num_warps in ((1024, 4), (2048, 8), (256, 4)):
-                        fn = lambda b=block_words, w=num_warps: self.triton.copy_pages(pool, src_page, dense, dst_page, errors, block_words=b, num_warps=w)
-                        self.measure("copy_pages", f"triton[bw={block_words},nw={num_warps}]", params, fn, nbytes, check=run_and_check(fn))
-                del dense, expected
-            del pool
+                        fn = lambda b=block_words, w=num_warps: self.triton.copy_pages(
+                            pool, src_page, dense, dst_page, errors, block_words=b, num_warps=w
+                        )
+                        self.measure(
+                            "copy_pages",
+                            f"triton[bw={block_words},nw={num_warps}]",
+                            params,
+                            fn,
+                            nbytes,
+                            check=run_and_check(fn),
+                        )
+                dense = expected = None  # free before the next size
+            pool = None
 
     def bench_scatter_rows(self):
         gen = torch.Generator().manual_seed(2)
@@ -290,17 +310,24 @@ class Bench:
                     ("torch_best index_copy_", lambda: dst.index_copy_(0, loc64, src), False),
                     ("torch_best per-request copy_", per_request_copy, False),
                 ]
-                candidates += [(name, lambda impl=impl: impl.scatter_rows(src, loc, dst, errors), False) for name, impl in self.providers("scatter_rows")]
+                candidates += [
+                    (name, lambda impl=impl: impl.scatter_rows(src, loc, dst, errors), False)
+                    for name, impl in self.providers("scatter_rows")
+                ]
                 if tokens == max(self.args.tokens):
                     for block_rows, num_warps in ((16, 4), (32, 8), (4, 4)):
-                        fn = lambda b=block_rows, w=num_warps: self.triton.scatter_rows(src, loc, dst, errors, block_rows=b, num_warps=w)
+                        fn = lambda b=block_rows, w=num_warps: self.triton.scatter_rows(
+                            src, loc, dst, errors, block_rows=b, num_warps=w
+                        )
                         candidates.append((f"triton[br={block_rows},nw={num_warps}]", fn, False))
                 for name, fn, eager in candidates:
                     self.measure("scatter_rows", name, params, fn, nbytes, check=check_of(fn), eager=eager)
-                del src, dst
+                src = dst = None  # free before the next size
 
     def _inverse(self, rows: int, pages_per_request: int, gen: torch.Generator):
-        table = torch.stack([torch.randperm(self.args.pool_pages, generator=gen)[:pages_per_request] for _ in range(rows)]).to(torch.int32)
+        table = torch.stack(
+            [torch.randperm(self.args.pool_pages, generator=gen)[:pages_per_request] for _ in range(rows)]
+        ).to(torch.int32)
         return table.to(self.device)
 
     def bench_remap(self):
@@ -311,12 +338,16 @@ class Bench:
         n, k = self.args.topk
         req = torch.randint(0, BATCH, (n,), generator=gen)
         j = torch.randint(0, ppr, (n, k), generator=gen)
-        topk = (table.cpu()[req[:, None], j].to(torch.int64) * PAGE_SIZE + torch.randint(0, PAGE_SIZE, (n, k), generator=gen))
+        topk = table.cpu()[req[:, None], j].to(torch.int64) * PAGE_SIZE + torch.randint(
+            0, PAGE_SIZE, (n, k), generator=gen
+        )
         topk[torch.rand(n, k, generator=gen) < 0.05] = -1
         cur_tokens = BATCH * max(self.args.tokens) // 2
         cur_req = torch.arange(BATCH).repeat_interleave(cur_tokens // BATCH)
         cur_j = torch.randint(0, ppr, (cur_tokens,), generator=gen)
-        cur = table.cpu()[cur_req, cur_j].to(torch.int64) * PAGE_SIZE + torch.randint(0, PAGE_SIZE, (cur_tokens,), generator=gen)
+        cur = table.cpu()[cur_req, cur_j].to(torch.int64) * PAGE_SIZE + torch.randint(
+            0, PAGE_SIZE, (cur_tokens,), generator=gen
+        )
         for what, locs, req_id in (("topk", topk, req), ("current", cur, cur_req)):
             locs = locs.to(torch.int32).to(self.device)
             req_id = req_id.to(self.device)
@@ -330,16 +361,32 @@ class Bench:
                 rq = req_id[:, None] if loc.dim() == 2 else req_id
                 valid = (loc >= 0) & (rq >= 0)
                 slot = inverse[torch.where(valid, rq * capacity + torch.div(loc, PAGE_SIZE, rounding_mode="floor"), 0)]
-                return torch.where(valid & (slot >= 0), slot.to(torch.int64) * PAGE_SIZE + loc % PAGE_SIZE, -1).to(torch.int32)
+                return torch.where(valid & (slot >= 0), slot.to(torch.int64) * PAGE_SIZE + loc % PAGE_SIZE, -1).to(
+                    torch.int32
+                )
 
-            candidates = [("torch_ref", lambda: self.reference.remap_locs(locs, req_id, inverse, capacity, PAGE_SIZE, errors), True), ("torch_best gather+where", best, False)]
-            candidates += [(name, lambda impl=impl: impl.remap_locs(locs, req_id, inverse, capacity, PAGE_SIZE, errors), False) for name, impl in self.providers("remap_locs")]
+            candidates = [
+                (
+                    "torch_ref",
+                    lambda: self.reference.remap_locs(locs, req_id, inverse, capacity, PAGE_SIZE, errors),
+                    True,
+                ),
+                ("torch_best gather+where", best, False),
+            ]
+            candidates += [
+                (name, lambda impl=impl: impl.remap_locs(locs, req_id, inverse, capacity, PAGE_SIZE, errors), False)
+                for name, impl in self.providers("remap_locs")
+            ]
             if what == "topk":
                 for bn, bk, nw in ((8, 512, 4), (4, 1024, 8), (16, 256, 4)):
-                    fn = lambda bn=bn, bk=bk, nw=nw: self.triton.remap_locs(locs, req_id, inverse, capacity, PAGE_SIZE, errors, block_n=bn, block_k=bk, num_warps=nw)
+                    fn = lambda bn=bn, bk=bk, nw=nw: self.triton.remap_locs(
+                        locs, req_id, inverse, capacity, PAGE_SIZE, errors, block_n=bn, block_k=bk, num_warps=nw
+                    )
                     candidates.append((f"triton[bn={bn},bk={bk},nw={nw}]", fn, False))
             for name, fn, eager in candidates:
-                self.measure("remap_locs", name, params, fn, nbytes, check=lambda fn=fn: torch.equal(fn(), expected), eager=eager)
+                self.measure(
+                    "remap_locs", name, params, fn, nbytes, check=lambda fn=fn: torch.equal(fn(), expected), eager=eager
+                )
 
     def bench_build_inverse(self):
         gen = torch.Generator().manual_seed(4)
@@ -352,20 +399,44 @@ class Bench:
             expected = self.reference.build_page_inverse(table, capacity, errors)
             flat = table.view(-1).to(torch.int64)
             slot = torch.arange(flat.numel(), device=self.device, dtype=torch.int32)
-            target = torch.where(flat >= 0, torch.arange(rows, device=self.device).repeat_interleave(ppr) * capacity + flat, rows * capacity)
+            target = torch.where(
+                flat >= 0,
+                torch.arange(rows, device=self.device).repeat_interleave(ppr) * capacity + flat,
+                rows * capacity,
+            )
 
             def best():
                 inv = torch.full((rows * capacity + 1,), -1, dtype=torch.int32, device=self.device)
                 inv.index_put_((target,), slot)
                 return inv[:-1]
 
-            candidates = [("torch_ref", lambda: self.reference.build_page_inverse(table, capacity, errors), True), ("torch_best full+index_put_", best, False)]
-            candidates += [(name, lambda impl=impl: impl.build_page_inverse(table, capacity, errors), False) for name, impl in self.providers("build_page_inverse")]
+            candidates = [
+                ("torch_ref", lambda: self.reference.build_page_inverse(table, capacity, errors), True),
+                ("torch_best full+index_put_", best, False),
+            ]
+            candidates += [
+                (name, lambda impl=impl: impl.build_page_inverse(table, capacity, errors), False)
+                for name, impl in self.providers("build_page_inverse")
+            ]
             if rows == BATCH:
                 for bc in (1024, 4096):
-                    candidates.append((f"triton[bc={bc}]", lambda bc=bc: self.triton.build_page_inverse(table, capacity, errors, block_c=bc), False))
+                    candidates.append(
+                        (
+                            f"triton[bc={bc}]",
+                            lambda bc=bc: self.triton.build_page_inverse(table, capacity, errors, block_c=bc),
+                            False,
+                        )
+                    )
             for name, fn, eager in candidates:
-                self.measure("build_page_inverse", name, params, fn, nbytes, check=lambda fn=fn: torch.equal(fn(), expected), eager=eager)
+                self.measure(
+                    "build_page_inverse",
+                    name,
+                    params,
+                    fn,
+                    nbytes,
+                    check=lambda fn=fn: torch.equal(fn(), expected),
+                    eager=eager,
+                )
 
     def bench_fused(self):
         """CUDA's fused materialize + fill against its two launches (when the CUDA ops are built)."""
@@ -379,7 +450,9 @@ class Bench:
         dense = torch.empty(2 * hist_pages, pool.shape[1], dtype=pool.dtype, device=self.device)
         dst_page = torch.arange(hist_pages, dtype=torch.int32, device=self.device)
         current = self._rows(hist_pages * PAGE_SIZE, layout)
-        dst_loc = torch.arange(hist_pages * PAGE_SIZE, 2 * hist_pages * PAGE_SIZE, dtype=torch.int32, device=self.device)
+        dst_loc = torch.arange(
+            hist_pages * PAGE_SIZE, 2 * hist_pages * PAGE_SIZE, dtype=torch.int32, device=self.device
+        )
         errors = self.new_errors(self.device)
         params = {"layout": layout, "hist_pages": hist_pages, "cur_rows": current.shape[0]}
         nbytes = 2 * (hist_pages * pool.shape[1] + current.numel())
@@ -389,7 +462,13 @@ class Bench:
             impl.scatter_rows(current, dst_loc, dense.view(-1, ROW_BYTES[layout]), errors)
 
         self.measure("materialize+fill", "cuda two launches", params, lambda: two(self.cuda), nbytes)
-        self.measure("materialize+fill", "cuda materialize_and_fill", params, lambda: self.cuda.materialize_and_fill(pool, src_page, dense, dst_page, current, dst_loc, errors), nbytes)
+        self.measure(
+            "materialize+fill",
+            "cuda materialize_and_fill",
+            params,
+            lambda: self.cuda.materialize_and_fill(pool, src_page, dense, dst_page, current, dst_loc, errors),
+            nbytes,
+        )
         self.measure("materialize+fill", "triton two launches", params, lambda: two(self.triton), nbytes)
 
     # -- plan build ---------------------------------------------------------------------------
@@ -404,13 +483,27 @@ class Bench:
         prefix, extend = self.args.plan_prefix, self.args.plan_extend
         pages = -(-(prefix + extend) // PAGE_SIZE)
         for rows in range(1, BATCH + 1):
-            table = torch.stack([torch.randperm(self.args.pool_pages, generator=gen)[:pages] for _ in range(rows)]).to(torch.int32)
+            table = torch.stack([torch.randperm(self.args.pool_pages, generator=gen)[:pages] for _ in range(rows)]).to(
+                torch.int32
+            )
             pos = torch.arange(prefix, prefix + extend)
-            out_cache_loc = torch.cat([table[r, pos // PAGE_SIZE].to(torch.int64) * PAGE_SIZE + pos % PAGE_SIZE for r in range(rows)]).to(self.device)
+            out_cache_loc = torch.cat(
+                [table[r, pos // PAGE_SIZE].to(torch.int64) * PAGE_SIZE + pos % PAGE_SIZE for r in range(rows)]
+            ).to(self.device)
             params = {"bs": rows, "prefix": prefix, "extend": extend}
 
             def build():
-                return build_plan(table, [prefix] * rows, [extend] * rows, out_cache_loc, capacity=self.args.pool_pages, page_size=PAGE_SIZE, cp_size=1, cp_rank=0, strategy="interleave")
+                return build_plan(
+                    table,
+                    [prefix] * rows,
+                    [extend] * rows,
+                    out_cache_loc,
+                    capacity=self.args.pool_pages,
+                    page_size=PAGE_SIZE,
+                    cp_size=1,
+                    cp_rank=0,
+                    strategy="interleave",
+                )
 
             try:
                 build()
@@ -440,7 +533,11 @@ class Bench:
         pool = self._rows(capacity * PAGE_SIZE, layout).view(capacity, -1)
         hist_pages = hist_tokens // PAGE_SIZE
         src_page = table[:, :hist_pages].reshape(-1).contiguous()
-        dst_page = (torch.arange(BATCH, device=self.device)[:, None] * ppr + torch.arange(hist_pages, device=self.device)).reshape(-1).to(torch.int32)
+        dst_page = (
+            (torch.arange(BATCH, device=self.device)[:, None] * ppr + torch.arange(hist_pages, device=self.device))
+            .reshape(-1)
+            .to(torch.int32)
+        )
         pos = torch.arange(hist_tokens, hist_tokens + cur_tokens, device=self.device)
         cur_loc = (table[:, pos // PAGE_SIZE].to(torch.int64) * PAGE_SIZE + pos % PAGE_SIZE).reshape(-1).to(torch.int32)
         cur_req = torch.arange(BATCH, device=self.device).repeat_interleave(cur_tokens)
@@ -448,7 +545,9 @@ class Bench:
         n, k = self.args.topk
         topk_req = torch.randint(0, BATCH, (n,), generator=gen).to(self.device)
         topk_page = table[topk_req[:, None], torch.randint(0, hist_pages, (n, k), generator=gen).to(self.device)]
-        topk = (topk_page.to(torch.int64) * PAGE_SIZE + torch.randint(0, PAGE_SIZE, (n, k), generator=gen).to(self.device)).to(torch.int32)
+        topk = (
+            topk_page.to(torch.int64) * PAGE_SIZE + torch.randint(0, PAGE_SIZE, (n, k), generator=gen).to(self.device)
+        ).to(torch.int32)
         dense = torch.zeros(BATCH * ppr, pool.shape[1], dtype=pool.dtype, device=self.device)
         errors = self.new_errors(self.device)
         inverse = self.reference.build_page_inverse(table, capacity, errors)
@@ -496,7 +595,10 @@ class Bench:
                 graph.replay()
                 torch.cuda.synchronize()
                 result["captured"] = True
-                result["replay_matches_eager"] = bool(torch.equal(dense.view(torch.uint8), eager_dense.view(torch.uint8)) and torch.equal(outputs["topk"], eager_topk))
+                result["replay_matches_eager"] = bool(
+                    torch.equal(dense.view(torch.uint8), eager_dense.view(torch.uint8))
+                    and torch.equal(outputs["topk"], eager_topk)
+                )
                 result["errors"] = errors.tolist()
                 times = []
                 for _ in range(self.args.reps):
@@ -521,13 +623,20 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions (after warm-up); median reported")
     parser.add_argument("--copy-gib", type=float, default=2.0, help="roofline copy size (>= 1 GiB)")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536, 131072], help="tokens per request (8 requests)")
+    parser.add_argument(
+        "--tokens", type=int, nargs="+", default=[8192, 32768, 65536, 131072], help="tokens per request (8 requests)"
+    )
     parser.add_argument("--pool-pages", type=int, default=POOL_PAGES)
     parser.add_argument("--pages-per-request", type=int, default=2048, help="inverse build and remap tables")
     parser.add_argument("--topk", type=int, nargs=2, default=[4096, 2048], metavar=("ROWS", "K"))
     parser.add_argument("--plan-prefix", type=int, default=32768)
     parser.add_argument("--plan-extend", type=int, default=4096)
-    parser.add_argument("--only", nargs="+", choices=["copy", "fill", "remap", "inverse", "fused", "plan", "graph"], help="run these parts only (the roofline always runs)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=["copy", "fill", "remap", "inverse", "fused", "plan", "graph"],
+        help="run these parts only (the roofline always runs)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: a check of the script, not a measurement")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -543,7 +652,10 @@ def main(argv=None) -> int:
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before sglang_cpkv.ops.triton defines its kernels
     bench = Bench(args)
-    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(bench.device) if bench.device.type == "cuda" else "cpu"}
+    env = {
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(bench.device) if bench.device.type == "cuda" else "cpu",
+    }
     try:
         import triton
 
@@ -555,7 +667,15 @@ def main(argv=None) -> int:
     bench.copy_bandwidth()
     parts = args.only or ["copy", "fill", "remap", "inverse", "fused", "plan", "graph"]
     graph = None
-    for part, fn in (("copy", bench.bench_copy_pages), ("fill", bench.bench_scatter_rows), ("remap", bench.bench_remap), ("inverse", bench.bench_build_inverse), ("fused", bench.bench_fused), ("plan", bench.bench_plan), ("graph", bench.graph_capture)):
+    for part, fn in (
+        ("copy", bench.bench_copy_pages),
+        ("fill", bench.bench_scatter_rows),
+        ("remap", bench.bench_remap),
+        ("inverse", bench.bench_build_inverse),
+        ("fused", bench.bench_fused),
+        ("plan", bench.bench_plan),
+        ("graph", bench.graph_capture),
+    ):
         if part not in parts:
             continue
         try:
@@ -568,7 +688,19 @@ def main(argv=None) -> int:
             graph = out
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"env": env, "args": vars(args), "copy_gbps": bench.copy_gbps, "targets": TARGETS, "records": bench.records, "graph_capture": graph, "errors": bench.errors}, f, indent=1)
+            json.dump(
+                {
+                    "env": env,
+                    "args": vars(args),
+                    "copy_gbps": bench.copy_gbps,
+                    "targets": TARGETS,
+                    "records": bench.records,
+                    "graph_capture": graph,
+                    "errors": bench.errors,
+                },
+                f,
+                indent=1,
+            )
     if bench.errors:
         print(f"# {len(bench.errors)} measurement(s) failed:", *bench.errors, sep="\n#   ")
     return 1 if bench.errors else 0

@@ -21,13 +21,12 @@ Pure arithmetic over the policy: no GPU, no sglang import.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-from sglang_cpkv.deep_gemm_warmup import plan_dense_warmup, warmup_m_list  # noqa: E402
+from sglang_cpkv.deep_gemm_warmup import plan_dense_warmup, warmup_m_list
 
 HIDDEN, HEADS, Q_LORA, KV_LORA, NOPE, ROPE, V_HEAD = 6144, 64, 2048, 512, 192, 64, 256
 INDEX_HEADS, INDEX_DIM, DENSE_FFN, MOE_FFN, EXPERTS = 32, 128, 12288, 2048, 256
@@ -64,35 +63,54 @@ def main(argv=None) -> int:
     parser.add_argument("--cp", type=int, default=8, help="attention CP size (= tp, attention TP 1)")
     parser.add_argument("--chunked-prefill-size", type=int, default=65536)
     parser.add_argument("--contig-alignment", type=int, default=128, help="DeepGEMM contiguous-layout M alignment")
-    parser.add_argument("--mtp", action="store_true", help="EAGLE/NextN draft (prefill-time draft extend runs under CP)")
+    parser.add_argument(
+        "--mtp", action="store_true", help="EAGLE/NextN draft (prefill-time draft extend runs under CP)"
+    )
     args = parser.parse_args(argv)
     m_max = min(2 * args.chunked_prefill_size, 128 * 1024) if args.chunked_prefill_size > 8192 else 16 * 1024
     full = list(range(1, m_max + 1))
     shapes = glm51_shapes(tp=args.cp, attn_tp=1, ep=args.cp, mtp=args.mtp)
-    spec = dict(speculative_algorithm="EAGLE" if args.mtp else None, speculative_num_draft_tokens=4 if args.mtp else None)
+    spec = dict(
+        speculative_algorithm="EAGLE" if args.mtp else None, speculative_num_draft_tokens=4 if args.mtp else None
+    )
     configs = {
         "interleave --moe-dense-tp-size 1 --moe-a2a-backend deepep": dict(
-            cp_strategy="interleave", moe_dense_tp_size=1, moe_a2a_backend="deepep", max_running_requests=None),
+            cp_strategy="interleave", moe_dense_tp_size=1, moe_a2a_backend="deepep", max_running_requests=None
+        ),
         "zigzag --max-running-requests 1 (zigzag forces dense tp 1 + deepep)": dict(
-            cp_strategy="zigzag", moe_dense_tp_size=1, moe_a2a_backend="deepep", max_running_requests=1),
+            cp_strategy="zigzag", moe_dense_tp_size=1, moe_a2a_backend="deepep", max_running_requests=1
+        ),
         "interleave, defaults (gathered FFN)": dict(
-            cp_strategy="interleave", moe_dense_tp_size=None, moe_a2a_backend="none", max_running_requests=None),
+            cp_strategy="interleave", moe_dense_tp_size=None, moe_a2a_backend="none", max_running_requests=None
+        ),
     }
-    print(f"GLM-5.1-FP8, P/D prefill rank, cp={args.cp}, chunked prefill {args.chunked_prefill_size} -> m_max {m_max}, "
-          f"{len(shapes)} shapes{' (with MTP)' if args.mtp else ''}")
+    print(
+        f"GLM-5.1-FP8, P/D prefill rank, cp={args.cp}, chunked prefill {args.chunked_prefill_size} -> m_max {m_max}, "
+        f"{len(shapes)} shapes{' (with MTP)' if args.mtp else ''}"
+    )
     for label, config in configs.items():
-        plan = plan_dense_warmup(enable_prefill_cp=True, attn_cp_size=args.cp, disaggregation_mode="prefill",
-                                 draft_extend_under_cp=False, **spec, **config)
+        plan = plan_dense_warmup(
+            enable_prefill_cp=True,
+            attn_cp_size=args.cp,
+            disaggregation_mode="prefill",
+            draft_extend_under_cp=False,
+            **spec,
+            **config,
+        )
         before = after = 0
         rows = []
         for name, kernel_type, n, k, groups in shapes:
             upstream = kernel_count(full, kernel_type, args.contig_alignment)
             ours = kernel_count(warmup_m_list(plan, kernel_type, groups, full), kernel_type, args.contig_alignment)
             before, after = before + upstream, after + ours
-            rows.append(f"    {name:32s} {kernel_type:32s} N={n:<6d} K={k:<6d} G={groups:<3d} {upstream:>7d} -> {ours:>7d}")
+            rows.append(
+                f"    {name:32s} {kernel_type:32s} N={n:<6d} K={k:<6d} G={groups:<3d} {upstream:>7d} -> {ours:>7d}"
+            )
         factor = before / after
-        print(f"\n{label}: {before:,} -> {after:,} kernels ({factor:.2f}x fewer, -{100 * (1 - after / before):.1f}%)"
-              f"\n  plan: divide by {plan.cp_divisor} ({plan.reason})")
+        print(
+            f"\n{label}: {before:,} -> {after:,} kernels ({factor:.2f}x fewer, -{100 * (1 - after / before):.1f}%)"
+            f"\n  plan: divide by {plan.cp_divisor} ({plan.reason})"
+        )
         print("\n".join(rows))
     return 0
 

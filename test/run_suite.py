@@ -51,7 +51,7 @@ def _literal_kwargs(call: ast.Call, path: Path) -> dict:
         try:
             kwargs[kw.arg] = ast.literal_eval(kw.value)
         except ValueError as exc:
-            raise SystemExit(f"{path}: registration argument {kw.arg} must be a literal ({exc})")
+            raise SystemExit(f"{path}: registration argument {kw.arg} must be a literal ({exc})") from exc
     return kwargs
 
 
@@ -75,7 +75,9 @@ def parse_registrations(path: Path) -> list[Registration]:
         suite = _suite_name(kwargs)
         if suite is None:
             raise SystemExit(f"{path}: {name}(...) names no suite (suite= or stage=+runner_config=)")
-        found.append(Registration(path, MARKERS[name], suite, float(kwargs.get("est_time", 60)), kwargs.get("disabled")))
+        found.append(
+            Registration(path, MARKERS[name], suite, float(kwargs.get("est_time", 60)), kwargs.get("disabled"))
+        )
     return found
 
 
@@ -83,7 +85,9 @@ def collect(hw: str, suite: str) -> list[Registration]:
     files = sorted(p for p in REGISTERED_DIR.rglob("*.py") if p.name != "__init__.py")
     unregistered = [p for p in files if not parse_registrations(p)]
     if unregistered:
-        raise SystemExit("unregistered test files (add register_cpu_ci/register_cuda_ci):\n  " + "\n  ".join(map(str, unregistered)))
+        raise SystemExit(
+            "unregistered test files (add register_cpu_ci/register_cuda_ci):\n  " + "\n  ".join(map(str, unregistered))
+        )
     selected = []
     for path in files:
         for reg in parse_registrations(path):
@@ -96,10 +100,19 @@ def run_one(reg: Registration, timeout: float) -> tuple[Registration, int, float
     start = time.monotonic()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     try:
-        proc = subprocess.run([sys.executable, str(reg.path)], cwd=reg.path.parent, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, str(reg.path)],
+            cwd=reg.path.parent,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         code, out = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as exc:
-        partial = "".join(s.decode(errors="replace") if isinstance(s, bytes) else s for s in (exc.stdout, exc.stderr) if s)
+        partial = "".join(
+            s.decode(errors="replace") if isinstance(s, bytes) else s for s in (exc.stdout, exc.stderr) if s
+        )
         code, out = 124, f"{partial}\nTIMEOUT after {timeout:.0f}s"
     return reg, code, time.monotonic() - start, out
 
@@ -109,7 +122,9 @@ def main() -> int:
     parser.add_argument("--hw", choices=sorted(DEFAULT_SUITES), required=True)
     parser.add_argument("--suite", help="suite name (default: cpkv-cpu for cpu, cpkv-test-1-gpu for cuda)")
     parser.add_argument("--jobs", type=int, default=1, help="files run in parallel")
-    parser.add_argument("--timeout-factor", type=float, default=4.0, help="per-file timeout = factor * est_time (min 300 s)")
+    parser.add_argument(
+        "--timeout-factor", type=float, default=4.0, help="per-file timeout = factor * est_time (min 300 s)"
+    )
     parser.add_argument("--list", action="store_true", help="print the selected files and exit")
     args = parser.parse_args()
     suite = args.suite or DEFAULT_SUITES[args.hw]
@@ -121,14 +136,19 @@ def main() -> int:
     selected = [r for r in selected if not r.disabled] + [r for r in selected if r.disabled]
     if args.list:
         for reg in selected:
-            print(f"{reg.est_time:7.0f}s  {reg.path.relative_to(REGISTERED_DIR.parent)}{'  (disabled: ' + reg.disabled + ')' if reg.disabled else ''}")
+            print(
+                f"{reg.est_time:7.0f}s  {reg.path.relative_to(REGISTERED_DIR.parent)}{'  (disabled: ' + reg.disabled + ')' if reg.disabled else ''}"
+            )
         return 0
 
     runnable = [r for r in selected if not r.disabled]
     for reg in selected:
         if reg.disabled:
             print(f"SKIP (disabled: {reg.disabled}) {reg.path.relative_to(REGISTERED_DIR.parent)}")
-    print(f"running {len(runnable)} files of suite {suite} (estimated {sum(r.est_time for r in runnable):.0f}s)", flush=True)
+    print(
+        f"running {len(runnable)} files of suite {suite} (estimated {sum(r.est_time for r in runnable):.0f}s)",
+        flush=True,
+    )
 
     failed = []
     passed = 0

@@ -23,8 +23,9 @@ import json
 import random
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
@@ -39,10 +40,32 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 COMPLETIONS_PATH = "/v1/completions"
 MODELS_PATH = "/v1/models"
 # Words of the shared prefix: plain, tokenizer-friendly, no digit runs that could look like a marker.
-PREFIX_VOCAB = (
-    "river stone lantern orchard valley harbor meadow copper signal garden ledger bridge canyon "
-    "compass thunder window pepper violet marble summit anchor feather cinder glacier"
-).split()
+PREFIX_VOCAB = [
+    "river",
+    "stone",
+    "lantern",
+    "orchard",
+    "valley",
+    "harbor",
+    "meadow",
+    "copper",
+    "signal",
+    "garden",
+    "ledger",
+    "bridge",
+    "canyon",
+    "compass",
+    "thunder",
+    "window",
+    "pepper",
+    "violet",
+    "marble",
+    "summit",
+    "anchor",
+    "feather",
+    "cinder",
+    "glacier",
+]
 
 
 class ClientError(Exception):
@@ -149,8 +172,12 @@ async def run_check(
     import aiohttp
 
     url = check_url(url)
-    for name, value, top in (("num_requests", num_requests, MAX_REQUESTS), ("rounds", rounds, MAX_ROUNDS),
-                             ("max_tokens", max_tokens, MAX_NEW_TOKENS), ("prefix_words", prefix_words, MAX_PREFIX_WORDS)):  # fmt: skip
+    for name, value, top in (
+        ("num_requests", num_requests, MAX_REQUESTS),
+        ("rounds", rounds, MAX_ROUNDS),
+        ("max_tokens", max_tokens, MAX_NEW_TOKENS),
+        ("prefix_words", prefix_words, MAX_PREFIX_WORDS),
+    ):
         if not 1 <= value <= top:
             raise ValueError(f"{name}={value} must be in [1, {top}]")
     if num_requests < 2:
@@ -158,9 +185,16 @@ async def run_check(
     probes = make_probes(num_requests, prefix_words, seed)
     markers = [p.marker for p in probes]
     summary: dict = {
-        "url": url, "num_requests": num_requests, "rounds": rounds, "max_tokens": max_tokens,
-        "prefix_words": prefix_words, "seed": seed, "errors": [], "golden_leaks": [], "results": [],
-    }  # fmt: skip
+        "url": url,
+        "num_requests": num_requests,
+        "rounds": rounds,
+        "max_tokens": max_tokens,
+        "prefix_words": prefix_words,
+        "seed": seed,
+        "errors": [],
+        "golden_leaks": [],
+        "results": [],
+    }
     started = time.monotonic()
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     connector = aiohttp.TCPConnector(limit=num_requests)
@@ -178,14 +212,22 @@ async def run_check(
             for m in leaked(text, p.marker, markers):
                 summary["golden_leaks"].append({"index": p.index, "marker": p.marker, "leaked_marker": m})
         for r in range(rounds):
-            answers = await asyncio.gather(*(complete(session, url, model, p.prompt, max_tokens) for p in probes), return_exceptions=True)
+            answers = await asyncio.gather(
+                *(complete(session, url, model, p.prompt, max_tokens) for p in probes), return_exceptions=True
+            )
             for p, gold, answer in zip(probes, golden, answers):
                 if isinstance(answer, BaseException):
                     summary["errors"].append(f"round {r} request {p.index}: {describe(answer)}")
                     continue
                 g, b = gold.encode(), answer.encode()
                 diff = first_difference(g, b)
-                summary["results"].append(asdict(RequestResult(p.index, p.marker, r, diff is None, diff, len(g), len(b), leaked(answer, p.marker, markers))))
+                summary["results"].append(
+                    asdict(
+                        RequestResult(
+                            p.index, p.marker, r, diff is None, diff, len(g), len(b), leaked(answer, p.marker, markers)
+                        )
+                    )
+                )
         summary["golden_sha256"] = [hashlib.sha256(t.encode()).hexdigest()[:16] for t in golden]
     return _finish(summary, started)
 
@@ -215,7 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default=DEFAULT_URL, help=f"server or router root (default {DEFAULT_URL})")
     parser.add_argument("-n", "--num-requests", type=int, default=8, help=f"concurrent requests, 2..{MAX_REQUESTS}")
-    parser.add_argument("--rounds", type=int, default=1, help=f"concurrent passes compared with the golden, 1..{MAX_ROUNDS}")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help=f"concurrent passes compared with the golden, 1..{MAX_ROUNDS}"
+    )
     parser.add_argument("--max-tokens", type=int, default=64, help=f"greedy tokens per request, 1..{MAX_NEW_TOKENS}")
     parser.add_argument("--prefix-words", type=int, default=3000, help="length of the shared prefix in words")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prefix text and the markers")
@@ -224,7 +268,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="also write the JSON summary to this file")
     args = parser.parse_args(argv)
     try:
-        summary = asyncio.run(run_check(args.url, args.num_requests, args.rounds, args.max_tokens, args.prefix_words, args.seed, args.model, args.timeout))
+        summary = asyncio.run(
+            run_check(
+                args.url,
+                args.num_requests,
+                args.rounds,
+                args.max_tokens,
+                args.prefix_words,
+                args.seed,
+                args.model,
+                args.timeout,
+            )
+        )
     except ValueError as exc:
         parser.error(str(exc))
     text = json.dumps(summary, indent=2)
@@ -232,8 +287,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
-    print(f"verdict: {summary['verdict']} ({len(summary['contaminated'])} contaminated, {len(summary['mismatched'])} mismatched, "
-          f"{len(summary['errors'])} errors)", file=sys.stderr)  # fmt: skip
+    print(
+        f"verdict: {summary['verdict']} ({len(summary['contaminated'])} contaminated, {len(summary['mismatched'])} mismatched, "
+        f"{len(summary['errors'])} errors)",
+        file=sys.stderr,
+    )
     return summary["exit_status"]
 
 

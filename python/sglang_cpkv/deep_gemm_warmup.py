@@ -44,7 +44,7 @@ import dataclasses
 import logging
 import math
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -79,13 +79,13 @@ def plan_dense_warmup(
     *,
     enable_prefill_cp: bool,
     attn_cp_size: int,
-    cp_strategy: Optional[str],
-    moe_dense_tp_size: Optional[int],
-    moe_a2a_backend: Optional[str],
-    disaggregation_mode: Optional[str],
-    max_running_requests: Optional[int],
-    speculative_algorithm: Optional[str],
-    speculative_num_draft_tokens: Optional[int],
+    cp_strategy: str | None,
+    moe_dense_tp_size: int | None,
+    moe_a2a_backend: str | None,
+    disaggregation_mode: str | None,
+    max_running_requests: int | None,
+    speculative_algorithm: str | None,
+    speculative_num_draft_tokens: int | None,
     draft_extend_under_cp: bool,
 ) -> DenseWarmupPlan:
     """Decide, from resolved server settings, whether every non-grouped GEMM runs at per-rank M."""
@@ -94,28 +94,40 @@ def plan_dense_warmup(
     if cp_strategy not in ("interleave", "zigzag"):
         return DenseWarmupPlan(1, f"unknown CP strategy {cp_strategy!r}")
     if cp_strategy == "zigzag" and max_running_requests != 1:
-        return DenseWarmupPlan(1, "zigzag runs a batch un-split at full M when any request extends fewer than "
-                                  "2*cp tokens; only --max-running-requests 1 rules that out")
+        return DenseWarmupPlan(
+            1,
+            "zigzag runs a batch un-split at full M when any request extends fewer than "
+            "2*cp tokens; only --max-running-requests 1 rules that out",
+        )
     if moe_dense_tp_size != 1:
         return DenseWarmupPlan(1, "dense FFN GEMMs run on tokens gathered over attention CP (moe_dense_tp_size != 1)")
     if moe_a2a_backend in (None, "none"):
-        return DenseWarmupPlan(1, "MoE input and shared-expert GEMMs run on tokens gathered over attention CP "
-                                  "(no MoE all-to-all backend)")
+        return DenseWarmupPlan(
+            1, "MoE input and shared-expert GEMMs run on tokens gathered over attention CP (no MoE all-to-all backend)"
+        )
     decodes = disaggregation_mode != "prefill"
     algorithm = (speculative_algorithm or "").upper()
     if algorithm in FULL_M_DRAFT_ALGORITHMS:
         return DenseWarmupPlan(1, f"the {algorithm} draft runs its prefill extend on its own group without CP (full M)")
     if algorithm not in NO_DRAFT_ALGORITHMS and decodes and not draft_extend_under_cp:
-        return DenseWarmupPlan(1, f"the decode-time draft extend (DRAFT_EXTEND_V2) runs without CP (full M); "
-                                  f"{DRAFT_SHARED_KV_ENV}=1 declares it runs under CP")
+        return DenseWarmupPlan(
+            1,
+            f"the decode-time draft extend (DRAFT_EXTEND_V2) runs without CP (full M); "
+            f"{DRAFT_SHARED_KV_ENV}=1 declares it runs under CP",
+        )
     non_cp_max_m = 0
     if decodes:
         if max_running_requests is None:
-            return DenseWarmupPlan(1, "this server decodes and --max-running-requests is unset: un-split decode "
-                                      "batches have no bound")
+            return DenseWarmupPlan(
+                1, "this server decodes and --max-running-requests is unset: un-split decode batches have no bound"
+            )
         non_cp_max_m = max_running_requests * max(1, speculative_num_draft_tokens or 1)
-    return DenseWarmupPlan(attn_cp_size, f"{cp_strategy} prefill CP over {attn_cp_size} ranks splits every "
-                                         "token-heavy batch and the FFNs stay on rank rows", non_cp_max_m)
+    return DenseWarmupPlan(
+        attn_cp_size,
+        f"{cp_strategy} prefill CP over {attn_cp_size} ranks splits every "
+        "token-heavy batch and the FFNs stay on rank rows",
+        non_cp_max_m,
+    )
 
 
 def is_grouped_kernel_type(kernel_type_name: str) -> bool:
@@ -176,6 +188,14 @@ def shape_m_list(kernel_type_name: str, n: int, k: int, num_groups: int, full_m_
         why = f"full list: {_plan.reason}"
     else:
         why = "full list: grouped MoE GEMMs run at full M"
-    logger.info("DeepGEMM warmup <%s> N=%d K=%d num_groups=%d: %d of %d Ms (%s)",
-                kernel_type_name, n, k, num_groups, len(m_list), len(full_m_list), why)
+    logger.info(
+        "DeepGEMM warmup <%s> N=%d K=%d num_groups=%d: %d of %d Ms (%s)",
+        kernel_type_name,
+        n,
+        k,
+        num_groups,
+        len(m_list),
+        len(full_m_list),
+        why,
+    )
     return m_list

@@ -66,13 +66,21 @@ def _positions_locs(case: BatchCase) -> torch.Tensor:
     return locs
 
 
-def _per_request_reads(case: BatchCase, pool: torch.Tensor, current: torch.Tensor, device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _per_request_reads(
+    case: BatchCase, pool: torch.Tensor, current: torch.Tensor, device: torch.device
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """cp=1 runtime: (dense view rows of each request, what each request reads at each of its positions)."""
     plan = build_plan(
-        [list(t) for t in case.page_tables], case.prefix_lens, case.extend_lens,
+        [list(t) for t in case.page_tables],
+        case.prefix_lens,
+        case.extend_lens,
         torch.tensor(case.out_cache_loc(), dtype=torch.int64, device=device),
-        capacity=case.capacity, page_size=case.page_size, cp_size=1, cp_rank=0, strategy="interleave",
-    )  # fmt: skip
+        capacity=case.capacity,
+        page_size=case.page_size,
+        cp_size=1,
+        cp_rank=0,
+        strategy="interleave",
+    )
     dense = new_dense_buffer(plan, (pool.shape[1],), pool.dtype)
     build_dense_view(plan, pool.to(device), current.to(device), dense, SingleRankGroup())
     remapped = remap_topk(plan, _positions_locs(case).to(device), torch.arange(case.num_requests, device=device))
@@ -87,7 +95,9 @@ def _per_request_reads(case: BatchCase, pool: torch.Tensor, current: torch.Tenso
 
 def _solo(case: BatchCase, r: int, current: torch.Tensor) -> tuple[BatchCase, torch.Tensor]:
     start = sum(case.extend_lens[:r])
-    alone = BatchCase(case.page_size, case.capacity, (case.page_tables[r],), (case.prefix_lens[r],), (case.extend_lens[r],))
+    alone = BatchCase(
+        case.page_size, case.capacity, (case.page_tables[r],), (case.prefix_lens[r],), (case.extend_lens[r],)
+    )
     return alone, current[start : start + case.extend_lens[r]]
 
 
@@ -106,16 +116,23 @@ def _describe(row: torch.Tensor, case: BatchCase, pool: torch.Tensor, current: t
 
 
 def _describe_batch(name: str, case: BatchCase) -> None:
-    title = {REACHABLE: "reachable in upstream 0.5.23: page-aligned prefix sharing", COLLISION: "collision class: a shared partially filled page (the seed's fork)"}[name]
+    title = {
+        REACHABLE: "reachable in upstream 0.5.23: page-aligned prefix sharing",
+        COLLISION: "collision class: a shared partially filled page (the seed's fork)",
+    }[name]
     print(f"\n=== batch '{name}' ({title}); state class computed from the tables: {case.state_class}")
     for r in range(case.num_requests):
-        print(f"  request {NAMES[r]}: pages {list(case.page_tables[r])}, history {case.prefix_lens[r]} tokens, current {case.extend_lens[r]} tokens")
+        print(
+            f"  request {NAMES[r]}: pages {list(case.page_tables[r])}, history {case.prefix_lens[r]} tokens, current {case.extend_lens[r]} tokens"
+        )
 
 
 def run(cp2: bool) -> int:
     torch.set_num_threads(1)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    print(f"CP shared-KV demo: per-request page inverse vs the seed's 1-D value-keyed inverse (device {device}, page size 4, {ROW_BYTES}-byte rows)")
+    print(
+        f"CP shared-KV demo: per-request page inverse vs the seed's 1-D value-keyed inverse (device {device}, page size 4, {ROW_BYTES}-byte rows)"
+    )
     failures = 0
     for seed, (name, case) in enumerate(BATCHES.items()):
         _describe_batch(name, case)
@@ -142,9 +159,16 @@ def run(cp2: bool) -> int:
 
         P = max(len(t) for t in case.page_tables)
         dense_1d, remapped_1d = value_keyed_pipeline(
-            padded_page_table(case, P), case.prefix_lens, case.extend_lens, torch.tensor(case.out_cache_loc()),
-            pool, current, _positions_locs(case), case.capacity, case.page_size,
-        )  # fmt: skip
+            padded_page_table(case, P),
+            case.prefix_lens,
+            case.extend_lens,
+            torch.tensor(case.out_cache_loc()),
+            pool,
+            current,
+            _positions_locs(case),
+            case.capacity,
+            case.page_size,
+        )
         print("  1-D value-keyed inverse (negative control), cp=1:")
         for r in range(case.num_requests):
             n = case.prefix_lens[r] + case.extend_lens[r]
@@ -155,21 +179,31 @@ def run(cp2: bool) -> int:
                 if got is None or not rows_equal(got, solo_views[r][p]):
                     wrong.append((p, "nothing (dropped)" if got is None else _describe(got, case, pool, current)))
             if not wrong:
-                print(f"    {NAMES[r]}: == bs=1 ({'identical copies of shared pages' if name == REACHABLE else 'unaffected'})")
+                print(
+                    f"    {NAMES[r]}: == bs=1 ({'identical copies of shared pages' if name == REACHABLE else 'unaffected'})"
+                )
             for p, what in wrong:
                 print(f"    {NAMES[r]}: CONTAMINATED at position {p}: read {what}")
     print()
     if failures:
         print(f"FAIL: the per-request path mismatched in {failures} place(s)")
         return 1
-    print("OK: every request's dense KV view equals its bs=1 run with the per-request inverse (cp=1" + (" and cp=2)" if cp2 else ")") + "; the 1-D inverse contaminates only the collision batch, as expected.")
+    print(
+        "OK: every request's dense KV view equals its bs=1 run with the per-request inverse (cp=1"
+        + (" and cp=2)" if cp2 else ")")
+        + "; the 1-D inverse contaminates only the collision batch, as expected."
+    )
     return 0
 
 
-def _run_cp2(case: BatchCase, pool: torch.Tensor, current: torch.Tensor, solo_views: list[torch.Tensor], device: torch.device) -> int:
+def _run_cp2(
+    case: BatchCase, pool: torch.Tensor, current: torch.Tensor, solo_views: list[torch.Tensor], device: torch.device
+) -> int:
     from sglang_cpkv.testing.cp_dist import spawn_cp_ranks
 
-    cp_case = BatchCase(case.page_size, case.capacity, case.page_tables, case.prefix_lens, case.extend_lens, 2, "interleave")
+    cp_case = BatchCase(
+        case.page_size, case.capacity, case.page_tables, case.prefix_lens, case.extend_lens, 2, "interleave"
+    )
     use_nccl = device.type == "cuda" and torch.cuda.device_count() >= 2
     topk = torch.full((case.num_tokens, 1), -1, dtype=torch.int64)
     results = spawn_cp_ranks(2, [(cp_case, pool, current, topk)], device="cuda" if use_nccl else "cpu")
@@ -185,7 +219,10 @@ def _run_cp2(case: BatchCase, pool: torch.Tensor, current: torch.Tensor, solo_vi
             failures += not ok
             verdicts.append(f"{NAMES[r]} {'== bs=1' if ok else 'MISMATCH'}")
         parts.append(f"rank {rank}: " + ", ".join(verdicts))
-    print(f"  per-request inverse, cp=2 ({'NCCL' if use_nccl else 'gloo, 2 processes'}, owner-sharded pools): " + "; ".join(parts))
+    print(
+        f"  per-request inverse, cp=2 ({'NCCL' if use_nccl else 'gloo, 2 processes'}, owner-sharded pools): "
+        + "; ".join(parts)
+    )
     return failures
 
 

@@ -28,7 +28,7 @@ Everything takes plain values except :func:`dsa_fp8_pd_kv_layout`, which reads p
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import torch
 
@@ -76,7 +76,7 @@ def describe_layout(layout: str, *, kv_lora_rank: int = 512, qk_rope_head_dim: i
     return f"packed {row}-byte rows ({kv_lora_rank} fp8 + {scale_bytes} scale bytes + {qk_rope_head_dim} bf16 rope)"
 
 
-def _family_default(user_backend: str, *, for_prefill: bool, sm_major: int) -> Optional[str]:
+def _family_default(user_backend: str, *, for_prefill: bool, sm_major: int) -> str | None:
     """The backend an unset side gets so that it reads the same rows as ``user_backend``."""
     layout = FP8_LAYOUT_OF_BACKEND.get(user_backend)
     if layout is None:
@@ -92,7 +92,7 @@ def _family_default(user_backend: str, *, for_prefill: bool, sm_major: int) -> O
 
 
 def fp8_layout_family_defaults(
-    *, kv_cache_dtype: str, prefill_backend: Optional[str], decode_backend: Optional[str], sm_major: int
+    *, kv_cache_dtype: str, prefill_backend: str | None, decode_backend: str | None, sm_major: int
 ) -> dict:
     """Declarations for the unset backend when exactly one side is user-set in an FP8 layout family.
 
@@ -112,9 +112,9 @@ def fp8_layout_family_defaults(
 def check_fp8_layout_mix(
     *,
     kv_cache_dtype: str,
-    prefill_backend: Optional[str],
-    decode_backend: Optional[str],
-    disaggregation_mode: Optional[str],
+    prefill_backend: str | None,
+    decode_backend: str | None,
+    disaggregation_mode: str | None,
     kv_lora_rank: int,
     qk_rope_head_dim: int,
 ) -> None:
@@ -137,8 +137,14 @@ def check_fp8_layout_mix(
         logger.warning(
             "%s %s and %s %s read different FP8 KV layouts; on this P/D %s server only %s decides the pool "
             "(%s), and the %s server must store the same rows.",
-            PREFILL_FLAG, prefill_backend, DECODE_FLAG, decode_backend, disaggregation_mode, local_flag,
-            describe_layout(local_layout, **sizes), "decode" if disaggregation_mode == "prefill" else "prefill",
+            PREFILL_FLAG,
+            prefill_backend,
+            DECODE_FLAG,
+            decode_backend,
+            disaggregation_mode,
+            local_flag,
+            describe_layout(local_layout, **sizes),
+            "decode" if disaggregation_mode == "prefill" else "prefill",
         )
         return
     fix_decode = _family_default(prefill_backend, for_prefill=False, sm_major=10)
@@ -156,7 +162,7 @@ def check_fp8_layout_mix(
 PD_LAYOUT_PREFIX = "dsa-fp8-"
 
 
-def dsa_fp8_pd_kv_layout(token_to_kv_pool) -> Optional[str]:
+def dsa_fp8_pd_kv_layout(token_to_kv_pool) -> str | None:
     """The DSA FP8 row layout a P/D peer must share (``dsa-fp8-packed-656B``), else None.
 
     None for pools that are not DSA or not FP8: they keep upstream's handshake unchanged.
@@ -172,7 +178,7 @@ def dsa_fp8_pd_kv_layout(token_to_kv_pool) -> Optional[str]:
     return f"{PD_LAYOUT_PREFIX}{layout}-{row_bytes}B"
 
 
-def _parse_pd_layout(value: Optional[str]) -> Optional[tuple[str, int]]:
+def _parse_pd_layout(value: str | None) -> tuple[str, int] | None:
     if not isinstance(value, str) or not value.startswith(PD_LAYOUT_PREFIX):
         return None
     layout, _, row = value[len(PD_LAYOUT_PREFIX) :].partition("-")
@@ -186,7 +192,7 @@ def _layout_words(layout: str, row_bytes: int) -> str:
     return f"{layout} {row_bytes}-byte rows ({what})"
 
 
-def check_pd_fp8_layout_match(*, prefill_layout: Optional[str], decode_layout: Optional[str]) -> None:
+def check_pd_fp8_layout_match(*, prefill_layout: str | None, decode_layout: str | None) -> None:
     """On the decode side, before any KV moves: refuse a prefill server whose DSA FP8 rows differ.
 
     Silent when either side publishes no DSA FP8 layout (upstream's own ``kv_layout`` check still

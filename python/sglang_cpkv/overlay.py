@@ -39,8 +39,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 if sys.version_info >= (3, 11):
     import tomllib

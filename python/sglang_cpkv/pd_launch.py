@@ -54,8 +54,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 ROLES = ("prefill", "decode", "router")
 SERVER_MODULE = "sglang.launch_server"
@@ -185,7 +185,7 @@ class PDConfig:
     all_cp_ranks_transfer: str  # the environment's SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER, "" when unset
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "PDConfig":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> PDConfig:
         env = os.environ if env is None else env
         prefill_port = _int(env, "PD_PREFILL_PORT", 1)
         decode_port = _int(env, "PD_DECODE_PORT", 1)
@@ -267,13 +267,19 @@ def _require_role(role: str) -> str:
 
 def _server_common(cfg: PDConfig, mode: str) -> list[str]:
     args = [
-        "--model-path", cfg.model_path,
-        "--disaggregation-mode", mode,
-        "--disaggregation-transfer-backend", cfg.transfer_backend,
-        "--disaggregation-bootstrap-port", str(cfg.bootstrap_port),
-        "--dsa-prefill-backend", cfg.dsa_prefill_backend,
-        "--dsa-decode-backend", cfg.dsa_decode_backend,
-    ]  # fmt: skip
+        "--model-path",
+        cfg.model_path,
+        "--disaggregation-mode",
+        mode,
+        "--disaggregation-transfer-backend",
+        cfg.transfer_backend,
+        "--disaggregation-bootstrap-port",
+        str(cfg.bootstrap_port),
+        "--dsa-prefill-backend",
+        cfg.dsa_prefill_backend,
+        "--dsa-decode-backend",
+        cfg.dsa_decode_backend,
+    ]
     if cfg.ib_device:
         args += ["--disaggregation-ib-device", cfg.ib_device]
     if cfg.trust_remote_code:
@@ -285,12 +291,17 @@ def server_args(role: str, cfg: PDConfig) -> list[str]:
     """The arguments after ``python -m sglang.launch_server`` for ``role`` (prefill or decode)."""
     if role == "prefill":
         args = _server_common(cfg, "prefill") + [
-            "--host", cfg.prefill_host,
-            "--port", str(cfg.prefill_port),
-            "--base-gpu-id", str(cfg.prefill_base_gpu_id),
-            "--tp-size", str(cfg.prefill_tp),
-            "--chunked-prefill-size", str(cfg.chunked_prefill_size),
-        ]  # fmt: skip
+            "--host",
+            cfg.prefill_host,
+            "--port",
+            str(cfg.prefill_port),
+            "--base-gpu-id",
+            str(cfg.prefill_base_gpu_id),
+            "--tp-size",
+            str(cfg.prefill_tp),
+            "--chunked-prefill-size",
+            str(cfg.chunked_prefill_size),
+        ]
         if cfg.prefill_dp > 1:
             args += ["--attn-dp-size", str(cfg.prefill_dp)]
         if cfg.prefill_cp > 1:
@@ -300,12 +311,17 @@ def server_args(role: str, cfg: PDConfig) -> list[str]:
         return args + list(cfg.prefill_extra_args)
     if role == "decode":
         args = _server_common(cfg, "decode") + [
-            "--host", cfg.decode_host,
-            "--port", str(cfg.decode_port),
-            "--base-gpu-id", str(cfg.decode_base_gpu_id),
-            "--tp-size", str(cfg.decode_tp),
-            "--cuda-graph-max-bs-decode", str(cfg.decode_cuda_graph_max_bs),
-        ]  # fmt: skip
+            "--host",
+            cfg.decode_host,
+            "--port",
+            str(cfg.decode_port),
+            "--base-gpu-id",
+            str(cfg.decode_base_gpu_id),
+            "--tp-size",
+            str(cfg.decode_tp),
+            "--cuda-graph-max-bs-decode",
+            str(cfg.decode_cuda_graph_max_bs),
+        ]
         if cfg.decode_dp > 1:
             args += ["--attn-dp-size", str(cfg.decode_dp)]
         return args + list(cfg.decode_extra_args)
@@ -316,11 +332,16 @@ def router_args(cfg: PDConfig) -> list[str]:
     """The arguments after ``python -m sglang_router.launch_router``."""
     return [
         "--pd-disaggregation",
-        "--prefill", cfg.prefill_url, str(cfg.bootstrap_port),
-        "--decode", cfg.decode_url,
-        "--host", cfg.router_host,
-        "--port", str(cfg.router_port),
-    ] + list(cfg.router_extra_args)  # fmt: skip
+        "--prefill",
+        cfg.prefill_url,
+        str(cfg.bootstrap_port),
+        "--decode",
+        cfg.decode_url,
+        "--host",
+        cfg.router_host,
+        "--port",
+        str(cfg.router_port),
+    ] + list(cfg.router_extra_args)
 
 
 def role_env(role: str, cfg: PDConfig) -> dict[str, str]:
@@ -395,7 +416,9 @@ def validate_router_args(args: Sequence[str]) -> None:
     namespace = _parse_with(parser, args, "router flags rejected by sglang_router's parser")
     router = RouterArgs.from_cli_args(namespace, use_router_prefix=False)
     if not (router.pd_disaggregation and router.prefill_urls and router.decode_urls):
-        raise PDLaunchError(f"router: P/D mode needs --pd-disaggregation, --prefill and --decode (got {shlex.join(args)})")
+        raise PDLaunchError(
+            f"router: P/D mode needs --pd-disaggregation, --prefill and --decode (got {shlex.join(args)})"
+        )
 
 
 def dry_run(roles: Sequence[str], cfg: PDConfig, out=sys.stdout) -> None:
@@ -461,7 +484,10 @@ def _pid_file(cfg: PDConfig, role: str) -> Path:
 
 def _log_header(role: str, argv: Sequence[str], added_env: Mapping[str, str]) -> str:
     env = {k: v for k, v in sorted({**os.environ, **added_env}.items()) if k.startswith(RECORDED_ENV_PREFIXES)}
-    lines = [f"# pd_launch {role} at {time.strftime('%Y-%m-%d %H:%M:%S %Z')} on {os.uname().nodename}", f"# command: {shlex.join(argv)}"]
+    lines = [
+        f"# pd_launch {role} at {time.strftime('%Y-%m-%d %H:%M:%S %Z')} on {os.uname().nodename}",
+        f"# command: {shlex.join(argv)}",
+    ]
     lines += [f"# env {k}={'<redacted>' if any(word in k for word in SECRET_WORDS) else v}" for k, v in env.items()]
     return "\n".join(lines) + "\n"
 
@@ -544,9 +570,22 @@ def start(role: str, cfg: PDConfig, wait: bool = True) -> int:
         log_file.flush()
         # start_new_session: the role and every process it spawns (schedulers, detokenizer) share one
         # process group that `stop` can end without touching anything else on the host.
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **role_env(role, cfg)})  # fmt: skip
-    record = {"role": role, "pid": proc.pid, "pgid": proc.pid, "start_time": _proc_start_time(proc.pid), "argv": argv, "log": str(log_path)}
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **role_env(role, cfg)},
+        )
+    record = {
+        "role": role,
+        "pid": proc.pid,
+        "pgid": proc.pid,
+        "start_time": _proc_start_time(proc.pid),
+        "argv": argv,
+        "log": str(log_path),
+    }
     _pid_file(cfg, role).write_text(json.dumps(record, indent=1) + "\n")
     _log(f"started {role}: pid {proc.pid}, log {log_path}")
     if wait:
@@ -619,8 +658,14 @@ def run_foreground(role: str, cfg: PDConfig) -> int:
         log_file.write(header)
         sys.stdout.write(header)
         sys.stdout.flush()
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **role_env(role, cfg)})  # fmt: skip
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **role_env(role, cfg)},
+        )
 
         def forward(signum, _frame):
             with contextlib.suppress(ProcessLookupError):

@@ -64,7 +64,9 @@ def compare_request(trace: RequestTrace, golden: RequestTrace) -> RequestVerdict
         bad = ~_same_bytes(view, golden_view[:, :end])  # [L, end]
         if bool(bad.any()):
             layer, pos = (int(i) for i in bad.nonzero()[0])
-            verdict.dense_mismatches.append(f"forward {f} (positions [0, {end})): {int(bad.sum())} rows differ, first at layer {layer} position {pos}")
+            verdict.dense_mismatches.append(
+                f"forward {f} (positions [0, {end})): {int(bad.sum())} rows differ, first at layer {layer} position {pos}"
+            )
     return verdict
 
 

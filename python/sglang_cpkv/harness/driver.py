@@ -61,23 +61,34 @@ def _goldens_equal(a: RunTrace, b: RunTrace) -> list[str]:
     for ta, tb in zip(a.requests, b.requests):
         v = compare_request(ta, tb)
         if not v.equal_to_golden:
-            problems.append(f"request {ta.request}: output positions {v.out_mismatch_positions[:8]}, views {v.dense_mismatches[:2]}")
+            problems.append(
+                f"request {ta.request}: output positions {v.out_mismatch_positions[:8]}, views {v.dense_mismatches[:2]}"
+            )
     return problems
 
 
-def _batch_check(name: str, cp: int, bs: int, rank: int, run: RunTrace, goldens: RunTrace, marker_start, expected_class: str) -> dict:
+def _batch_check(
+    name: str, cp: int, bs: int, rank: int, run: RunTrace, goldens: RunTrace, marker_start, expected_class: str
+) -> dict:
     verdicts = judge_run(run, goldens, marker_start)
     class_ok = bs < 2 or run.state_class == expected_class
     unequal = [v.request for v in verdicts if not v.equal_to_golden]
     contaminated = [v.request for v in verdicts if v.contaminated]
     return {
-        "check": "batch", "scenario": name, "cp": cp, "bs": bs, "rank": rank, "state_class": run.state_class,
-        "forwards": len(run.forward_classes), "requests_equal_to_golden": bs - len(unequal),
-        "requests_unequal": unequal, "requests_contaminated": contaminated,
+        "check": "batch",
+        "scenario": name,
+        "cp": cp,
+        "bs": bs,
+        "rank": rank,
+        "state_class": run.state_class,
+        "forwards": len(run.forward_classes),
+        "requests_equal_to_golden": bs - len(unequal),
+        "requests_unequal": unequal,
+        "requests_contaminated": contaminated,
         "details": [vars(v) for v in verdicts if not v.equal_to_golden or v.contaminated][:4],
         "passed": not unequal and not contaminated and class_ok,
         **({} if class_ok else {"class_error": f"expected {expected_class}, the page tables give {run.state_class}"}),
-    }  # fmt: skip
+    }
 
 
 def _negative_control_check(name: str, bs: int, run: RunTrace, goldens: RunTrace, marker_start) -> dict:
@@ -87,14 +98,24 @@ def _negative_control_check(name: str, bs: int, run: RunTrace, goldens: RunTrace
     if run.state_class == COLLISION:
         expectation, passed = "detects contamination (a request reads another request's marker)", bool(contaminated)
     else:
-        expectation, passed = "harmless (identical copies): every request byte-equal to bs=1", not unequal and not contaminated
+        expectation, passed = (
+            "harmless (identical copies): every request byte-equal to bs=1",
+            not unequal and not contaminated,
+        )
     example = next((v.foreign_marker_reads[0] | {"request": v.request} for v in verdicts if v.contaminated), None)
     return {
-        "check": "negative_control", "scenario": name, "cp": 1, "bs": bs, "state_class": run.state_class,
-        "expectation": expectation, "requests_contaminated": contaminated, "requests_unequal": unequal,
-        "foreign_marker_reads": sum(len(v.foreign_marker_reads) for v in verdicts), "example": example,
+        "check": "negative_control",
+        "scenario": name,
+        "cp": 1,
+        "bs": bs,
+        "state_class": run.state_class,
+        "expectation": expectation,
+        "requests_contaminated": contaminated,
+        "requests_unequal": unequal,
+        "foreign_marker_reads": sum(len(v.foreign_marker_reads) for v in verdicts),
+        "example": example,
         "passed": passed,
-    }  # fmt: skip
+    }
 
 
 def run_harness(
@@ -139,7 +160,9 @@ def run_harness(
         for cp in cp_list:
             start = time.perf_counter()
             if cp == 1:
-                rank_results = [run_job_on_rank(job, SingleRankGroup(), torch.device("cuda:0" if device == "cuda" else "cpu"))]
+                rank_results = [
+                    run_job_on_rank(job, SingleRankGroup(), torch.device("cuda:0" if device == "cuda" else "cpu"))
+                ]
             else:
                 rank_results = [r[0] for r in spawn_cp_ranks(cp, [job], device=device, rank_fn=run_job_on_rank)]
             timings[f"cp{cp}_seconds"] = round(time.perf_counter() - start, 2)
@@ -150,23 +173,66 @@ def run_harness(
                 for name in scenario_names:
                     if result["goldens"] is not reference_goldens:
                         problems = _goldens_equal(result["goldens"][name], reference_goldens[name])
-                        checks.append({"check": "golden", "scenario": name, "cp": cp, "rank": rank, "problems": problems[:4], "passed": not problems})
+                        checks.append(
+                            {
+                                "check": "golden",
+                                "scenario": name,
+                                "cp": cp,
+                                "rank": rank,
+                                "problems": problems[:4],
+                                "passed": not problems,
+                            }
+                        )
                     for bs in bs_list:
-                        checks.append(_batch_check(name, cp, bs, rank, result["batches"][(name, bs)], result["goldens"][name], scenarios[name].marker_start, scenarios[name].expected_class))
+                        checks.append(
+                            _batch_check(
+                                name,
+                                cp,
+                                bs,
+                                rank,
+                                result["batches"][(name, bs)],
+                                result["goldens"][name],
+                                scenarios[name].marker_start,
+                                scenarios[name].expected_class,
+                            )
+                        )
                 for (name, bs), run in result["negative_control"].items():
-                    checks.append(_negative_control_check(name, bs, run, result["goldens"][name], scenarios[name].marker_start))
-            log(f"cp={cp}: {timings[f'cp{cp}_seconds']} s, " + ", ".join(f"{k}={sum(c['passed'] for c in checks if c['check'] == k and c.get('cp') == cp)}/{sum(1 for c in checks if c['check'] == k and c.get('cp') == cp)}" for k in ("golden", "batch", "negative_control")))
+                    checks.append(
+                        _negative_control_check(name, bs, run, result["goldens"][name], scenarios[name].marker_start)
+                    )
+            log(
+                f"cp={cp}: {timings[f'cp{cp}_seconds']} s, "
+                + ", ".join(
+                    f"{k}={sum(c['passed'] for c in checks if c['check'] == k and c.get('cp') == cp)}/{sum(1 for c in checks if c['check'] == k and c.get('cp') == cp)}"
+                    for k in ("golden", "batch", "negative_control")
+                )
+            )
     failed = [c for c in checks if not c["passed"]]
     return {
         "device": device if device == "cpu" else f"cuda ({torch.cuda.get_device_name(0)} x{torch.cuda.device_count()})",
         "ops_backends": sorted(backends),
-        "cp_list": cp_list, "bs_list": bs_list, "scenarios": {n: scenarios[n].expected_class for n in scenario_names},
-        "page_size": page_size, "model": vars(model), "checked": checked, "timings": timings,
-        "summary": {"checks": len(checks), "passed": len(checks) - len(failed), "failed": len(failed),
-                    "by_kind": {k: {"passed": sum(c["passed"] for c in checks if c["check"] == k), "total": sum(c["check"] == k for c in checks)} for k in ("golden", "batch", "negative_control")}},
+        "cp_list": cp_list,
+        "bs_list": bs_list,
+        "scenarios": {n: scenarios[n].expected_class for n in scenario_names},
+        "page_size": page_size,
+        "model": vars(model),
+        "checked": checked,
+        "timings": timings,
+        "summary": {
+            "checks": len(checks),
+            "passed": len(checks) - len(failed),
+            "failed": len(failed),
+            "by_kind": {
+                k: {
+                    "passed": sum(c["passed"] for c in checks if c["check"] == k),
+                    "total": sum(c["check"] == k for c in checks),
+                }
+                for k in ("golden", "batch", "negative_control")
+            },
+        },
         "failures": failed,
         "checks": checks,
-    }  # fmt: skip
+    }
 
 
 def _int_list(text: str) -> list[int]:
@@ -174,12 +240,20 @@ def _int_list(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Multi-GPU CP correctness harness: bs>1 vs bs=1 byte equality, with a 1-D-inverse negative control.")
+    parser = argparse.ArgumentParser(
+        description="Multi-GPU CP correctness harness: bs>1 vs bs=1 byte equality, with a 1-D-inverse negative control."
+    )
     parser.add_argument("--cp", type=_int_list, default=[1, 2], help="comma-separated CP sizes (default 1,2)")
-    parser.add_argument("--bs-list", type=_int_list, default=[2, 4, 8], help="comma-separated batch sizes (default 2,4,8)")
-    parser.add_argument("--scenarios", default="all", help=f"comma-separated, from {','.join(SCENARIO_NAMES)} (default all)")
+    parser.add_argument(
+        "--bs-list", type=_int_list, default=[2, 4, 8], help="comma-separated batch sizes (default 2,4,8)"
+    )
+    parser.add_argument(
+        "--scenarios", default="all", help=f"comma-separated, from {','.join(SCENARIO_NAMES)} (default all)"
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--backend", choices=BACKENDS, default=None, help=f"force {BACKEND_ENV} (default: leave the environment)")
+    parser.add_argument(
+        "--backend", choices=BACKENDS, default=None, help=f"force {BACKEND_ENV} (default: leave the environment)"
+    )
     parser.add_argument("--page-size", type=int, default=4)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--topk", type=int, default=8)
@@ -196,17 +270,28 @@ def main(argv: list[str] | None = None) -> int:
         print(f"CUDA ops available: {cuda_ops.is_available()} ({time.perf_counter() - start:.1f} s)", flush=True)
     start = time.perf_counter()
     report = run_harness(
-        args.cp, args.bs_list, names, args.device, args.backend, page_size=args.page_size,
-        model=ToyDsaConfig(num_layers=args.layers, topk=args.topk), negative_control=not args.no_negative_control,
-        checked=args.checked, log=lambda m: print(m, flush=True),
-    )  # fmt: skip
+        args.cp,
+        args.bs_list,
+        names,
+        args.device,
+        args.backend,
+        page_size=args.page_size,
+        model=ToyDsaConfig(num_layers=args.layers, topk=args.topk),
+        negative_control=not args.no_negative_control,
+        checked=args.checked,
+        log=lambda m: print(m, flush=True),
+    )
     report["timings"]["total_seconds"] = round(time.perf_counter() - start, 2)
     report["command"] = " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])
     summary = report["summary"]
-    print(f"ops backends: {report['ops_backends']}; checks passed {summary['passed']}/{summary['checks']} {summary['by_kind']}")
+    print(
+        f"ops backends: {report['ops_backends']}; checks passed {summary['passed']}/{summary['checks']} {summary['by_kind']}"
+    )
     for check in report["checks"]:
         if check["check"] == "negative_control":
-            print(f"  negative control {check['scenario']} bs={check['bs']} ({check['state_class']}): {'PASS' if check['passed'] else 'FAIL'} - {check['expectation']}; contaminated requests {check['requests_contaminated']}")
+            print(
+                f"  negative control {check['scenario']} bs={check['bs']} ({check['state_class']}): {'PASS' if check['passed'] else 'FAIL'} - {check['expectation']}; contaminated requests {check['requests_contaminated']}"
+            )
     for failure in report["failures"]:
         print("FAILED:", json.dumps(failure, default=str)[:2000])
     if args.out:

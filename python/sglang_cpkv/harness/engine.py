@@ -152,9 +152,16 @@ class _ValueKeyedAccess:
     def dense_view(self, layer: int, current_full: torch.Tensor) -> torch.Tensor:
         no_topk = torch.empty(0, dtype=torch.int64, device=current_full.device)
         dense, _ = value_keyed_pipeline(
-            self.plan.page_table, self.plan.prefix_lens, self.plan.extend_lens, self.out_cache_loc,
-            self.pools[layer], current_full, no_topk, self.plan.capacity, self.plan.page_size,
-        )  # fmt: skip
+            self.plan.page_table,
+            self.plan.prefix_lens,
+            self.plan.extend_lens,
+            self.out_cache_loc,
+            self.pools[layer],
+            current_full,
+            no_topk,
+            self.plan.capacity,
+            self.plan.page_size,
+        )
         return dense
 
     def remap(self, locs: torch.Tensor, req_id: torch.Tensor) -> torch.Tensor:
@@ -172,10 +179,13 @@ def _new_pools(scenario: Scenario, config: ToyDsaConfig, device: torch.device) -
 def _new_trace(request: int, length: int, config: ToyDsaConfig) -> RequestTrace:
     L, K, D = config.num_layers, config.topk, config.kv_dim
     return RequestTrace(
-        request, length,
-        out=torch.zeros((L, length, D), dtype=torch.float32), computed=torch.zeros(length, dtype=torch.bool),
-        reads=torch.zeros((L, length, K, D), dtype=torch.bfloat16), read_mask=torch.zeros((L, length, K), dtype=torch.bool),
-    )  # fmt: skip
+        request,
+        length,
+        out=torch.zeros((L, length, D), dtype=torch.float32),
+        computed=torch.zeros(length, dtype=torch.bool),
+        reads=torch.zeros((L, length, K, D), dtype=torch.bfloat16),
+        read_mask=torch.zeros((L, length, K), dtype=torch.bool),
+    )
 
 
 def run_forward(
@@ -200,15 +210,24 @@ def run_forward(
     out_cache_loc = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
     strategy = "interleave" if split_applies("interleave", extend_lens, group.cp_size) else "none"
     plan = build_plan(
-        [list(t) for t in tables], prefix_lens, extend_lens, out_cache_loc.to(device),
-        capacity=scenario.capacity, page_size=ps, cp_size=group.cp_size, cp_rank=group.cp_rank,
-        strategy=strategy, checked=checked,
-    )  # fmt: skip
+        [list(t) for t in tables],
+        prefix_lens,
+        extend_lens,
+        out_cache_loc.to(device),
+        capacity=scenario.capacity,
+        page_size=ps,
+        cp_size=group.cp_size,
+        cp_rank=group.cp_rank,
+        strategy=strategy,
+        checked=checked,
+    )
 
     # Token-order host inputs: token ids, positions, and every causal candidate's pool location.
     lmax = max(p + e for p, e in zip(prefix_lens, extend_lens))
     if lmax > MAX_POSITION:
-        raise ValueError(f"scenario {scenario.name}: a prompt of {lmax} tokens exceeds the toy model's exact range ({MAX_POSITION})")
+        raise ValueError(
+            f"scenario {scenario.name}: a prompt of {lmax} tokens exceeds the toy model's exact range ({MAX_POSITION})"
+        )
     tokens, positions, candidates = [], [], []
     for r, (a, e) in enumerate(zip(batch, extend_lens)):
         for pos in range(a.done, a.done + e):
@@ -216,7 +235,9 @@ def run_forward(
             positions.append(pos)
             candidates.append([case.pool_loc(r, p) for p in range(pos + 1)] + [-1] * (lmax - pos - 1))
     local = plan.local_token_index
-    hidden = plan.split.shard(model.embed_tokens(torch.tensor(tokens, device=device), torch.tensor(positions, device=device)), 0, local)
+    hidden = plan.split.shard(
+        model.embed_tokens(torch.tensor(tokens, device=device), torch.tensor(positions, device=device)), 0, local
+    )
     local_pos = plan.split.shard(torch.tensor(positions, dtype=torch.int64, device=device), -1, local)
     local_cand = plan.split.shard(torch.tensor(candidates, dtype=torch.int64, device=device), -1, local)
 
@@ -253,7 +274,15 @@ def run_forward(
 
 
 def _run_to_completion(
-    model: ToyDsa, scenario: Scenario, active: list[_Active], chunk: int | None, pools, group, device, access: Access, checked: bool
+    model: ToyDsa,
+    scenario: Scenario,
+    active: list[_Active],
+    chunk: int | None,
+    pools,
+    group,
+    device,
+    access: Access,
+    checked: bool,
 ) -> list[str]:
     """Forwards until every request of ``active`` is done; the state class of each forward."""
     classes = []
@@ -265,7 +294,9 @@ def _run_to_completion(
         classes.append(run_forward(model, scenario, batch, extend, pools, group, device, access, checked))
 
 
-def run_goldens(model: ToyDsa, scenario: Scenario, num_requests: int, group: CpGroup, device: torch.device, checked: bool) -> RunTrace:
+def run_goldens(
+    model: ToyDsa, scenario: Scenario, num_requests: int, group: CpGroup, device: torch.device, checked: bool
+) -> RunTrace:
     """bs=1: every request alone in a fresh pool (no prefix cache), chunked at ``golden_chunk_size``."""
     traces = []
     for r in range(num_requests):
@@ -273,14 +304,28 @@ def run_goldens(model: ToyDsa, scenario: Scenario, num_requests: int, group: CpG
         tokens = scenario.prompts[r]
         admitted = alloc.admit(tokens)
         active = _Active(_new_trace(r, len(tokens), model.config), tokens, admitted.pages, admitted.cached_len)
-        _run_to_completion(model, scenario, [active], scenario.golden_chunk_size, _new_pools(scenario, model.config, device), group, device, "per_request", checked)
+        _run_to_completion(
+            model,
+            scenario,
+            [active],
+            scenario.golden_chunk_size,
+            _new_pools(scenario, model.config, device),
+            group,
+            device,
+            "per_request",
+            checked,
+        )
         traces.append(active.trace)
     return RunTrace(scenario.name, 1, "per_request", [], traces)
 
 
-def run_batch(model: ToyDsa, scenario: Scenario, bs: int, group: CpGroup, device: torch.device, access: Access, checked: bool) -> RunTrace:
+def run_batch(
+    model: ToyDsa, scenario: Scenario, bs: int, group: CpGroup, device: torch.device, access: Access, checked: bool
+) -> RunTrace:
     """Warm the prefix cache with the scenario's warmups (one at a time), then prefill its first ``bs`` prompts together."""
-    alloc = PrefixCachingAllocator(scenario.capacity, scenario.page_size, share_partial_pages=scenario.share_partial_pages, seed=1000 + bs)
+    alloc = PrefixCachingAllocator(
+        scenario.capacity, scenario.page_size, share_partial_pages=scenario.share_partial_pages, seed=1000 + bs
+    )
     pools = _new_pools(scenario, model.config, device)
     warm_pages = []
     for w, tokens in enumerate(scenario.warmups):
@@ -313,7 +358,11 @@ def run_job_on_rank(job: HarnessJob, group: CpGroup, device: torch.device) -> di
     for scenario in job.scenarios:
         result["goldens"][scenario.name] = run_goldens(model, scenario, num_requests, group, device, job.checked)
         for bs in job.bs_list:
-            result["batches"][(scenario.name, bs)] = run_batch(model, scenario, bs, group, device, "per_request", job.checked)
+            result["batches"][(scenario.name, bs)] = run_batch(
+                model, scenario, bs, group, device, "per_request", job.checked
+            )
             if job.negative_control and group.cp_size == 1:
-                result["negative_control"][(scenario.name, bs)] = run_batch(model, scenario, bs, group, device, "value_keyed", job.checked)
+                result["negative_control"][(scenario.name, bs)] = run_batch(
+                    model, scenario, bs, group, device, "value_keyed", job.checked
+                )
     return result

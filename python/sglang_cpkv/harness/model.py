@@ -31,8 +31,8 @@ Layer 0's hidden state is ``(embed[token] + position * pos_vec) mod GRID``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -98,20 +98,44 @@ def build_scenarios(num_requests: int, page_size: int, seed: int = 0) -> dict[st
     prompts = tuple(h + _markers(r, suffix_len[r]) for r, h in enumerate(heads))
     warmups = (prefix, branches[0], branches[1])
     scenarios["radix"] = Scenario(
-        "radix", REACHABLE, ps, capacity(prompts, warmups), warmups, prompts,
-        tuple(len(h) for h in heads), ps + 1, False, (False,) * num_requests,
-    )  # fmt: skip
+        "radix",
+        REACHABLE,
+        ps,
+        capacity(prompts, warmups),
+        warmups,
+        prompts,
+        tuple(len(h) for h in heads),
+        ps + 1,
+        False,
+        (False,) * num_requests,
+    )
     prompts = tuple(prefix + _markers(r, suffix_len[r]) for r in range(num_requests))
     scenarios["collision_partial"] = Scenario(
-        "collision_partial", COLLISION, ps, capacity(prompts, (prefix,)), (prefix,), prompts,
-        (len(prefix),) * num_requests, None, True, (False,) * num_requests,
-    )  # fmt: skip
+        "collision_partial",
+        COLLISION,
+        ps,
+        capacity(prompts, (prefix,)),
+        (prefix,),
+        prompts,
+        (len(prefix),) * num_requests,
+        None,
+        True,
+        (False,) * num_requests,
+    )
     # even: the page-aligned prefix + markers; odd: markers only, first page = the prefix's page 1.
     aligned = prefix[: 2 * ps]
     heads = [aligned if r % 2 == 0 else () for r in range(num_requests)]
     prompts = tuple(h + _markers(r, suffix_len[r]) for r, h in enumerate(heads))
     scenarios["collision_reuse"] = Scenario(
-        "collision_reuse", COLLISION, ps, capacity(prompts, (aligned,)), (aligned,), prompts,
-        tuple(len(h) for h in heads), None, False, tuple(r % 2 == 1 for r in range(num_requests)),
-    )  # fmt: skip
+        "collision_reuse",
+        COLLISION,
+        ps,
+        capacity(prompts, (aligned,)),
+        (aligned,),
+        prompts,
+        tuple(len(h) for h in heads),
+        None,
+        False,
+        tuple(r % 2 == 1 for r in range(num_requests)),
+    )
     return scenarios

@@ -22,7 +22,7 @@ is never handed to a request. This keeps the write fixed-size (no host sync to c
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -65,7 +65,9 @@ def check_cache_write_rows(plan: CpSharedKvPlan, kv_rows: int, where: str) -> No
     )
 
 
-def check_split_matches_upstream(plan: CpSharedKvPlan, per_rank_logical: Sequence[int], per_rank_physical: Sequence[int]) -> None:
+def check_split_matches_upstream(
+    plan: CpSharedKvPlan, per_rank_logical: Sequence[int], per_rank_physical: Sequence[int]
+) -> None:
     """The runtime's split must be the one upstream ran (``attn_cp_metadata`` after padding).
 
     Args:

@@ -34,13 +34,18 @@ starts the one after it (design section 4).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 
 from sglang_cpkv.integration import prefetch
-from sglang_cpkv.integration.cache_write import check_cache_write_rows, check_split_matches_upstream, owned_pool_write_locs
+from sglang_cpkv.integration.cache_write import (
+    check_cache_write_rows,
+    check_split_matches_upstream,
+    owned_pool_write_locs,
+)
 from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, CpSharedKvError
 from sglang_cpkv.runtime.group import CpGroup, SingleRankGroup
 from sglang_cpkv.runtime.layer import fill_current, remap_topk
@@ -58,14 +63,14 @@ class ExtendBatchState:
     plan: CpSharedKvPlan
     group: CpGroup
     pool_write_locs: torch.Tensor
-    history: Optional[prefetch.LayerAheadHistory] = None
-    current_scratch: Optional[torch.Tensor] = None
-    index_k_stored_layer: Optional[int] = None  # the last layer whose current index K is in its dense view
+    history: prefetch.LayerAheadHistory | None = None
+    current_scratch: torch.Tensor | None = None
+    index_k_stored_layer: int | None = None  # the last layer whose current index K is in its dense view
 
 
-_ENABLED: Optional[bool] = None
+_ENABLED: bool | None = None
 # The last extend batch's plan, whose device error counter the next batch checks.
-_previous_plan: Optional[CpSharedKvPlan] = None
+_previous_plan: CpSharedKvPlan | None = None
 
 
 def enabled() -> bool:
@@ -82,11 +87,13 @@ def enabled() -> bool:
     return _ENABLED
 
 
-def batch_state(forward_batch: Any) -> Optional[ExtendBatchState]:
+def batch_state(forward_batch: Any) -> ExtendBatchState | None:
     return getattr(forward_batch, BATCH_ATTR, None)
 
 
-def pool_page_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: Sequence[int], page_size: int) -> torch.Tensor:
+def pool_page_table(
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: Sequence[int], page_size: int
+) -> torch.Tensor:
     """``[R, W]`` page ids of each request (``W = ceil(max seq_len / page_size)``) from upstream's
     token-level ``req_to_token`` (the location of a page's first token, divided by the page size)."""
     width = -(-max(int(n) for n in seq_lens) // page_size)
@@ -106,7 +113,7 @@ def build_extend_state(
     cp_rank: int,
     strategy: str,
     group: CpGroup,
-    upstream_split: Optional[tuple[Sequence[int], Sequence[int]]] = None,
+    upstream_split: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> ExtendBatchState:
     """The batch state from upstream's objects (``MLATokenToKVPool``-like ``pool``, ``req_to_token``).
 
@@ -151,7 +158,9 @@ def _exchange_group() -> CpGroup:
     return prefetch.exchange_group()
 
 
-def on_extend_metadata(backend: Any, forward_batch: Any, page_table: torch.Tensor, bs_idx: Optional[torch.Tensor]) -> torch.Tensor:
+def on_extend_metadata(
+    backend: Any, forward_batch: Any, page_table: torch.Tensor, bs_idx: torch.Tensor | None
+) -> torch.Tensor:
     """Build the batch plan; return ``page_table`` (selected requests' token locations) remapped.
 
     Args:
@@ -194,7 +203,7 @@ def on_extend_metadata(backend: Any, forward_batch: Any, page_table: torch.Tenso
     return remap_page_table(state.plan, page_table, bs_idx)
 
 
-def remap_page_table(plan: CpSharedKvPlan, page_table: torch.Tensor, bs_idx: Optional[torch.Tensor]) -> torch.Tensor:
+def remap_page_table(plan: CpSharedKvPlan, page_table: torch.Tensor, bs_idx: torch.Tensor | None) -> torch.Tensor:
     """Token locations of each row's request -> dense locations (row ``i`` is request ``bs_idx[i]``)."""
     rows = page_table.shape[0]
     if bs_idx is None:
@@ -204,7 +213,7 @@ def remap_page_table(plan: CpSharedKvPlan, page_table: torch.Tensor, bs_idx: Opt
     return remap_topk(plan, page_table, row_req).to(page_table.dtype)
 
 
-def _layer_history(state: ExtendBatchState, pool: Any, layer_id: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _layer_history(state: ExtendBatchState, pool: Any, layer_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The layer's dense latent KV and index-K pages with its history in them (one layer ahead)."""
     if state.history is None:
         state.history = prefetch.LayerAheadHistory(state.plan, state.group, pool)
@@ -213,7 +222,9 @@ def _layer_history(state: ExtendBatchState, pool: Any, layer_id: int) -> tuple[t
     return state.history.acquire(layer_id)
 
 
-def extend_dense_kv(pool: Any, layer_id: int, forward_batch: Any, k: Optional[torch.Tensor], k_rope: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def extend_dense_kv(
+    pool: Any, layer_id: int, forward_batch: Any, k: torch.Tensor | None, k_rope: torch.Tensor | None
+) -> torch.Tensor | None:
     """The layer's dense KV view (history + current), in the dtype ``get_key_buffer`` returns; None when off.
 
     Call before the layer's cache write. ``k``/``k_rope`` are the all-gathered current rows that
@@ -230,7 +241,9 @@ def extend_dense_kv(pool: Any, layer_id: int, forward_batch: Any, k: Optional[to
     dense_kv, _ = _layer_history(state, pool, layer_id)
     if state.current_scratch is None:
         # Upstream's writer skips location 0, so the N current rows land at 1..N of a scratch.
-        state.current_scratch = torch.empty((plan.num_tokens + 1, *dense_kv.shape[1:]), dtype=dense_kv.dtype, device=dense_kv.device)
+        state.current_scratch = torch.empty(
+            (plan.num_tokens + 1, *dense_kv.shape[1:]), dtype=dense_kv.dtype, device=dense_kv.device
+        )
     scratch = state.current_scratch
     scratch_locs = torch.arange(1, plan.num_tokens + 1, dtype=torch.int64, device=dense_kv.device)
     pool._write_mla_kv_buffer(scratch, scratch_locs, k, k_rope)
@@ -265,7 +278,10 @@ def store_index_k(
     if state is None:
         return False
     from sglang.kernels.ops.kvcache import dsa_index_k_cache
-    from sglang.kernels.ops.kvcache.dsa_fused_store_index_cache import can_use_dsa_fused_store, fused_store_index_k_cache
+    from sglang.kernels.ops.kvcache.dsa_fused_store_index_cache import (
+        can_use_dsa_fused_store,
+        fused_store_index_k_cache,
+    )
 
     plan = state.plan
     check_cache_write_rows(plan, key.shape[0], f"layer {layer_id} index-K store")
@@ -282,24 +298,41 @@ def store_index_k(
     if act_quant is None:
         raise CpSharedKvError(f"layer {layer_id}: no fused index-K store here and no act_quant to quantize the keys")
     index_k, index_k_scale = act_quant(key, block_size, scale_fmt)
-    dsa_index_k_cache.SetKAndS.execute(pool=pool, buf=dense_index_k, loc=dense_locs, index_k=index_k, index_k_scale=index_k_scale)
+    dsa_index_k_cache.SetKAndS.execute(
+        pool=pool, buf=dense_index_k, loc=dense_locs, index_k=index_k, index_k_scale=index_k_scale
+    )
     pool.set_index_k_scale_buffer(layer_id=layer_id, loc=owned_locs, index_k=index_k, index_k_scale=index_k_scale)
     state.index_k_stored_layer = layer_id
     return True
 
 
-def index_k_and_scale(pool: Any, forward_batch: Any, layer_id: int, seq_len_tensor: torch.Tensor, block_tables: torch.Tensor, seq_len_sum: int, max_seq_len: int):
+def index_k_and_scale(
+    pool: Any,
+    forward_batch: Any,
+    layer_id: int,
+    seq_len_tensor: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_len_sum: int,
+    max_seq_len: int,
+):
     """The indexer's index-K read: the pool's when off, else the layer's dense index-K view (same reader)."""
     state = batch_state(forward_batch)
     if state is None:
         return pool.get_index_k_scale_buffer(layer_id, seq_len_tensor, block_tables, seq_len_sum, max_seq_len)
     if state.index_k_stored_layer != layer_id:
-        raise CpSharedKvError(f"layer {layer_id}: index K read before the layer stored its current keys in the dense view")
+        raise CpSharedKvError(
+            f"layer {layer_id}: index K read before the layer stored its current keys in the dense view"
+        )
     _, dense_index_k = _layer_history(state, pool, layer_id)
     from sglang.kernels.ops.kvcache import dsa_index_k_cache
 
     return dsa_index_k_cache.GetKAndS.execute(
-        pool, dense_index_k, page_indices=block_tables, seq_len_tensor=seq_len_tensor, seq_len_sum=seq_len_sum, max_seq_len=max_seq_len
+        pool,
+        dense_index_k,
+        page_indices=block_tables,
+        seq_len_tensor=seq_len_tensor,
+        seq_len_sum=seq_len_sum,
+        max_seq_len=max_seq_len,
     )
 
 
@@ -332,7 +365,7 @@ def mtp_seed_pool_locations(backend: Any, seed: torch.Tensor, forward_mode: Any)
     request-local positions (upstream exports them as they are) and stay untouched, as does every
     seed with the mode off or of a batch the plan hook did not see.
     """
-    state: Optional[ExtendBatchState] = getattr(backend, BATCH_ATTR, None)
+    state: ExtendBatchState | None = getattr(backend, BATCH_ATTR, None)
     if state is None or not backend.use_fused_topk or not forward_mode.is_extend_without_speculative():
         return seed
     return dense_to_pool_locs(state.plan, seed)

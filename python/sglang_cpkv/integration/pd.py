@@ -11,12 +11,14 @@ state pages (index K) are owner-sharded the same way and filtered with the same 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 
-def filter_owned_kv_indices(kv_indices: np.ndarray, index_slice: slice, cp_rank: int, cp_size: int) -> tuple[np.ndarray, np.ndarray]:
+def filter_owned_kv_indices(
+    kv_indices: np.ndarray, index_slice: slice, cp_rank: int, cp_size: int
+) -> tuple[np.ndarray, np.ndarray]:
     """The owned page ids of one send chunk and their positions in the request's page list.
 
     Args:
@@ -29,15 +31,21 @@ def filter_owned_kv_indices(kv_indices: np.ndarray, index_slice: slice, cp_rank:
     kv_indices = np.asarray(kv_indices)
     positions = np.arange(index_slice.start, index_slice.stop, dtype=np.int64)
     if positions.shape[0] != kv_indices.shape[0]:
-        raise ValueError(f"send chunk has {kv_indices.shape[0]} page ids for positions {index_slice.start}..{index_slice.stop}")
+        raise ValueError(
+            f"send chunk has {kv_indices.shape[0]} page ids for positions {index_slice.start}..{index_slice.stop}"
+        )
     owned = kv_indices % cp_size == cp_rank
     return kv_indices[owned], positions[owned]
 
 
-def filter_owned_state_pages(src_pages: Sequence[int], dst_pages: Sequence[int], cp_rank: int, cp_size: int) -> tuple[list[int], list[int]]:
+def filter_owned_state_pages(
+    src_pages: Sequence[int], dst_pages: Sequence[int], cp_rank: int, cp_size: int
+) -> tuple[list[int], list[int]]:
     """Owned DSA state (index-K) pages and their paired destination pages."""
     if len(src_pages) != len(dst_pages):
-        raise RuntimeError(f"DSA state page count mismatch under CP shared-KV: prefill={len(src_pages)}, decode={len(dst_pages)}")
+        raise RuntimeError(
+            f"DSA state page count mismatch under CP shared-KV: prefill={len(src_pages)}, decode={len(dst_pages)}"
+        )
     src = np.asarray(src_pages, dtype=np.int64)
     owned = src % cp_size == cp_rank
     return src[owned].tolist(), np.asarray(dst_pages, dtype=np.int64)[owned].tolist()

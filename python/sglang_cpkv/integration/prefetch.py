@@ -18,7 +18,7 @@ only when a batch needs more rows than any before; no layer allocates.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -28,7 +28,7 @@ from sglang_cpkv.runtime.plan import CpSharedKvPlan
 from sglang_cpkv.runtime.prefetch import HistoryPrefetcher
 
 # The history exchange's own process group (None until created, or when the mode is off / cp = 1).
-_exchange_group: Optional[TorchDistCpGroup] = None
+_exchange_group: TorchDistCpGroup | None = None
 
 
 def create_exchange_group(ranks: list[int], backend: str) -> TorchDistCpGroup:
@@ -109,7 +109,9 @@ class LayerAheadHistory:
         buffers: where the dense buffers come from (default: the process-wide cache).
     """
 
-    def __init__(self, plan: CpSharedKvPlan, group: CpGroup, pool: Any, buffers: Optional[DenseBufferCache] = None) -> None:
+    def __init__(
+        self, plan: CpSharedKvPlan, group: CpGroup, pool: Any, buffers: DenseBufferCache | None = None
+    ) -> None:
         self.plan = plan
         self.pool = pool
         self.first_layer = pool.start_layer
@@ -119,17 +121,19 @@ class LayerAheadHistory:
         stream = _side_stream(kv_rows.device)
         kv_pair = cache.pair("latent", plan.dense_rows, tuple(kv_rows.shape[1:]), kv_rows.dtype, kv_rows.device)
         self._latent = HistoryPrefetcher(plan, group, kv_pair, stream)
-        self._index_k: Optional[HistoryPrefetcher] = None
-        self._index_k_pages: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._index_k: HistoryPrefetcher | None = None
+        self._index_k_pages: tuple[torch.Tensor, torch.Tensor] | None = None
         if hasattr(pool, "get_index_k_with_scale_buffer"):
             page_size = pool.index_page_size
             index_pages = pool.get_index_k_with_scale_buffer(self.first_layer)
             pages = plan.num_requests * plan.pages_per_request
-            self._index_k_pages = cache.pair("index_k", pages, tuple(index_pages.shape[1:]), index_pages.dtype, index_pages.device)
+            self._index_k_pages = cache.pair(
+                "index_k", pages, tuple(index_pages.shape[1:]), index_pages.dtype, index_pages.device
+            )
             rows = tuple(index_k_pages_as_rows(b, page_size) for b in self._index_k_pages)
             self._index_k = HistoryPrefetcher(plan, group, rows, stream)
         self._started: set[int] = set()
-        self._acquired: dict[int, tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+        self._acquired: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def _start(self, layer_id: int) -> None:
         # Every rank starts the same layers in the same order: latent, then index K.
@@ -139,7 +143,7 @@ class LayerAheadHistory:
             self._index_k.start(layer_id, index_k_pages_as_rows(pages, self.pool.index_page_size))
         self._started.add(layer_id)
 
-    def acquire(self, layer_id: int) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def acquire(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(dense latent KV, dense index-K pages or None)`` holding layer ``layer_id``'s history.
 
         The first call for a layer waits for its materialization (starting it when it is the
@@ -149,7 +153,9 @@ class LayerAheadHistory:
         if layer_id in self._acquired:
             return self._acquired[layer_id]
         if not self.first_layer <= layer_id < self.end_layer:
-            raise CpSharedKvError(f"layer {layer_id} is not a layer of this pool ({self.first_layer}..{self.end_layer - 1})")
+            raise CpSharedKvError(
+                f"layer {layer_id} is not a layer of this pool ({self.first_layer}..{self.end_layer - 1})"
+            )
         if layer_id not in self._started:
             self._start(layer_id)
         dense_kv = self._latent.wait(layer_id)

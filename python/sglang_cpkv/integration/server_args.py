@@ -82,7 +82,9 @@ def validate_cp_shared_kv_args(server_args: Any) -> None:
         )
     architectures = getattr(model_config_of(server_args).hf_config, "architectures", None) or ["<none>"]
     if not is_deepseek_dsa(model_config_of(server_args).hf_config):
-        _refuse(f"requires a DSA model (DeepSeek-V3.2, GLM-5.x: an architecture with index_topk), got {architectures[0]}")
+        _refuse(
+            f"requires a DSA model (DeepSeek-V3.2, GLM-5.x: an architecture with index_topk), got {architectures[0]}"
+        )
     prefill_backend, _ = attention_backends_of(cfg)
     if prefill_backend != "dsa":
         _refuse(f"requires the dsa attention backend, got prefill attention backend {prefill_backend!r}")

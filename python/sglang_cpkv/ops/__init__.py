@@ -103,11 +103,15 @@ def select_backend(device: torch.device | str) -> str:
     else:
         why = _why_not(requested, device)
         if why:
-            raise RuntimeError(f"{BACKEND_ENV}={requested} cannot run the CP shared-KV ops on {device.type} tensors: {why}")
+            raise RuntimeError(
+                f"{BACKEND_ENV}={requested} cannot run the CP shared-KV ops on {device.type} tensors: {why}"
+            )
         name = requested
     if name not in _logged_backends:
         _logged_backends.add(name)
-        logger.info("CP shared-KV ops run on the %s backend (%s=%s, %s tensors)", name, BACKEND_ENV, requested, device.type)
+        logger.info(
+            "CP shared-KV ops run on the %s backend (%s=%s, %s tensors)", name, BACKEND_ENV, requested, device.type
+        )
     return name
 
 
@@ -120,12 +124,16 @@ def build_page_inverse(page_table: torch.Tensor, capacity: int, errors: torch.Te
     return _backend(page_table.device).build_page_inverse(page_table, capacity, errors)
 
 
-def remap_locs(locs: torch.Tensor, req_id: torch.Tensor, inverse: torch.Tensor, capacity: int, page_size: int, errors: torch.Tensor) -> torch.Tensor:
+def remap_locs(
+    locs: torch.Tensor, req_id: torch.Tensor, inverse: torch.Tensor, capacity: int, page_size: int, errors: torch.Tensor
+) -> torch.Tensor:
     """Token locations -> dense locations: :func:`sglang_cpkv.ops.reference.remap_locs`."""
     return _backend(locs.device).remap_locs(locs, req_id, inverse, capacity, page_size, errors)
 
 
-def copy_pages(src: torch.Tensor, src_page: torch.Tensor, dst: torch.Tensor, dst_page: torch.Tensor, errors: torch.Tensor) -> None:
+def copy_pages(
+    src: torch.Tensor, src_page: torch.Tensor, dst: torch.Tensor, dst_page: torch.Tensor, errors: torch.Tensor
+) -> None:
     """Whole pages from ``src`` to ``dst``: :func:`sglang_cpkv.ops.reference.copy_pages`."""
     _backend(dst.device).copy_pages(src, src_page, dst, dst_page, errors)
 
@@ -149,18 +157,18 @@ def materialize_and_fill(
 
 
 __all__ = [
+    "BACKENDS",
+    "BACKEND_ENV",
     "ERR_LOC_OUT_OF_RANGE",
     "ERR_PAGE_OUT_OF_RANGE",
     "ERR_REQ_OUT_OF_RANGE",
-    "BACKEND_ENV",
-    "BACKENDS",
     "CpSharedKvError",
+    "build_page_inverse",
+    "copy_pages",
+    "materialize_and_fill",
     "new_error_counter",
     "raise_if_errors",
-    "select_backend",
-    "build_page_inverse",
     "remap_locs",
-    "copy_pages",
     "scatter_rows",
-    "materialize_and_fill",
+    "select_backend",
 ]

@@ -181,7 +181,9 @@ def remap_locs(
     return _ops().remap_locs(locs, req_id, inverse, capacity, page_size, errors)
 
 
-def copy_pages(src: torch.Tensor, src_page: torch.Tensor, dst: torch.Tensor, dst_page: torch.Tensor, errors: torch.Tensor) -> None:
+def copy_pages(
+    src: torch.Tensor, src_page: torch.Tensor, dst: torch.Tensor, dst_page: torch.Tensor, errors: torch.Tensor
+) -> None:
     """``dst[dst_page[i]] = src[src_page[i]]``: :func:`sglang_cpkv.ops.reference.copy_pages`."""
     _ops().copy_pages(src, src_page, dst, dst_page, errors)
 

@@ -61,7 +61,9 @@ def source_dir() -> Path:
     path = Path(str(importlib.resources.files("sglang_cpkv") / "csrc" / "cp_shared_kv"))
     missing = [name for name in SOURCES if not (path / name).is_file()]
     if missing:
-        raise FileNotFoundError(f"CUDA sources of sglang_cpkv not found in {path} (missing {', '.join(missing)}): the package was installed without its csrc package data")
+        raise FileNotFoundError(
+            f"CUDA sources of sglang_cpkv not found in {path} (missing {', '.join(missing)}): the package was installed without its csrc package data"
+        )
     return path
 
 
@@ -131,7 +133,9 @@ def jit_build(verbose: bool = False) -> Path:
     if path.is_file():
         torch.ops.load_library(str(path))
         return path
-    logger.warning("sglang_cpkv: JIT-building the CUDA ops into %s (once per source change; about a minute)", path.parent)
+    logger.warning(
+        "sglang_cpkv: JIT-building the CUDA ops into %s (once per source change; about a minute)", path.parent
+    )
     start = time.monotonic()
     built = _compile(path.parent, verbose)
     logger.warning("sglang_cpkv: CUDA ops built in %.0f s", time.monotonic() - start)

@@ -92,7 +92,9 @@ def remap_locs(
     else:
         loc2d = locs
     if req_id.shape != loc2d.shape[:1]:
-        raise ValueError(f"req_id must have one id per row of locs: locs {tuple(locs.shape)}, req_id {tuple(req_id.shape)}")
+        raise ValueError(
+            f"req_id must have one id per row of locs: locs {tuple(locs.shape)}, req_id {tuple(req_id.shape)}"
+        )
     loc = loc2d.to(torch.int64)
     req = req_id.to(torch.int64).reshape(-1, 1).expand_as(loc)
     page = torch.div(loc, page_size, rounding_mode="floor")
@@ -128,9 +130,13 @@ def copy_pages(
         errors: int32 counter: an index ``>=`` its tensor's page count or ``< -1``.
     """
     if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
-        raise ValueError(f"src and dst must have one dtype and page width: src {src.dtype}{tuple(src.shape)}, dst {dst.dtype}{tuple(dst.shape)}")
+        raise ValueError(
+            f"src and dst must have one dtype and page width: src {src.dtype}{tuple(src.shape)}, dst {dst.dtype}{tuple(dst.shape)}"
+        )
     if src_page.shape != dst_page.shape:
-        raise ValueError(f"src_page and dst_page must have one shape: {tuple(src_page.shape)} vs {tuple(dst_page.shape)}")
+        raise ValueError(
+            f"src_page and dst_page must have one shape: {tuple(src_page.shape)} vs {tuple(dst_page.shape)}"
+        )
     s = src_page.to(torch.int64)
     d = dst_page.to(torch.int64)
     bad = (s >= src.shape[0]) | (s < PADDING_ID) | (d >= dst.shape[0]) | (d < PADDING_ID)
@@ -149,9 +155,13 @@ def scatter_rows(src: torch.Tensor, dst_loc: torch.Tensor, dst: torch.Tensor, er
         errors: int32 counter: a row ``>= M`` or ``< -1``.
     """
     if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
-        raise ValueError(f"src and dst must have one dtype and row width: src {src.dtype}{tuple(src.shape)}, dst {dst.dtype}{tuple(dst.shape)}")
+        raise ValueError(
+            f"src and dst must have one dtype and row width: src {src.dtype}{tuple(src.shape)}, dst {dst.dtype}{tuple(dst.shape)}"
+        )
     if dst_loc.shape != src.shape[:1]:
-        raise ValueError(f"dst_loc must have one entry per src row: src {tuple(src.shape)}, dst_loc {tuple(dst_loc.shape)}")
+        raise ValueError(
+            f"dst_loc must have one entry per src row: src {tuple(src.shape)}, dst_loc {tuple(dst_loc.shape)}"
+        )
     loc = dst_loc.to(torch.int64)
     bad = (loc >= dst.shape[0]) | (loc < PADDING_ID)
     errors[ERR_LOC_OUT_OF_RANGE] += bad.sum().to(torch.int32)

@@ -25,8 +25,9 @@ rows have no token: :meth:`CpSplit.shard` fills them with ``pad_value`` (zeros f
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 

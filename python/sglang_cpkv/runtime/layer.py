@@ -211,7 +211,9 @@ def build_dense_view(
     else:  # cp = 1, or no history anywhere in the batch (no slot to copy)
         src, src_page = _pages(pool, plan.page_size, "pool"), plan.history_pages
     dense_pages = _pages(dense, plan.page_size, "dense view")
-    ops.materialize_and_fill(src, src_page, dense_pages, plan.history_slots, current_kv.flatten(1), plan.current_dense_locs, plan.errors)
+    ops.materialize_and_fill(
+        src, src_page, dense_pages, plan.history_slots, current_kv.flatten(1), plan.current_dense_locs, plan.errors
+    )
     if plan.checked:
         checked_mode.check_errors(plan, "build_dense_view")
     return dense

@@ -18,8 +18,8 @@ to the host once per batch; pass a host page table when the caller has one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -143,7 +143,9 @@ def _host_page_table(page_table: torch.Tensor | Sequence[Sequence[int]], num_req
     return table
 
 
-def _validate_lengths(prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _validate_lengths(
+    prefix_lens: Sequence[int], extend_lens: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
     prefix = tuple(int(n) for n in prefix_lens)
     extend = tuple(int(n) for n in extend_lens)
     if len(prefix) != len(extend):
@@ -275,7 +277,9 @@ def build_plan(
     used = torch.arange(pages_per_request).unsqueeze(0) < torch.tensor(pages_needed).unsqueeze(1)
     dense_table = torch.full((num_requests, pages_per_request), PADDING_ID, dtype=torch.int32, device=device)
     columns = table[:, :width]
-    dense_table[:, :width] = columns.to(torch.int32) if columns.device == device else _to_device(columns, device, torch.int32)
+    dense_table[:, :width] = (
+        columns.to(torch.int32) if columns.device == device else _to_device(columns, device, torch.int32)
+    )
     dense_table = torch.where(_to_device(used, device), dense_table, PADDING_ID)
     inverse = ops.build_page_inverse(dense_table, capacity, errors)
 
@@ -287,7 +291,10 @@ def build_plan(
 
     history_pages_per_req = [-(-p // page_size) for p in prefix]
     history_slots_host = torch.cat(
-        [torch.arange(r * pages_per_request, r * pages_per_request + n, dtype=torch.int64) for r, n in enumerate(history_pages_per_req)]
+        [
+            torch.arange(r * pages_per_request, r * pages_per_request + n, dtype=torch.int64)
+            for r, n in enumerate(history_pages_per_req)
+        ]
     )
     history_slots = _to_device(history_slots_host, device, torch.int32)
     history_pages = dense_table.view(-1).index_select(0, history_slots.to(torch.int64))

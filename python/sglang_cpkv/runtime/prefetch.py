@@ -48,7 +48,7 @@ class HistoryPrefetcher:
         plan: CpSharedKvPlan,
         group: CpGroup,
         buffers: tuple[torch.Tensor, torch.Tensor],
-        stream: "torch.cuda.Stream | None" = None,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
         if len(buffers) != 2 or buffers[0].shape != buffers[1].shape or buffers[0].dtype != buffers[1].dtype:
             raise CpSharedKvError("HistoryPrefetcher needs two dense buffers of one shape and dtype")

@@ -28,8 +28,9 @@ process (the page all-gather done by concatenation) and reports every mismatch w
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -75,7 +76,11 @@ class BatchCase:
 
     def out_cache_loc(self) -> list[int]:
         """Pool locations of the current tokens, token order (request-major)."""
-        return [self.pool_loc(r, p) for r in range(self.num_requests) for p in range(self.prefix_lens[r], self.prefix_lens[r] + self.extend_lens[r])]
+        return [
+            self.pool_loc(r, p)
+            for r in range(self.num_requests)
+            for p in range(self.prefix_lens[r], self.prefix_lens[r] + self.extend_lens[r])
+        ]
 
     @property
     def state_class(self) -> str:
@@ -92,7 +97,9 @@ class BatchCase:
         return REACHABLE
 
 
-def generate_case(draw: Draw, max_requests: int = 8, max_cp: int = 8, page_sizes: tuple[int, ...] = (1, 2, 4)) -> BatchCase:
+def generate_case(
+    draw: Draw, max_requests: int = 8, max_cp: int = 8, page_sizes: tuple[int, ...] = (1, 2, 4)
+) -> BatchCase:
     """Draw a batch: page sharing (aligned and partial), colliding page ids, partial pages,
     chunked continuation (history ending mid-page), ``cp`` in ``[1, max_cp]``, bs in ``[1, max_requests]``."""
     page_size = page_sizes[draw(0, len(page_sizes) - 1)]
@@ -146,7 +153,9 @@ def batch_cases(**kwargs):
     return _cases()
 
 
-def make_pool_and_current(case: BatchCase, dtype: torch.dtype, row_elems: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_pool_and_current(
+    case: BatchCase, dtype: torch.dtype, row_elems: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random pool ``[C * ps, row_elems]`` and current KV ``[N, row_elems]`` (``uint8`` or float)."""
     gen = torch.Generator().manual_seed(seed)
     shapes = ((case.capacity * case.page_size, row_elems), (case.num_tokens, row_elems))
@@ -186,7 +195,9 @@ def random_topk(case: BatchCase, k: int, seed: int) -> tuple[torch.Tensor, torch
             pos = [rng.randrange(visible) if rng.random() < 0.85 else -1 for _ in range(k)]
             positions.append(pos)
             locs.append([case.pool_loc(r, p) if p >= 0 else -1 for p in pos])
-    return torch.tensor(locs, dtype=torch.int64).reshape(-1, k), torch.tensor(positions, dtype=torch.int64).reshape(-1, k)
+    return torch.tensor(locs, dtype=torch.int64).reshape(-1, k), torch.tensor(positions, dtype=torch.int64).reshape(
+        -1, k
+    )
 
 
 def rows_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -312,7 +323,9 @@ def check_against_truth(
     req_of_row = torch.cat([torch.full((t.shape[0],), r, dtype=torch.int64) for r, t in enumerate(truth)])
     pos_of_row = torch.cat([torch.arange(t.shape[0], dtype=torch.int64) for t in truth])
     row_base = torch.tensor([0] + [t.shape[0] for t in truth]).cumsum(0)
-    token_req = torch.tensor([r for r in range(case.num_requests) for _ in range(case.extend_lens[r])], dtype=torch.int64)
+    token_req = torch.tensor(
+        [r for r in range(case.num_requests) for _ in range(case.extend_lens[r])], dtype=torch.int64
+    )
     out_cache_loc = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
     cp = case.cp_size
     problems: list[str] = []
@@ -321,7 +334,10 @@ def check_against_truth(
         P = plan.pages_per_request
         dense_idx = (req_of_row * P + pos_of_row // ps) * ps + pos_of_row % ps
         bad = (_row_bytes(res.dense[dense_idx]) != truth_all).any(dim=1).nonzero().flatten().tolist()
-        problems += [f"rank {k}: request {int(req_of_row[i])} dense position {int(pos_of_row[i])} differs from the truth" for i in bad]
+        problems += [
+            f"rank {k}: request {int(req_of_row[i])} dense position {int(pos_of_row[i])} differs from the truth"
+            for i in bad
+        ]
 
         local_tokens = plan.local_token_index.cpu()
         local_req = plan.local_req_id.cpu()
@@ -331,7 +347,10 @@ def check_against_truth(
             problems.append(f"rank {k}: padding rows carry request ids or remapped reads")
         expected_req = token_req[local_tokens]
         wrong_req = (local_req[:logical] != expected_req).nonzero().flatten().tolist()
-        problems += [f"rank {k}: local row {i} (token {int(local_tokens[i])}) has request id {int(local_req[i])}, expected {int(expected_req[i])}" for i in wrong_req]
+        problems += [
+            f"rank {k}: local row {i} (token {int(local_tokens[i])}) has request id {int(local_req[i])}, expected {int(expected_req[i])}"
+            for i in wrong_req
+        ]
         positions = topk_positions[local_tokens]  # [logical, K]
         got = remapped[:logical]
         pad = positions < 0
@@ -344,7 +363,9 @@ def check_against_truth(
         read = _row_bytes(res.dense[got[sel]])
         want = truth_all[row_base[expected_req.unsqueeze(1).expand_as(positions)[sel]] + positions[sel]]
         for i in (read != want).any(dim=1).nonzero().flatten().tolist()[:8]:
-            problems.append(f"rank {k}: a top-k read of request {int(expected_req.unsqueeze(1).expand_as(positions)[sel][i])} position {int(positions[sel][i])} returned another row")
+            problems.append(
+                f"rank {k}: a top-k read of request {int(expected_req.unsqueeze(1).expand_as(positions)[sel][i])} position {int(positions[sel][i])} returned another row"
+            )
 
         owner = (torch.arange(pool.shape[0]) // ps) % cp
         after, before = _row_bytes(res.pool_after), _row_bytes(pool)
@@ -362,7 +383,9 @@ def check_against_truth(
         is_written = torch.zeros(pool.shape[0], dtype=torch.bool)
         is_written[written_locs] = True
         if bool((is_written & ~ok_write).any()):
-            problems.append(f"rank {k}: pool rows {(is_written & ~ok_write).nonzero().flatten().tolist()} do not hold their current token")
+            problems.append(
+                f"rank {k}: pool rows {(is_written & ~ok_write).nonzero().flatten().tolist()} do not hold their current token"
+            )
         untouched = (owner == k) & ~is_written
         if bool((after[untouched] != before[untouched]).any()):
             problems.append(f"rank {k}: owned pool rows changed though no current token writes them")

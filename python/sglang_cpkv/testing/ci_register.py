@@ -9,9 +9,25 @@ module level, so both our runner (``test/run_suite.py``) and upstream's would pi
 from __future__ import annotations
 
 
-def register_cpu_ci(est_time: float, suite: str | None = None, nightly: bool = False, disabled: str | None = None, *, stage: str | None = None, runner_config: str | None = None) -> None:
+def register_cpu_ci(
+    est_time: float,
+    suite: str | None = None,
+    nightly: bool = False,
+    disabled: str | None = None,
+    *,
+    stage: str | None = None,
+    runner_config: str | None = None,
+) -> None:
     """Mark a test file for a CPU suite (no-op at runtime; parsed from the file)."""
 
 
-def register_cuda_ci(est_time: float, suite: str | None = None, nightly: bool = False, disabled: str | None = None, *, stage: str | None = None, runner_config: str | None = None) -> None:
+def register_cuda_ci(
+    est_time: float,
+    suite: str | None = None,
+    nightly: bool = False,
+    disabled: str | None = None,
+    *,
+    stage: str | None = None,
+    runner_config: str | None = None,
+) -> None:
     """Mark a test file for a CUDA suite (no-op at runtime; parsed from the file)."""

@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,7 +77,9 @@ def run_case_on_rank(payload: CasePayload, group, device: torch.device | str) ->
     }
 
 
-def _worker(rank: int, cp: int, init_method: str, backend: str, device: str, payload_file: str, out_dir: str, rank_fn: RankFn) -> None:
+def _worker(
+    rank: int, cp: int, init_method: str, backend: str, device: str, payload_file: str, out_dir: str, rank_fn: RankFn
+) -> None:
     from sglang_cpkv.runtime import TorchDistCpGroup
 
     torch.set_num_threads(1)

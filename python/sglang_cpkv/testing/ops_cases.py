@@ -30,7 +30,11 @@ def random_rows(rows: int, layout: str, gen: torch.Generator, device: torch.devi
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Byte-exact equality (NaN bit patterns included), shapes and dtypes equal."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 @dataclass(frozen=True)
@@ -79,12 +83,16 @@ def current_locs(batch: PagedBatch, gen: torch.Generator) -> tuple[torch.Tensor,
         total = n_pages * batch.page_size
         start = int(torch.randint(0, total, (), generator=gen))
         pos = torch.arange(start, total)
-        locs.append(batch.page_table[r, pos // batch.page_size].to(torch.int64) * batch.page_size + pos % batch.page_size)
+        locs.append(
+            batch.page_table[r, pos // batch.page_size].to(torch.int64) * batch.page_size + pos % batch.page_size
+        )
         req.append(torch.full_like(pos, r))
     return torch.cat(locs), torch.cat(req)
 
 
-def topk_locs(batch: PagedBatch, rows: int, topk: int, gen: torch.Generator, *, padding: float = 0.1, absent: float = 0.05) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_locs(
+    batch: PagedBatch, rows: int, topk: int, gen: torch.Generator, *, padding: float = 0.1, absent: float = 0.05
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k locations ``[rows, topk]`` (int64) with request ids ``[rows]``.
 
     Mostly locations on the row's request's pages; a fraction ``padding`` is -1 (and one row in
@@ -166,7 +174,9 @@ def run_layer_sequence(
         rank_rows = interleave_split(current, cp_size, rank, pad_value=0)
         dense_locs = impl.remap_locs(rank_locs, rank_req, inverse, capacity, page_size, errors)
         impl.scatter_rows(rank_rows, dense_locs, dense_rows, errors)
-    topk_dense = impl.remap_locs(tk_locs.to(torch.int32).to(device), tk_req.to(device), inverse, capacity, page_size, errors)
+    topk_dense = impl.remap_locs(
+        tk_locs.to(torch.int32).to(device), tk_req.to(device), inverse, capacity, page_size, errors
+    )
     return {
         "inverse": inverse,
         "dense": dense,

@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from sglang_cpkv import overlay
 
@@ -89,7 +89,7 @@ def build_demo_queue(dest: Path, cache: Path, conflict: bool = False) -> Path:
     """Write a queue root pinned to 0.5.22 at ``dest`` (wheels downloaded to/reused from ``cache``)."""
     (dest / "patches").mkdir(parents=True, exist_ok=True)
     (dest / "UPSTREAM.toml").write_text(
-        "# Demonstration pin (sglang_cpkv.testing.overlay_demo).\n\n[upstream]\npackage = \"sglang\"\n"
+        '# Demonstration pin (sglang_cpkv.testing.overlay_demo).\n\n[upstream]\npackage = "sglang"\n'
         f'version = "{OLD_VERSION}"\n\n[upstream.wheels.cp311]\nfilename = "{OLD_WHEEL.filename}"\nsha256 = "{OLD_WHEEL.sha256}"\n'
     )
     old_wheel = overlay.fetch_pinned(overlay.load_pin(dest), "cp311", cache)

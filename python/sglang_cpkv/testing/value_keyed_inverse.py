@@ -18,7 +18,7 @@ Used by tests (which assert it fails on the collision class), the demo, and the 
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

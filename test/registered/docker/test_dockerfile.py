@@ -15,11 +15,11 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
+import tomllib
 import yaml
 
 from sglang_cpkv.pd_launch import ENV_DEFAULTS, ROLES, PDConfig, build_command
@@ -74,7 +74,9 @@ def test_dockerfile_builds_on_the_pinned_release_and_runs_the_install_script():
 
 @pytest.fixture(scope="module")
 def pinned_wheel() -> Path:
-    out = subprocess.run([sys.executable, "-m", "sglang_cpkv.overlay", "fetch"], capture_output=True, text=True, timeout=600, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang_cpkv.overlay", "fetch"], capture_output=True, text=True, timeout=600, cwd=REPO
+    )
     assert out.returncode == 0, out.stderr
     return Path(out.stdout.strip())
 
@@ -83,8 +85,14 @@ def make_target_env(tmp_path: Path, wheel: Path) -> tuple[Path, Path]:
     """A venv whose own sglang is the pristine pinned wheel; other packages come from the test environment."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    site = Path(subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                               capture_output=True, text=True, check=True).stdout.strip())  # fmt: skip
+    site = Path(
+        subprocess.run(
+            [venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     with zipfile.ZipFile(wheel) as zf:
         zf.extractall(site, [n for n in zf.namelist() if n.startswith("sglang/")])
     # Listed after the venv's own site-packages: pip, torch, triton and upstream's import closure.
@@ -94,8 +102,13 @@ def make_target_env(tmp_path: Path, wheel: Path) -> tuple[Path, Path]:
 
 def run_install(python: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([DOCKER / "install.sh", "--python", str(python), "--no-kernels", *extra],
-                          capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
+    return subprocess.run(
+        [DOCKER / "install.sh", "--python", str(python), "--no-kernels", *extra],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
 
 
 def test_install_script_patches_installs_and_verifies(tmp_path, pinned_wheel):
@@ -116,17 +129,32 @@ def test_install_script_patches_installs_and_verifies(tmp_path, pinned_wheel):
             now = hashlib.sha256((sglang_root / rel).read_bytes()).hexdigest()
             assert now == hashes["patched_sha256"] != hashlib.sha256(zf.read("sglang/" + rel)).hexdigest()
 
-    where = subprocess.run([python, "-c", "import sglang_cpkv; print(sglang_cpkv.__file__)"], capture_output=True, text=True, cwd=tmp_path, check=True)
+    where = subprocess.run(
+        [python, "-c", "import sglang_cpkv; print(sglang_cpkv.__file__)"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        check=True,
+    )
     assert Path(where.stdout.strip()).is_relative_to(python.parents[1])  # installed, not the checkout
     assert not list((REPO / "python").glob("build"))  # built from a copy, nothing written in the checkout
     if editable_before is not None:
         assert editable.read_text() == editable_before  # the test environment's editable install is untouched
 
     # The launcher's dry-run against the patched parser: the opt-in flag of our queue is accepted there.
-    dry = subprocess.run([python, "-m", "sglang_cpkv.pd_launch", "dry-run", "prefill"], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path, env={**os.environ, "PD_CP_SHARED_KV": "1"})  # fmt: skip
+    dry = subprocess.run(
+        [python, "-m", "sglang_cpkv.pd_launch", "dry-run", "prefill"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, "PD_CP_SHARED_KV": "1"},
+    )
     assert dry.returncode == 0, dry.stderr
-    assert "--enable-cp-shared-kv" in dry.stdout and "# prefill: flags accepted by upstream's ServerArgs parser" in dry.stdout
+    assert (
+        "--enable-cp-shared-kv" in dry.stdout
+        and "# prefill: flags accepted by upstream's ServerArgs parser" in dry.stdout
+    )
 
     # A broken state must fail the script: a touched upstream file that is neither pristine nor ours.
     victim = sglang_root / next(iter(record["files"]))
@@ -144,8 +172,13 @@ def test_install_script_refuses_a_missing_toolchain_unless_told_to_skip_kernels(
     env.update(PATH=f"{Path(sys.executable).parent}:/usr/bin:/bin", CUDA_HOME=str(tmp_path / "no-cuda"))
     if shutil.which("nvcc", path=env["PATH"]):
         pytest.skip("nvcc is on /usr/bin here: cannot hide the toolchain")
-    result = subprocess.run([DOCKER / "install.sh", "--python", sys.executable, "--sglang-root", str(fake_root)],
-                            capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+    result = subprocess.run(
+        [DOCKER / "install.sh", "--python", sys.executable, "--sglang-root", str(fake_root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert result.returncode != 0 and "nvcc not found" in result.stderr and "--no-kernels" in result.stderr
     assert "installing sglang_cpkv" not in result.stderr  # refused before changing anything
     usage = subprocess.run([DOCKER / "install.sh", "--bogus"], capture_output=True, text=True, timeout=60)
@@ -190,7 +223,9 @@ def test_entrypoint_dispatches_roles_to_the_launchers():
     helped = subprocess.run([DOCKER / "entrypoint.sh", "help"], capture_output=True, text=True, timeout=60)
     assert helped.returncode == 0 and "prefill | decode | router" in helped.stdout
     env = {**os.environ, "PD_LAUNCH_PYTHON": sys.executable, "PD_PYTHON": sys.executable}
-    checked = subprocess.run([DOCKER / "entrypoint.sh", "dry-run", "router"], capture_output=True, text=True, timeout=120, env=env)
+    checked = subprocess.run(
+        [DOCKER / "entrypoint.sh", "dry-run", "router"], capture_output=True, text=True, timeout=120, env=env
+    )
     assert checked.returncode == 0, checked.stderr
     assert "# router: flags accepted by sglang_router's parser" in checked.stdout
 

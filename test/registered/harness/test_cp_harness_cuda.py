@@ -19,7 +19,9 @@ from sglang_cpkv.testing.ci_register import register_cuda_ci
 register_cuda_ci(est_time=120, stage="cpkv", runner_config="2-gpu")
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=f"needs 2 GPUs for cp=2 over NCCL, {torch.cuda.device_count()} visible")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason=f"needs 2 GPUs for cp=2 over NCCL, {torch.cuda.device_count()} visible"
+)
 def test_nccl_cp2_batches_byte_equal_to_bs1_and_negative_control_detects():
     report = run_harness([1, 2], [2, 4, 8], list(SCENARIO_NAMES), "cuda", None, log=print)
     assert report["failures"] == [], report["failures"]

@@ -65,7 +65,9 @@ def _out_cache_loc():
 
 
 def _metadata(up):
-    md = up.strategy.build_metadata(num_tokens=sum(EXTEND), seqs_len=[p + e for p, e in zip(PREFIX, EXTEND)], extend_seqs_len=EXTEND)
+    md = up.strategy.build_metadata(
+        num_tokens=sum(EXTEND), seqs_len=[p + e for p, e in zip(PREFIX, EXTEND)], extend_seqs_len=EXTEND
+    )
     up.pad(md)
     return md
 
@@ -74,15 +76,30 @@ def _plan(rank):
     from sglang_cpkv.runtime.plan import build_plan
 
     return build_plan(
-        PAGES, PREFIX, EXTEND, _out_cache_loc(), capacity=CAPACITY, page_size=PAGE, cp_size=CP, cp_rank=rank,
-        strategy="interleave", checked=True,
+        PAGES,
+        PREFIX,
+        EXTEND,
+        _out_cache_loc(),
+        capacity=CAPACITY,
+        page_size=PAGE,
+        cp_size=CP,
+        cp_rank=rank,
+        strategy="interleave",
+        checked=True,
     )
 
 
 def _pool(up):
     return up.pool_cls(
-        size=(CAPACITY - 1) * PAGE, page_size=PAGE, dtype=torch.bfloat16, kv_lora_rank=KV_LORA, qk_rope_head_dim=ROPE,
-        layer_num=1, device="cpu", enable_memory_saver=False, use_dsa=True,
+        size=(CAPACITY - 1) * PAGE,
+        page_size=PAGE,
+        dtype=torch.bfloat16,
+        kv_lora_rank=KV_LORA,
+        qk_rope_head_dim=ROPE,
+        layer_num=1,
+        device="cpu",
+        enable_memory_saver=False,
+        use_dsa=True,
     )
 
 

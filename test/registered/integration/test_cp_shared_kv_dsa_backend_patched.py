@@ -58,13 +58,32 @@ EXTEND = [40, 71, 50, 1]  # 162 tokens: the last request's only token is on rank
 PAGES = [[1, 2, 3], [1, 2, 4, 5], [6, 7, 2], [9]]
 REQ_POOL_INDICES = [3, 1, 2, 4]
 DSA_CONFIG = {
-    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "index_topk": 2048,
-    "index_head_dim": 128, "index_n_heads": 64, "hidden_size": 7168, "num_attention_heads": 128,
-    "num_hidden_layers": 61, "num_key_value_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
-    "max_position_embeddings": 163840, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
-    "torch_dtype": "bfloat16", "rope_theta": 10000, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v32",
+    "index_topk": 2048,
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+    "hidden_size": 7168,
+    "num_attention_heads": 128,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+    "max_position_embeddings": 163840,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "torch_dtype": "bfloat16",
+    "rope_theta": 10000,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
 }
 TABLE_FIELDS = {"page_table_1", "real_page_table", "page_table_1_flattened"}
 
@@ -79,10 +98,10 @@ def up(tmp_path_factory):
 
     install_torchvision_stub()
     torch.cuda.get_device_capability = lambda *a, **k: (9, 0)  # resolve as on Hopper
+    from sglang.kernels.ops.quantization.act_quant_triton import act_quant
     from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
     from sglang.srt.layers.cp.base import get_cp_strategy, init_cp_strategy
     from sglang.srt.layers.cp.padding import pad_logical_token_to_physical
-    from sglang.kernels.ops.quantization.act_quant_triton import act_quant
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.runtime_context import get_parallel
@@ -92,9 +111,17 @@ def up(tmp_path_factory):
     (model / "config.json").write_text(json.dumps(DSA_CONFIG))
     init_cp_strategy(enable_prefill_cp=True, cp_size=CP, cp_strategy="interleave")
     return SimpleNamespace(
-        backend_cls=DeepseekSparseAttnBackend, strategy=get_cp_strategy(), pad=pad_logical_token_to_physical,
-        pool_cls=DSATokenToKVPool, req_pool_cls=ReqToTokenPool, act_quant=act_quant, extend=ForwardMode.EXTEND, parallel=get_parallel,
-        prepare=prepare_server_args, publish=set_global_server_args_for_scheduler, model=str(model),
+        backend_cls=DeepseekSparseAttnBackend,
+        strategy=get_cp_strategy(),
+        pad=pad_logical_token_to_physical,
+        pool_cls=DSATokenToKVPool,
+        req_pool_cls=ReqToTokenPool,
+        act_quant=act_quant,
+        extend=ForwardMode.EXTEND,
+        parallel=get_parallel,
+        prepare=prepare_server_args,
+        publish=set_global_server_args_for_scheduler,
+        model=str(model),
     )
 
 
@@ -102,8 +129,22 @@ def _publish(up, flag_on, monkeypatch):
     from sglang_cpkv.integration import dsa_hooks
 
     monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
-    argv = ["--model-path", up.model, "--skip-tokenizer-init", "--device", "cuda", "--tp", str(CP), "--enable-prefill-cp",
-            "--cp-strategy", "interleave", "--disaggregation-mode", "prefill", "--random-seed", "1"]
+    argv = [
+        "--model-path",
+        up.model,
+        "--skip-tokenizer-init",
+        "--device",
+        "cuda",
+        "--tp",
+        str(CP),
+        "--enable-prefill-cp",
+        "--cp-strategy",
+        "interleave",
+        "--disaggregation-mode",
+        "prefill",
+        "--random-seed",
+        "1",
+    ]
     server_args = up.prepare(argv + (["--enable-cp-shared-kv"] if flag_on else []))
     server_args.resolve_once()
     up.publish(server_args)
@@ -114,8 +155,16 @@ def _publish(up, flag_on, monkeypatch):
 
 def _pool(up):
     return up.pool_cls(
-        size=(CAPACITY - 1) * PAGE, page_size=PAGE, kv_lora_rank=8, dtype=torch.bfloat16, qk_rope_head_dim=4,
-        layer_num=1, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=12,
+        size=(CAPACITY - 1) * PAGE,
+        page_size=PAGE,
+        kv_lora_rank=8,
+        dtype=torch.bfloat16,
+        qk_rope_head_dim=4,
+        layer_num=1,
+        device="cpu",
+        index_head_dim=128,
+        enable_memory_saver=False,
+        kv_cache_dim=12,
     )
 
 
@@ -134,11 +183,20 @@ def _forward_batch(up):
     metadata = up.strategy.build_metadata(num_tokens=n, seqs_len=seq, extend_seqs_len=EXTEND)
     up.pad(metadata)
     return SimpleNamespace(
-        batch_size=len(EXTEND), forward_mode=up.extend, seq_lens=torch.tensor(seq), seq_lens_cpu=torch.tensor(seq),
-        seq_lens_sum=sum(seq), req_pool_indices=torch.tensor(REQ_POOL_INDICES), extend_seq_lens_cpu=EXTEND,
-        extend_seq_lens=torch.tensor(EXTEND, dtype=torch.int32), extend_prefix_lens_cpu=PREFIX, extend_num_tokens=n,
+        batch_size=len(EXTEND),
+        forward_mode=up.extend,
+        seq_lens=torch.tensor(seq),
+        seq_lens_cpu=torch.tensor(seq),
+        seq_lens_sum=sum(seq),
+        req_pool_indices=torch.tensor(REQ_POOL_INDICES),
+        extend_seq_lens_cpu=EXTEND,
+        extend_seq_lens=torch.tensor(EXTEND, dtype=torch.int32),
+        extend_prefix_lens_cpu=PREFIX,
+        extend_num_tokens=n,
         out_cache_loc=torch.tensor([_loc(r, p) for r in range(len(EXTEND)) for p in range(PREFIX[r], seq[r])]),
-        attn_cp_metadata=metadata, input_ids=torch.zeros(n, dtype=torch.int64), global_num_tokens_cpu=None,
+        attn_cp_metadata=metadata,
+        input_ids=torch.zeros(n, dtype=torch.int64),
+        global_num_tokens_cpu=None,
     )
 
 
@@ -218,8 +276,13 @@ class PrecomputedAllGather:
 def _layer():
     # RadixAttention's fields that forward_extend reads (one head, tiny head dims).
     return SimpleNamespace(
-        layer_id=0, is_cross_attention=False, tp_q_head_num=1, tp_k_head_num=1, v_head_dim=KV_LORA,
-        head_dim=KV_LORA + ROPE, scaling=1.0,
+        layer_id=0,
+        is_cross_attention=False,
+        tp_q_head_num=1,
+        tp_k_head_num=1,
+        v_head_dim=KV_LORA,
+        head_dim=KV_LORA + ROPE,
+        scaling=1.0,
     )
 
 
@@ -243,7 +306,9 @@ def _extend_inputs(rank, plan_pages_per_request=None):
         if plan_pages_per_request is None:
             topk[row, : len(visible)] = torch.tensor([_loc(r, p) for p in visible], dtype=torch.int32)
         else:
-            topk[row, : len(visible)] = torch.tensor([r * plan_pages_per_request * PAGE + p for p in visible], dtype=torch.int32)
+            topk[row, : len(visible)] = torch.tensor(
+                [r * plan_pages_per_request * PAGE + p for p in visible], dtype=torch.int32
+            )
     q = torch.randn(physical, KV_LORA + ROPE, generator=g).to(torch.bfloat16)
     return q, k, k_rope, topk, owner
 
@@ -256,7 +321,9 @@ def _history_rows():
 def _index_keys():
     """Index keys: one per pool location for history, one per current token (token order)."""
     g = torch.Generator().manual_seed(5)
-    return torch.randn(CAPACITY * PAGE, 128, generator=g).to(torch.bfloat16), torch.randn(sum(EXTEND), 128, generator=g).to(torch.bfloat16)
+    return torch.randn(CAPACITY * PAGE, 128, generator=g).to(torch.bfloat16), torch.randn(
+        sum(EXTEND), 128, generator=g
+    ).to(torch.bfloat16)
 
 
 def _store_index_k(up, pool, keys, locs):
@@ -300,7 +367,7 @@ def test_flag_off_forward_extend_writes_every_row_and_reads_the_pool(up, monkeyp
     history = _history_rows()
     _fill_history(up, backend.token_to_kv_pool, history, _index_keys()[0])
     backend.init_forward_metadata(forward_batch)
-    q, k, k_rope, topk, owner = _extend_inputs(rank)
+    q, k, k_rope, topk, _owner = _extend_inputs(rank)
     captured = _run_forward_extend(backend, forward_batch, q, k, k_rope, topk)
     pool = backend.token_to_kv_pool.get_key_buffer(0)
     assert captured["kv_cache"].data_ptr() == pool.data_ptr()  # upstream reads its pool
@@ -328,7 +395,9 @@ def test_flag_on_forward_extend_reads_each_requests_dense_view_and_writes_owned_
     for b, fb in ranks:
         plan, pool = dsa_hooks.batch_state(fb).plan, b.token_to_kv_pool
         latent_packs.append(pack_owned_history(plan, pool.kv_buffer[0]))
-        index_packs.append(pack_owned_history(plan, dsa_hooks._index_k_pages(pool.get_index_k_with_scale_buffer(0), PAGE)))
+        index_packs.append(
+            pack_owned_history(plan, dsa_hooks._index_k_pages(pool.get_index_k_with_scale_buffer(0), PAGE))
+        )
     for rank, (backend, forward_batch) in enumerate(ranks):
         state = dsa_hooks.batch_state(forward_batch)
         assert state.plan.checked
@@ -339,7 +408,7 @@ def test_flag_on_forward_extend_reads_each_requests_dense_view_and_writes_owned_
         kv_cache = captured["kv_cache"]
         assert kv_cache.shape[0] == state.plan.dense_rows
         for row, t in enumerate(range(rank, sum(EXTEND), CP)):
-            r, pos = owner[t]
+            r, _pos = owner[t]
             for loc in topk[row][topk[row] >= 0].tolist():
                 p = loc - r * state.plan.pages_per_request * PAGE
                 assert torch.equal(kv_cache[loc], _truth(history, k, k_rope, owner, r, p)), f"rank {rank} request {r}"
@@ -357,7 +426,9 @@ def test_flag_on_forward_extend_reads_each_requests_dense_view_and_writes_owned_
         metadata = backend.forward_metadata
         seq_lens = metadata.indexer_seq_lens.to(torch.int32)
         total, longest = int(seq_lens.sum()), int(seq_lens.max())
-        got_k, got_s = dsa_hooks.index_k_and_scale(pool_obj, forward_batch, 0, seq_lens, metadata.real_page_table, total, longest)
+        got_k, got_s = dsa_hooks.index_k_and_scale(
+            pool_obj, forward_batch, 0, seq_lens, metadata.real_page_table, total, longest
+        )
         kept = [0, 1, 2] if rank == 0 else [0, 1, 2, 3]
         start = 0
         for r in kept:
@@ -367,13 +438,19 @@ def test_flag_on_forward_extend_reads_each_requests_dense_view_and_writes_owned_
             if hist:
                 _store_index_k(up, alone, history_keys[hist], torch.tensor(hist))
             first = sum(EXTEND[:r])
-            _store_index_k(up, alone, current_keys[first : first + EXTEND[r]], torch.tensor([_loc(r, p) for p in range(PREFIX[r], seq)]))
+            _store_index_k(
+                up,
+                alone,
+                current_keys[first : first + EXTEND[r]],
+                torch.tensor([_loc(r, p) for p in range(PREFIX[r], seq)]),
+            )
             pages = torch.tensor([PAGES[r]], dtype=torch.int32)
             want_k, want_s = alone.get_index_k_scale_buffer(0, torch.tensor([seq], dtype=torch.int32), pages, seq, seq)
             assert torch.equal(got_k[start : start + seq], want_k), f"rank {rank} request {r}: index K"
             assert torch.equal(got_s[start : start + seq], want_s), f"rank {rank} request {r}: index-K scales"
             start += seq
         state.plan.raise_if_errors()
+
 
 # ---- MTP IndexShare seed export (prepare_mtp_seed_indices): pool locations whatever the mode ----
 
@@ -426,7 +503,7 @@ def test_ragged_mtp_seed_equals_upstreams_pool_locations_with_the_flag_on(up, ra
 
 
 def test_unfused_mtp_seed_stays_request_local_with_the_flag_on(up, monkeypatch):
-    on, forward_batch = _seed_backend(up, 0, True, monkeypatch, use_fused_topk=False)
+    on, _ = _seed_backend(up, 0, True, monkeypatch, use_fused_topk=False)
     positions = torch.arange(2 * TOPK, dtype=torch.int32).view(2, TOPK)
     assert torch.equal(on.prepare_mtp_seed_indices(positions, up.extend), positions)
 

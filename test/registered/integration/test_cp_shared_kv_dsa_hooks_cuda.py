@@ -38,7 +38,10 @@ def _upstream():
         from sglang_cpkv.testing.upstream_env import install_torchvision_stub
 
         install_torchvision_stub()
-        from sglang.kernels.ops.kvcache.dsa_fused_store_index_cache import can_use_dsa_fused_store, fused_store_index_k_cache
+        from sglang.kernels.ops.kvcache.dsa_fused_store_index_cache import (
+            can_use_dsa_fused_store,
+            fused_store_index_k_cache,
+        )
         from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
         from sglang.srt.runtime_context import get_parallel
     except ImportError as exc:
@@ -55,8 +58,16 @@ def _loc(r, pos):
 
 def _pool(up):
     return up.pool_cls(
-        size=(CAPACITY - 1) * PAGE, page_size=PAGE, kv_lora_rank=512, dtype=torch.bfloat16, qk_rope_head_dim=64,
-        layer_num=1, device="cuda", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=576,
+        size=(CAPACITY - 1) * PAGE,
+        page_size=PAGE,
+        kv_lora_rank=512,
+        dtype=torch.bfloat16,
+        qk_rope_head_dim=64,
+        layer_num=1,
+        device="cuda",
+        index_head_dim=128,
+        enable_memory_saver=False,
+        kv_cache_dim=576,
     )
 
 
@@ -86,8 +97,15 @@ def test_dense_views_match_upstream_reads_per_request():
     up.store(index_key[n_hist:], replica.get_index_k_with_scale_buffer(0), out_cache_loc, replica.index_page_size)
 
     state = dsa_hooks.build_extend_state(
-        pool=pool, req_to_token=req_pool.req_to_token, req_pool_indices=torch.tensor(REQ_POOL_INDICES, device=dev),
-        prefix_lens=PREFIX, extend_lens=EXTEND, out_cache_loc=out_cache_loc, cp_size=1, cp_rank=0, strategy="none",
+        pool=pool,
+        req_to_token=req_pool.req_to_token,
+        req_pool_indices=torch.tensor(REQ_POOL_INDICES, device=dev),
+        prefix_lens=PREFIX,
+        extend_lens=EXTEND,
+        out_cache_loc=out_cache_loc,
+        cp_size=1,
+        cp_rank=0,
+        strategy="none",
         group=SingleRankGroup(),
     )
     fb = SimpleNamespace(**{dsa_hooks.BATCH_ATTR: state})

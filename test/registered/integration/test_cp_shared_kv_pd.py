@@ -56,7 +56,11 @@ def mode():
 
 def _sends(up, rank):
     kv_mgr = SimpleNamespace(
-        kv_shard_size=1, enable_all_cp_ranks_for_transfer=True, attn_cp_rank=rank, attn_cp_size=CP, is_dummy_cp_rank=rank != 0
+        kv_shard_size=1,
+        enable_all_cp_ranks_for_transfer=True,
+        attn_cp_rank=rank,
+        attn_cp_size=CP,
+        is_dummy_cp_rank=rank != 0,
     )
     sender = SimpleNamespace(curr_idx=0, num_kv_indices=len(PAGES), kv_mgr=kv_mgr)
     out, start = [], 0
@@ -71,8 +75,10 @@ def test_flag_off_keeps_upstreams_contiguous_ranges(up, mode):
     for rank in range(CP):
         kv_mgr, sends = _sends(up, rank)
         start = 0
-        for n, (kv, index_slice, _, skip) in zip(CHUNKS, sends):
-            want_kv, want_slice = up.by_range(kv_mgr, PAGES[start : start + n], slice(start, start + n), total_pages=len(PAGES))
+        for n, (kv, index_slice, _, _skip) in zip(CHUNKS, sends):
+            want_kv, want_slice = up.by_range(
+                kv_mgr, PAGES[start : start + n], slice(start, start + n), total_pages=len(PAGES)
+            )
             assert np.array_equal(kv, want_kv) and index_slice == want_slice
             start += n
 
@@ -90,7 +96,9 @@ def test_flag_on_each_rank_sends_its_owned_pages_and_ranks_partition_the_request
             assert np.array_equal(PAGES[positions], kv)  # same page ids, at their positions
             sent_positions.extend(positions.tolist())
         # Same owned positions as upstream's owner rule (which also compresses the ids: // N).
-        owned_ids, owned_pos = up.by_shard(kv_indices=PAGES, index_slice=slice(0, len(PAGES)), shard_rank=rank, shard_size=CP)
+        owned_ids, owned_pos = up.by_shard(
+            kv_indices=PAGES, index_slice=slice(0, len(PAGES)), shard_rank=rank, shard_size=CP
+        )
         mine = [p for p in range(len(PAGES)) if PAGES[p] % CP == rank]
         assert owned_pos.tolist() == mine and np.array_equal(owned_ids, PAGES[mine] // CP)
     assert sorted(sent_positions) == list(range(len(PAGES)))

@@ -47,13 +47,32 @@ KV_LORA, ROPE, TOPK = 8, 4, 160
 BATCH_A = ([128, 128, 100, 0], [40, 71, 50, 1], [[1, 2, 3], [1, 2, 4, 5], [6, 7, 2], [9]], [3, 1, 2, 4])
 BATCH_B = ([64, 0], [30, 20], [[8, 10], [11]], [2, 1])
 DSA_CONFIG = {
-    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "index_topk": 2048,
-    "index_head_dim": 128, "index_n_heads": 64, "hidden_size": 7168, "num_attention_heads": 128,
-    "num_hidden_layers": 61, "num_key_value_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": 129280,
-    "max_position_embeddings": 163840, "intermediate_size": 18432, "moe_intermediate_size": 2048,
-    "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
-    "torch_dtype": "bfloat16", "rope_theta": 10000, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v32",
+    "index_topk": 2048,
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+    "hidden_size": 7168,
+    "num_attention_heads": 128,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+    "max_position_embeddings": 163840,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "torch_dtype": "bfloat16",
+    "rope_theta": 10000,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
 }
 
 
@@ -62,8 +81,22 @@ def _publish(model_dir, flag_on):
 
     from sglang_cpkv.integration import dsa_hooks
 
-    argv = ["--model-path", model_dir, "--skip-tokenizer-init", "--device", "cuda", "--tp", str(CP), "--enable-prefill-cp",
-            "--cp-strategy", "interleave", "--disaggregation-mode", "prefill", "--random-seed", "1"]
+    argv = [
+        "--model-path",
+        model_dir,
+        "--skip-tokenizer-init",
+        "--device",
+        "cuda",
+        "--tp",
+        str(CP),
+        "--enable-prefill-cp",
+        "--cp-strategy",
+        "interleave",
+        "--disaggregation-mode",
+        "prefill",
+        "--random-seed",
+        "1",
+    ]
     server_args = prepare_server_args(argv + (["--enable-cp-shared-kv"] if flag_on else []))
     server_args.resolve_once()
     set_global_server_args_for_scheduler(server_args)
@@ -86,8 +119,16 @@ def _backend(batch):
         seq = prefix[r] + extend[r]
         req_pool.req_to_token[row, :seq] = torch.tensor([_loc(pages[r], p) for p in range(seq)], dtype=torch.int32)
     pool = DSATokenToKVPool(
-        size=(CAPACITY - 1) * PAGE, page_size=PAGE, kv_lora_rank=KV_LORA, dtype=torch.bfloat16, qk_rope_head_dim=ROPE,
-        layer_num=LAYERS, device="cpu", index_head_dim=128, enable_memory_saver=False, kv_cache_dim=KV_LORA + ROPE,
+        size=(CAPACITY - 1) * PAGE,
+        page_size=PAGE,
+        kv_lora_rank=KV_LORA,
+        dtype=torch.bfloat16,
+        qk_rope_head_dim=ROPE,
+        layer_num=LAYERS,
+        device="cpu",
+        index_head_dim=128,
+        enable_memory_saver=False,
+        kv_cache_dim=KV_LORA + ROPE,
     )
     return make_dsa_backend(DeepseekSparseAttnBackend, pool, req_pool, PAGE)
 
@@ -103,11 +144,20 @@ def _forward_batch(batch):
     metadata = get_cp_strategy().build_metadata(num_tokens=n, seqs_len=seq, extend_seqs_len=extend)
     pad_logical_token_to_physical(metadata)
     return SimpleNamespace(
-        batch_size=len(extend), forward_mode=ForwardMode.EXTEND, seq_lens=torch.tensor(seq), seq_lens_cpu=torch.tensor(seq),
-        seq_lens_sum=sum(seq), req_pool_indices=torch.tensor(rows), extend_seq_lens_cpu=extend,
-        extend_seq_lens=torch.tensor(extend, dtype=torch.int32), extend_prefix_lens_cpu=prefix, extend_num_tokens=n,
+        batch_size=len(extend),
+        forward_mode=ForwardMode.EXTEND,
+        seq_lens=torch.tensor(seq),
+        seq_lens_cpu=torch.tensor(seq),
+        seq_lens_sum=sum(seq),
+        req_pool_indices=torch.tensor(rows),
+        extend_seq_lens_cpu=extend,
+        extend_seq_lens=torch.tensor(extend, dtype=torch.int32),
+        extend_prefix_lens_cpu=prefix,
+        extend_num_tokens=n,
         out_cache_loc=torch.tensor([_loc(pages[r], p) for r in range(len(extend)) for p in range(prefix[r], seq[r])]),
-        attn_cp_metadata=metadata, input_ids=torch.zeros(n, dtype=torch.int64), global_num_tokens_cpu=None,
+        attn_cp_metadata=metadata,
+        input_ids=torch.zeros(n, dtype=torch.int64),
+        global_num_tokens_cpu=None,
     )
 
 
@@ -117,7 +167,9 @@ def _layer_data(batch, layer):
     n = sum(batch[1])
     return SimpleNamespace(
         history=torch.randn(CAPACITY * PAGE, 1, KV_LORA + ROPE, generator=g).to(torch.bfloat16),
-        history_index_pages=torch.randint(0, 256, (CAPACITY, PAGE * (128 + 4)), generator=g, dtype=torch.int32).to(torch.uint8),
+        history_index_pages=torch.randint(0, 256, (CAPACITY, PAGE * (128 + 4)), generator=g, dtype=torch.int32).to(
+            torch.uint8
+        ),
         k=torch.randn(n, 1, KV_LORA, generator=g).to(torch.bfloat16),
         k_rope=torch.randn(n, 1, ROPE, generator=g).to(torch.bfloat16),
         keys=torch.randn(n, 128, generator=g).to(torch.bfloat16),
@@ -146,8 +198,12 @@ def _synchronous_reference(plan, pool_snapshot, layer, data, upstream_group):
     dense = new_dense_buffer(plan, tuple(kv_rows[layer].shape[1:]), kv_rows[layer].dtype)
     materialize_history(plan, kv_rows[layer], dense, upstream_group)
     fill_current(plan, torch.cat([data.k, data.k_rope], dim=-1), dense)
-    dense_index = torch.empty((plan.num_requests * plan.pages_per_request, index_pages[layer].shape[1]), dtype=index_pages[layer].dtype)
-    materialize_history(plan, index_k_pages_as_rows(index_pages[layer], PAGE), index_k_pages_as_rows(dense_index, PAGE), upstream_group)
+    dense_index = torch.empty(
+        (plan.num_requests * plan.pages_per_request, index_pages[layer].shape[1]), dtype=index_pages[layer].dtype
+    )
+    materialize_history(
+        plan, index_k_pages_as_rows(index_pages[layer], PAGE), index_k_pages_as_rows(dense_index, PAGE), upstream_group
+    )
     return dense, dense_index
 
 
@@ -163,7 +219,10 @@ def _run_batch(batch, rank, upstream_group, flag_on):
     pool = backend.token_to_kv_pool
     data = [_layer_data(batch, layer) for layer in range(LAYERS)]
     _fill_owned_history(pool, batch, data, rank)
-    snapshot = ([t.clone() for t in pool.kv_buffer], [pool.get_index_k_with_scale_buffer(i).clone() for i in range(LAYERS)])
+    snapshot = (
+        [t.clone() for t in pool.kv_buffer],
+        [pool.get_index_k_with_scale_buffer(i).clone() for i in range(LAYERS)],
+    )
     backend.init_forward_metadata(forward_batch)
     state = dsa_hooks.batch_state(forward_batch)
     assert (state is not None) == flag_on
@@ -178,11 +237,22 @@ def _run_batch(batch, rank, upstream_group, flag_on):
         for row, t in enumerate(local):
             r, pos = owner[t]
             visible = range(min(TOPK, pos + 1))
-            locs = [_loc(pages[r], p) for p in visible] if state is None else [r * state.plan.pages_per_request * PAGE + p for p in visible]
+            locs = (
+                [_loc(pages[r], p) for p in visible]
+                if state is None
+                else [r * state.plan.pages_per_request * PAGE + p for p in visible]
+            )
             topk[row, : len(visible)] = torch.tensor(locs, dtype=torch.int32)
         q = torch.zeros(physical, KV_LORA + ROPE, dtype=torch.bfloat16)
-        layer = SimpleNamespace(layer_id=layer_id, is_cross_attention=False, tp_q_head_num=1, tp_k_head_num=1,
-                                v_head_dim=KV_LORA, head_dim=KV_LORA + ROPE, scaling=1.0)
+        layer = SimpleNamespace(
+            layer_id=layer_id,
+            is_cross_attention=False,
+            tp_q_head_num=1,
+            tp_k_head_num=1,
+            v_head_dim=KV_LORA,
+            head_dim=KV_LORA + ROPE,
+            scaling=1.0,
+        )
         got = {}
 
         def kernel(**kwargs):  # the flashmla sparse kernel needs a GPU; capture what it is handed
@@ -193,30 +263,42 @@ def _run_batch(batch, rank, upstream_group, flag_on):
         backend._forward_flashmla_sparse = kernel
 
         def attention():
-            backend.forward_extend(q, d.k, d.k, layer, forward_batch, save_kv_cache=True, k_rope=d.k_rope, topk_indices=topk)
+            backend.forward_extend(
+                q, d.k, d.k, layer, forward_batch, save_kv_cache=True, k_rope=d.k_rope, topk_indices=topk
+            )
 
         def indexer():
             assert dsa_hooks.store_index_k(pool, forward_batch, layer_id, d.keys, act_quant, 128, None)
             metadata = backend.forward_metadata
             seq_lens = metadata.indexer_seq_lens.to(torch.int32)
             got["index_k"] = dsa_hooks.index_k_and_scale(
-                pool, forward_batch, layer_id, seq_lens, metadata.real_page_table, int(seq_lens.sum()), int(seq_lens.max())
+                pool,
+                forward_batch,
+                layer_id,
+                seq_lens,
+                metadata.real_page_table,
+                int(seq_lens.sum()),
+                int(seq_lens.max()),
             )
             got["index_args"] = (seq_lens, metadata.real_page_table, int(seq_lens.sum()), int(seq_lens.max()))
 
         if state is None:
             attention()
         else:
-            for step in ((attention, indexer) if layer_id % 2 == 0 else (indexer, attention)):
+            for step in (attention, indexer) if layer_id % 2 == 0 else (indexer, attention):
                 step()
         got["topk"] = topk
         captured.append(got)
 
     if state is None:
         for layer_id, got in enumerate(captured):
-            assert got["kv_cache"].data_ptr() == pool.get_key_buffer(layer_id).data_ptr(), "flag off: the kernel reads the pool"
+            assert got["kv_cache"].data_ptr() == pool.get_key_buffer(layer_id).data_ptr(), (
+                "flag off: the kernel reads the pool"
+            )
             current = torch.cat([data[layer_id].k, data[layer_id].k_rope], dim=-1)
-            assert torch.equal(pool.kv_buffer[layer_id][forward_batch.out_cache_loc], current), "flag off: every row written"
+            assert torch.equal(pool.kv_buffer[layer_id][forward_batch.out_cache_loc], current), (
+                "flag off: every row written"
+            )
         return None
 
     plan = state.plan
@@ -227,18 +309,34 @@ def _run_batch(batch, rank, upstream_group, flag_on):
         dense, dense_index = _synchronous_reference(plan, snapshot, layer_id, d, upstream_group)
         readable = torch.tensor([r * slot_rows + p for r in kept for p in range(prefix[r] + extend[r])])
         kv = got["kv_cache_bytes"]
-        assert torch.equal(kv[readable], dense[readable]), f"rank {rank} layer {layer_id}: dense KV differs from the synchronous path"
+        assert torch.equal(kv[readable], dense[readable]), (
+            f"rank {rank} layer {layer_id}: dense KV differs from the synchronous path"
+        )
         for r in kept:
             for p in range(prefix[r] + extend[r]):
-                truth = d.history[_loc(pages[r], p)] if p < prefix[r] else torch.cat(
-                    [d.k[owner.index((r, p))], d.k_rope[owner.index((r, p))]], dim=-1)
-                assert torch.equal(kv[r * slot_rows + p], truth), f"rank {rank} layer {layer_id} request {r} position {p}"
+                truth = (
+                    d.history[_loc(pages[r], p)]
+                    if p < prefix[r]
+                    else torch.cat([d.k[owner.index((r, p))], d.k_rope[owner.index((r, p))]], dim=-1)
+                )
+                assert torch.equal(kv[r * slot_rows + p], truth), (
+                    f"rank {rank} layer {layer_id} request {r} position {p}"
+                )
         k_fp8, k_scale = act_quant(d.keys, 128, None)
-        dsa_index_k_cache.SetKAndS.execute(pool=pool, buf=dense_index, loc=plan.current_dense_locs.to(torch.int64), index_k=k_fp8, index_k_scale=k_scale)
+        dsa_index_k_cache.SetKAndS.execute(
+            pool=pool,
+            buf=dense_index,
+            loc=plan.current_dense_locs.to(torch.int64),
+            index_k=k_fp8,
+            index_k_scale=k_scale,
+        )
         seq_lens, table, total, longest = got["index_args"]
-        want = dsa_index_k_cache.GetKAndS.execute(pool, dense_index, page_indices=table, seq_len_tensor=seq_lens, seq_len_sum=total, max_seq_len=longest)
+        want = dsa_index_k_cache.GetKAndS.execute(
+            pool, dense_index, page_indices=table, seq_len_tensor=seq_lens, seq_len_sum=total, max_seq_len=longest
+        )
         assert torch.equal(got["index_k"][0], want[0]) and torch.equal(got["index_k"][1], want[1]), (
-            f"rank {rank} layer {layer_id}: index-K read differs from the synchronous path")
+            f"rank {rank} layer {layer_id}: index-K read differs from the synchronous path"
+        )
         owned = (forward_batch.out_cache_loc // PAGE) % CP == rank
         current = torch.cat([d.k, d.k_rope], dim=-1)
         assert torch.equal(pool.kv_buffer[layer_id][forward_batch.out_cache_loc[owned]], current[owned])
@@ -266,7 +364,9 @@ def _worker(rank, model_dir, init_method):
 
     init_cp_strategy(enable_prefill_cp=True, cp_size=CP, cp_strategy="interleave")
     get_parallel().override_permanently(tp_rank=rank, attn_cp_rank=rank, attn_dcp_size=1, attn_dcp_rank=0)
-    parallel_state.init_distributed_environment(world_size=CP, rank=rank, distributed_init_method=init_method, local_rank=0, backend="gloo")
+    parallel_state.init_distributed_environment(
+        world_size=CP, rank=rank, distributed_init_method=init_method, local_rank=0, backend="gloo"
+    )
     parallel_state.initialize_model_parallel()  # patched: makes the exchange group after the attention-CP group
     attn_cp = parallel_state.get_attn_cp_group()
     exchange = prefetch.exchange_group()

@@ -71,8 +71,16 @@ LLAMA_CONFIG = {
 }
 CP = ["--enable-prefill-cp", "--cp-strategy", "interleave"]
 PREFILL = ["--disaggregation-mode", "prefill"]
-EAGLE = ["--speculative-algorithm", "EAGLE", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
-         "--speculative-num-draft-tokens", "2"]
+EAGLE = [
+    "--speculative-algorithm",
+    "EAGLE",
+    "--speculative-num-steps",
+    "1",
+    "--speculative-eagle-topk",
+    "1",
+    "--speculative-num-draft-tokens",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +97,18 @@ def models(tmp_path_factory):
 
 def _argv(models, model, *extra):
     # A fixed seed: upstream draws a random one per process otherwise.
-    return ["--model-path", models[model], "--skip-tokenizer-init", "--device", "cuda", "--tp", "8", "--random-seed", "1", *extra]
+    return [
+        "--model-path",
+        models[model],
+        "--skip-tokenizer-init",
+        "--device",
+        "cuda",
+        "--tp",
+        "8",
+        "--random-seed",
+        "1",
+        *extra,
+    ]
 
 
 def _start_resolving(tree: Path, cases: list[dict]) -> subprocess.Popen:
@@ -99,7 +118,11 @@ def _start_resolving(tree: Path, cases: list[dict]) -> subprocess.Popen:
         env.pop(name, None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "sglang_cpkv.integration.resolve_server_args"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     proc.stdin.write(json.dumps(cases))
     proc.stdin.close()
@@ -137,17 +160,47 @@ def _speculative_cases(models):
 
 # (name, model, extra argv, env, a fragment of the expected error)
 BAD_CASES = [
-    ("decode role", "dsa", ["--disaggregation-mode", "decode", FLAG], ALL_RANKS_ENV, "--disaggregation-mode prefill), got 'decode'"),
+    (
+        "decode role",
+        "dsa",
+        ["--disaggregation-mode", "decode", FLAG],
+        ALL_RANKS_ENV,
+        "--disaggregation-mode prefill), got 'decode'",
+    ),
     ("no disaggregation", "dsa", [*CP, FLAG], ALL_RANKS_ENV, "--disaggregation-mode prefill), got 'null'"),
     ("prefill CP off", "dsa", [*PREFILL, FLAG], ALL_RANKS_ENV, "enable_prefill_cp=False, attn_cp_size=1"),
     ("zigzag", "dsa", ["--enable-prefill-cp", "--cp-strategy", "zigzag", *PREFILL, FLAG], ALL_RANKS_ENV, None),
     ("page size 128", "dsa_kpool2", [*CP, *PREFILL, FLAG], ALL_RANKS_ENV, "page size 64 (DSA index_kpool 1), got 128"),
     ("trtllm prefill", "dsa", [*CP, *PREFILL, "--dsa-prefill-backend", "trtllm", FLAG], ALL_RANKS_ENV, "got 'trtllm'"),
-    ("tilelang prefill", "dsa", [*CP, *PREFILL, "--dsa-prefill-backend", "tilelang", FLAG], ALL_RANKS_ENV, "got 'tilelang'"),
-    ("layer split", "dsa", [*CP, *PREFILL, "--enable-dsa-cache-layer-split", "--disaggregation-transfer-backend", "mooncake", FLAG], ALL_RANKS_ENV, "--enable-dsa-cache-layer-split"),
-    ("speculative without the draft setting", "dsa", [*CP, *PREFILL, *EAGLE, FLAG], ALL_RANKS_ENV, "requires SGLANG_CP_DRAFT_SHARED_KV=1"),
+    (
+        "tilelang prefill",
+        "dsa",
+        [*CP, *PREFILL, "--dsa-prefill-backend", "tilelang", FLAG],
+        ALL_RANKS_ENV,
+        "got 'tilelang'",
+    ),
+    (
+        "layer split",
+        "dsa",
+        [*CP, *PREFILL, "--enable-dsa-cache-layer-split", "--disaggregation-transfer-backend", "mooncake", FLAG],
+        ALL_RANKS_ENV,
+        "--enable-dsa-cache-layer-split",
+    ),
+    (
+        "speculative without the draft setting",
+        "dsa",
+        [*CP, *PREFILL, *EAGLE, FLAG],
+        ALL_RANKS_ENV,
+        "requires SGLANG_CP_DRAFT_SHARED_KV=1",
+    ),
     ("EAGLE3 draft", "dsa", [*CP, *PREFILL, "--speculative-algorithm", "EAGLE3", FLAG], DRAFT_ENV, "got 'EAGLE3'"),
-    ("nixl transfer", "dsa", [*CP, *PREFILL, "--disaggregation-transfer-backend", "nixl", FLAG], ALL_RANKS_ENV, "got 'nixl'"),
+    (
+        "nixl transfer",
+        "dsa",
+        [*CP, *PREFILL, "--disaggregation-transfer-backend", "nixl", FLAG],
+        ALL_RANKS_ENV,
+        "got 'nixl'",
+    ),
     ("single CP rank sends", "dsa", [*CP, *PREFILL, FLAG], {}, "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1"),
 ]
 
@@ -161,7 +214,8 @@ def results(models, tmp_path_factory):
     bad = [{"argv": _argv(models, model, *extra), "env": env} for _, model, extra, env, _ in BAD_CASES]
     # Both trees resolve at once (two processes; the imports dominate).
     patched_proc = _start_resolving(
-        patched_tree(tmp_path_factory.mktemp("patched")), off + [_valid_case(models), non_dsa] + bad + _speculative_cases(models)
+        patched_tree(tmp_path_factory.mktemp("patched")),
+        off + [_valid_case(models), non_dsa] + bad + _speculative_cases(models),
     )
     pristine_proc = _start_resolving(pristine_tree(tmp_path_factory.mktemp("pristine")), off + [_valid_case(models)])
     patched, pristine = _results(patched_proc), _results(pristine_proc)

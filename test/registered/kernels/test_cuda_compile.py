@@ -28,16 +28,24 @@ JOBS = 2
 
 
 def _nvcc() -> str:
-    nvcc = shutil.which("nvcc") or (os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else None)
+    nvcc = shutil.which("nvcc") or (
+        os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else None
+    )
     if nvcc and os.path.exists(nvcc):
         return nvcc
     if os.environ.get("CI"):
-        pytest.fail("nvcc is not on PATH (nor under $CUDA_HOME/bin) but CI is set: the CI image must provide CUDA's compiler")
+        pytest.fail(
+            "nvcc is not on PATH (nor under $CUDA_HOME/bin) but CI is set: the CI image must provide CUDA's compiler"
+        )
     pytest.skip("nvcc is not on PATH (nor under $CUDA_HOME/bin); CI, which sets CI, fails here instead")
 
 
 def _cuda_include(nvcc: str) -> Path:
-    candidates = [Path(os.environ["CUDA_HOME"]) if os.environ.get("CUDA_HOME") else None, Path(nvcc).resolve().parents[1], Path("/usr/local/cuda")]
+    candidates = [
+        Path(os.environ["CUDA_HOME"]) if os.environ.get("CUDA_HOME") else None,
+        Path(nvcc).resolve().parents[1],
+        Path("/usr/local/cuda"),
+    ]
     for home in filter(None, candidates):
         if (home / "include" / "cuda_runtime_api.h").is_file():
             return home / "include"
@@ -61,14 +69,33 @@ def test_cu_sources_compile_for_sm90a_and_sm100a(tmp_path):
     assert sources, f"no .cu file under {KERNEL_ROOT}"
     gencode = [f"-gencode=arch=compute_{arch},code=sm_{arch}" for arch in ARCHS]
     jobs = [
-        (str(src.relative_to(REPO)), [nvcc, "-c", str(src), "-o", str(tmp_path / f"{src.stem}.o"), "-std=c++17", "-O2", *gencode, "--Werror", "all-warnings", "-Xcompiler=-Wall"])
+        (
+            str(src.relative_to(REPO)),
+            [
+                nvcc,
+                "-c",
+                str(src),
+                "-o",
+                str(tmp_path / f"{src.stem}.o"),
+                "-std=c++17",
+                "-O2",
+                *gencode,
+                "--Werror",
+                "all-warnings",
+                "-Xcompiler=-Wall",
+            ],
+        )
         for src in sources
     ]
     _check_all(jobs)
     for src in sources:  # each object holds machine code for both archs
-        listing = _run(["cuobjdump", "--list-elf", str(tmp_path / f"{src.stem}.o")]) if shutil.which("cuobjdump") else None
+        listing = (
+            _run(["cuobjdump", "--list-elf", str(tmp_path / f"{src.stem}.o")]) if shutil.which("cuobjdump") else None
+        )
         if listing is not None:
-            assert all(f"sm_{arch}" in listing.stdout for arch in ARCHS), f"{src.name}: {listing.stdout}{listing.stderr}"
+            assert all(f"sm_{arch}" in listing.stdout for arch in ARCHS), (
+                f"{src.name}: {listing.stdout}{listing.stderr}"
+            )
 
 
 def test_cc_sources_compile_against_torch_headers(tmp_path):
@@ -88,7 +115,23 @@ def test_cc_sources_compile_against_torch_headers(tmp_path):
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     cxx = os.environ.get("CXX", "c++")
     jobs = [
-        (str(src.relative_to(REPO)), [cxx, "-c", str(src), "-o", str(tmp_path / f"{src.stem}.o"), "-std=c++20", "-O0", "-fPIC", "-Wall", "-Werror", abi, *[arg for p in includes for arg in ("-isystem", p)]])
+        (
+            str(src.relative_to(REPO)),
+            [
+                cxx,
+                "-c",
+                str(src),
+                "-o",
+                str(tmp_path / f"{src.stem}.o"),
+                "-std=c++20",
+                "-O0",
+                "-fPIC",
+                "-Wall",
+                "-Werror",
+                abi,
+                *[arg for p in includes for arg in ("-isystem", p)],
+            ],
+        )
         for src in sources
     ]
     _check_all(jobs)

@@ -28,7 +28,9 @@ register_cuda_ci(est_time=120, stage="cpkv", runner_config="1-gpu")
 
 os.environ.setdefault(cuda_build.JIT_ENV, "1")
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+)
 
 BATCH_ROWS = [1, 2, 3, 4, 8]
 PAGE_SIZES = [16, 64]
@@ -61,14 +63,23 @@ def _random_rows(rows: int, dtype: torch.dtype, width: int, gen: torch.Generator
 
 
 def _assert_same_bytes(have: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    assert have.shape == want.shape and have.dtype == want.dtype, f"{what}: {have.dtype}{tuple(have.shape)} vs {want.dtype}{tuple(want.shape)}"
+    assert have.shape == want.shape and have.dtype == want.dtype, (
+        f"{what}: {have.dtype}{tuple(have.shape)} vs {want.dtype}{tuple(want.shape)}"
+    )
     have_bytes, want_bytes = have.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
     if not torch.equal(have_bytes, want_bytes):
-        rows = (have_bytes.reshape(have.shape[0], -1) != want_bytes.reshape(want.shape[0], -1)).any(dim=1).nonzero().flatten()
+        rows = (
+            (have_bytes.reshape(have.shape[0], -1) != want_bytes.reshape(want.shape[0], -1))
+            .any(dim=1)
+            .nonzero()
+            .flatten()
+        )
         pytest.fail(f"{what}: {rows.numel()} rows differ, first {rows[:8].tolist()}")
 
 
-def _page_table(rows: int, pages_per_request: int, capacity: int, gen: torch.Generator, dtype: torch.dtype, bad_ids: bool) -> torch.Tensor:
+def _page_table(
+    rows: int, pages_per_request: int, capacity: int, gen: torch.Generator, dtype: torch.dtype, bad_ids: bool
+) -> torch.Tensor:
     """Distinct pages per request (every request holds page capacity - 1: shared), -1 past each request's end;
     with ``bad_ids``, some entries are >= capacity or < -1."""
     table = torch.full((rows, pages_per_request), -1, dtype=torch.int64)
@@ -94,7 +105,9 @@ def _run(ops, name: str, *args) -> tuple[object, torch.Tensor]:
 @pytest.mark.parametrize("rows", BATCH_ROWS)
 def test_build_page_inverse(cuda_ops, rows, pages_per_request, dtype, bad_ids):
     capacity = 6000 if pages_per_request == 300 else CAPACITY  # 6000: the inverse of a request spans several blocks
-    table = _page_table(rows, pages_per_request, capacity, _gen("inverse", rows, pages_per_request, dtype, bad_ids), dtype, bad_ids)
+    table = _page_table(
+        rows, pages_per_request, capacity, _gen("inverse", rows, pages_per_request, dtype, bad_ids), dtype, bad_ids
+    )
     want, want_errors = _run(reference, "build_page_inverse", table, capacity)
     have, have_errors = _run(cuda_ops, "build_page_inverse", table, capacity)
     assert torch.equal(have, want)
@@ -105,12 +118,23 @@ def test_build_page_inverse(cuda_ops, rows, pages_per_request, dtype, bad_ids):
 def test_build_page_inverse_strided_and_empty(cuda_ops):
     wide = _page_table(3, 20, CAPACITY, _gen("strided"), torch.int32, bad_ids=True)
     table = wide[:, :11]  # row stride 20
-    assert torch.equal(cuda_ops.build_page_inverse(table, CAPACITY, new_error_counter(DEVICE)), reference.build_page_inverse(table, CAPACITY, new_error_counter(DEVICE)))
+    assert torch.equal(
+        cuda_ops.build_page_inverse(table, CAPACITY, new_error_counter(DEVICE)),
+        reference.build_page_inverse(table, CAPACITY, new_error_counter(DEVICE)),
+    )
     empty = torch.empty((0, 4), dtype=torch.int32, device=DEVICE)
     assert cuda_ops.build_page_inverse(empty, CAPACITY, new_error_counter(DEVICE)).numel() == 0
 
 
-def _locs_and_req(table: torch.Tensor, capacity: int, page_size: int, num_rows: int, row_len: int, gen: torch.Generator, loc_dtype: torch.dtype):
+def _locs_and_req(
+    table: torch.Tensor,
+    capacity: int,
+    page_size: int,
+    num_rows: int,
+    row_len: int,
+    gen: torch.Generator,
+    loc_dtype: torch.dtype,
+):
     """Per row a request (or -1 padding, or a bad id); per element a location of a page the request holds, of
     a page it does not hold, -1 / other negatives (padding), or a page >= capacity (bad)."""
     rows = table.shape[0]
@@ -239,7 +263,14 @@ def test_scatter_rows(cuda_ops, rows, layout, loc_dtype):
 # Row widths that are not 16-byte multiples (narrower accesses) and bases off a 16-byte boundary.
 @pytest.mark.parametrize(
     "row_dtype, width, byte_offset",
-    [(torch.uint8, 13, 0), (torch.bfloat16, 3, 0), (torch.uint8, 100, 0), (torch.float32, 5, 0), (torch.uint8, 656, 1), (torch.bfloat16, 576, 2)],
+    [
+        (torch.uint8, 13, 0),
+        (torch.bfloat16, 3, 0),
+        (torch.uint8, 100, 0),
+        (torch.float32, 5, 0),
+        (torch.uint8, 656, 1),
+        (torch.bfloat16, 576, 2),
+    ],
 )
 def test_odd_widths_and_misaligned_bases(cuda_ops, row_dtype, width, byte_offset):
     gen = _gen("odd", row_dtype, width, byte_offset)
@@ -360,7 +391,10 @@ def test_shared_page_regression(cuda_ops, fused):
     pool_rows = pool.view(-1, width)
     for r, pages in enumerate(([1, 5], [9, 5])):
         for p in range(6):  # history: the pool row of the request's own page table
-            assert torch.equal(rows[(r * 2 + p // page_size) * page_size + p % page_size], pool_rows[pages[p // page_size] * page_size + p % page_size])
+            assert torch.equal(
+                rows[(r * 2 + p // page_size) * page_size + p % page_size],
+                pool_rows[pages[p // page_size] * page_size + p % page_size],
+            )
         for k in range(2):  # current: the request's own current rows, never the other's
             assert torch.equal(rows[(r * 2 + 1) * page_size + 2 + k], current[2 * r + k])
 
@@ -453,7 +487,17 @@ def test_cuda_graph_capture_and_replay(cuda_ops):
         new_table = _page_table(rows, 8, capacity, fresh_gen, torch.int32, bad_ids=False)
         new_cur_locs, new_cur_req = _unique_current_locs(new_table, 16, page_size, fresh_gen)
         new_top_locs, new_top_req = _locs_and_req(new_table, capacity, page_size, 64, topk, fresh_gen, torch.int32)
-        fresh = [new_table, _random_rows(pool.shape[0], pool.dtype, pool.shape[1], fresh_gen), src_page.flip(0), dst_page, _random_rows(cur.shape[0], cur.dtype, cur.shape[1], fresh_gen), new_cur_locs, new_cur_req, new_top_locs, new_top_req]
+        fresh = [
+            new_table,
+            _random_rows(pool.shape[0], pool.dtype, pool.shape[1], fresh_gen),
+            src_page.flip(0),
+            dst_page,
+            _random_rows(cur.shape[0], cur.dtype, cur.shape[1], fresh_gen),
+            new_cur_locs,
+            new_cur_req,
+            new_top_locs,
+            new_top_req,
+        ]
         for buffer, value in zip(static, fresh):
             buffer.copy_(value)
         graph.replay()
@@ -464,7 +508,11 @@ def test_cuda_graph_capture_and_replay(cuda_ops):
         want_dense = dense.clone()
         reference.copy_pages(pool, src_page, want_dense, dst_page, want_errors)
         reference.scatter_rows(cur, want_cur, want_dense.view(-1, cur.shape[1]), want_errors)
-        assert torch.equal(outputs[0], want_inverse) and torch.equal(outputs[1], want_cur) and torch.equal(outputs[2], want_top)
+        assert (
+            torch.equal(outputs[0], want_inverse)
+            and torch.equal(outputs[1], want_cur)
+            and torch.equal(outputs[2], want_top)
+        )
         _assert_same_bytes(dense_out, want_dense, f"dense after replay {replay}")
         assert errors.tolist() == want_errors.tolist()
 
@@ -506,15 +554,83 @@ def test_probe_refuses_missing_stale_and_jit_off(cuda_ops, tmp_path):
 @pytest.mark.parametrize(
     "op, make_args, message",
     [
-        ("remap_locs", lambda: (torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), torch.zeros(4, dtype=torch.int32, device=DEVICE), torch.full((24,), -1, dtype=torch.int32, device=DEVICE), 12, 4), "req_id must be int64, got Int"),
-        ("remap_locs", lambda: (torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), torch.zeros(3, dtype=torch.int64, device=DEVICE), torch.full((24,), -1, dtype=torch.int32, device=DEVICE), 12, 4), "req_id must have one id per row of locs"),
-        ("remap_locs", lambda: (torch.zeros(4, 2, dtype=torch.int32, device=DEVICE), torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.full((25,), -1, dtype=torch.int32, device=DEVICE), 12, 4), "inverse must hold R * C entries with C = capacity = 12, got 25"),
-        ("build_page_inverse", lambda: (torch.zeros(2, 3, dtype=torch.float32, device=DEVICE), 12), "page_table must be int32 or int64, got Float"),
+        (
+            "remap_locs",
+            lambda: (
+                torch.zeros(4, 2, dtype=torch.int32, device=DEVICE),
+                torch.zeros(4, dtype=torch.int32, device=DEVICE),
+                torch.full((24,), -1, dtype=torch.int32, device=DEVICE),
+                12,
+                4,
+            ),
+            "req_id must be int64, got Int",
+        ),
+        (
+            "remap_locs",
+            lambda: (
+                torch.zeros(4, 2, dtype=torch.int32, device=DEVICE),
+                torch.zeros(3, dtype=torch.int64, device=DEVICE),
+                torch.full((24,), -1, dtype=torch.int32, device=DEVICE),
+                12,
+                4,
+            ),
+            "req_id must have one id per row of locs",
+        ),
+        (
+            "remap_locs",
+            lambda: (
+                torch.zeros(4, 2, dtype=torch.int32, device=DEVICE),
+                torch.zeros(4, dtype=torch.int64, device=DEVICE),
+                torch.full((25,), -1, dtype=torch.int32, device=DEVICE),
+                12,
+                4,
+            ),
+            "inverse must hold R * C entries with C = capacity = 12, got 25",
+        ),
+        (
+            "build_page_inverse",
+            lambda: (torch.zeros(2, 3, dtype=torch.float32, device=DEVICE), 12),
+            "page_table must be int32 or int64, got Float",
+        ),
         ("build_page_inverse", lambda: (torch.zeros(2, 3, dtype=torch.int32), 12), "page_table must be a CUDA tensor"),
-        ("copy_pages", lambda: (torch.zeros(4, 8, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE), torch.zeros(4, 8, dtype=torch.float16, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE)), "src and dst must have one dtype"),
-        ("copy_pages", lambda: (torch.zeros(4, 8, device=DEVICE), torch.zeros(2, dtype=torch.int32, device=DEVICE), torch.zeros(4, 8, device=DEVICE), torch.zeros(3, dtype=torch.int32, device=DEVICE)), "dst_page must have one entry per src_page entry (2), got 3"),
-        ("scatter_rows", lambda: (torch.zeros(4, 8, device=DEVICE), torch.zeros(5, dtype=torch.int64, device=DEVICE), torch.zeros(6, 8, device=DEVICE)), "dst_loc must have one entry per src row (4), got 5"),
-        ("scatter_rows", lambda: (torch.zeros(4, 8, device=DEVICE)[:, ::2], torch.zeros(4, dtype=torch.int64, device=DEVICE), torch.zeros(6, 4, device=DEVICE)), "src must be contiguous after dim 0"),
+        (
+            "copy_pages",
+            lambda: (
+                torch.zeros(4, 8, device=DEVICE),
+                torch.zeros(2, dtype=torch.int32, device=DEVICE),
+                torch.zeros(4, 8, dtype=torch.float16, device=DEVICE),
+                torch.zeros(2, dtype=torch.int32, device=DEVICE),
+            ),
+            "src and dst must have one dtype",
+        ),
+        (
+            "copy_pages",
+            lambda: (
+                torch.zeros(4, 8, device=DEVICE),
+                torch.zeros(2, dtype=torch.int32, device=DEVICE),
+                torch.zeros(4, 8, device=DEVICE),
+                torch.zeros(3, dtype=torch.int32, device=DEVICE),
+            ),
+            "dst_page must have one entry per src_page entry (2), got 3",
+        ),
+        (
+            "scatter_rows",
+            lambda: (
+                torch.zeros(4, 8, device=DEVICE),
+                torch.zeros(5, dtype=torch.int64, device=DEVICE),
+                torch.zeros(6, 8, device=DEVICE),
+            ),
+            "dst_loc must have one entry per src row (4), got 5",
+        ),
+        (
+            "scatter_rows",
+            lambda: (
+                torch.zeros(4, 8, device=DEVICE)[:, ::2],
+                torch.zeros(4, dtype=torch.int64, device=DEVICE),
+                torch.zeros(6, 4, device=DEVICE),
+            ),
+            "src must be contiguous after dim 0",
+        ),
     ],
 )
 def test_checks_name_the_bad_argument(cuda_ops, op, make_args, message):

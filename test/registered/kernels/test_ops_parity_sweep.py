@@ -20,7 +20,15 @@ import torch
 from sglang_cpkv.ops import reference
 from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE, new_error_counter
 from sglang_cpkv.testing.ci_register import register_cuda_ci
-from sglang_cpkv.testing.ops_cases import ROW_LAYOUTS, random_batch, random_rows, run_layer_sequence, same_bytes, topk_locs, truth_dense
+from sglang_cpkv.testing.ops_cases import (
+    ROW_LAYOUTS,
+    random_batch,
+    random_rows,
+    run_layer_sequence,
+    same_bytes,
+    topk_locs,
+    truth_dense,
+)
 
 register_cuda_ci(est_time=60, stage="cpkv", runner_config="1-gpu")
 
@@ -30,7 +38,9 @@ LAYOUTS = sorted(ROW_LAYOUTS)
 PATTERNS = ["dense", "masked"]
 PROVIDERS = ["triton", "cuda"]
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the parity sweep needs a CUDA GPU (CPU subset: test_triton_ops.py)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the parity sweep needs a CUDA GPU (CPU subset: test_triton_ops.py)"
+)
 
 
 def _cuda_ops():
@@ -79,7 +89,13 @@ def test_layer_sequence_parity(batch_rows, page_size, layout, pattern, provider)
     seed = batch_rows * 1000 + page_size * 10 + LAYOUTS.index(layout) * 2 + PATTERNS.index(pattern)
     # Sparse page sets from a 512-page pool, page 3 shared by every request, tables padded to a bucket.
     batch = random_batch(batch_rows, page_size, 512, 24, _gen(seed), shared_pages=(3,), pages_per_request=32)
-    kwargs = dict(cp_size=2 if pattern == "masked" else 1, skip=0.1 if pattern == "masked" else 0.0, topk_shape=(64, 512), seed=seed, device="cuda")
+    kwargs = dict(
+        cp_size=2 if pattern == "masked" else 1,
+        skip=0.1 if pattern == "masked" else 0.0,
+        topk_shape=(64, 512),
+        seed=seed,
+        device="cuda",
+    )
     ref = run_layer_sequence(reference, batch, layout, **kwargs)
     got = run_layer_sequence(impl, batch, layout, **kwargs)
     _assert_same(ref, got)
@@ -115,7 +131,13 @@ def test_shared_page_regression(provider):
         dense = random_rows(4 * page_size, "bf16", gen, "cuda")
         current = random_rows(8, "bf16", gen, "cuda")
         inverse = backend.build_page_inverse(table, capacity, errors)
-        backend.copy_pages(pool.view(capacity, -1), table.view(-1), dense.view(4, -1), torch.arange(4, dtype=torch.int32, device="cuda"), errors)
+        backend.copy_pages(
+            pool.view(capacity, -1),
+            table.view(-1),
+            dense.view(4, -1),
+            torch.arange(4, dtype=torch.int32, device="cuda"),
+            errors,
+        )
         locs = torch.tensor([5 * 64 + 60 + i for i in range(4)] * 2, dtype=torch.int64, device="cuda")
         req = torch.tensor([0] * 4 + [1] * 4, device="cuda")
         dense_locs = backend.remap_locs(locs, req, inverse, capacity, page_size, errors)
@@ -143,7 +165,13 @@ def test_bad_ids_dropped_and_counted(provider):
         guard = random_rows(6, "fp8_packed", _gen(2), "cuda")
         before = guard.clone()
         backend.scatter_rows(src, torch.tensor([4, 1, -9], device="cuda"), guard[1:5], errors)
-        backend.copy_pages(src, torch.tensor([0, 3], dtype=torch.int32, device="cuda"), guard[1:5], torch.tensor([4, 0], dtype=torch.int32, device="cuda"), errors)
+        backend.copy_pages(
+            src,
+            torch.tensor([0, 3], dtype=torch.int32, device="cuda"),
+            guard[1:5],
+            torch.tensor([4, 0], dtype=torch.int32, device="cuda"),
+            errors,
+        )
         assert same_bytes(guard[0], before[0]) and same_bytes(guard[5], before[5])
         counts.append((errors.tolist(), guard))
     (ref_err, ref_guard), (got_err, got_guard) = counts
@@ -175,7 +203,9 @@ def test_realistic_sizes(provider):
         dst_page = torch.randperm(2048, generator=_gen(46)).to(torch.int32).cuda()
         backend.copy_pages(pool, src_page, dense, dst_page, errors)
         rows = random_rows(50000, "fp8_packed", _gen(47), "cuda")
-        backend.scatter_rows(rows, torch.randperm(2048 * 64, generator=_gen(48))[:50000].cuda(), dense.view(-1, 656), errors)
+        backend.scatter_rows(
+            rows, torch.randperm(2048 * 64, generator=_gen(48))[:50000].cuda(), dense.view(-1, 656), errors
+        )
         outputs.append((inverse, topk, dense, errors))
     for a, b in zip(*outputs):
         assert same_bytes(a, b)

@@ -22,7 +22,16 @@ from sglang_cpkv.ops import reference
 from sglang_cpkv.ops import triton as triton_ops
 from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE, new_error_counter
 from sglang_cpkv.testing.ci_register import register_cpu_ci
-from sglang_cpkv.testing.ops_cases import ROW_LAYOUTS, current_locs, random_batch, random_rows, run_layer_sequence, same_bytes, topk_locs, truth_dense
+from sglang_cpkv.testing.ops_cases import (
+    ROW_LAYOUTS,
+    current_locs,
+    random_batch,
+    random_rows,
+    run_layer_sequence,
+    same_bytes,
+    topk_locs,
+    truth_dense,
+)
 
 register_cpu_ci(est_time=60, suite="cpkv-cpu")
 
@@ -56,7 +65,9 @@ def test_build_page_inverse_matches_reference(index_dtype, block_c):
     gen = _gen(1)
     batch = random_batch(3, 16, 40, 7, gen, shared_pages=(5,), pages_per_request=9)
     table = batch.page_table.to(index_dtype)
-    (ref, ref_err), (tri, tri_err) = _both("build_page_inverse", table, 40, block_c=block_c, block_p=4 if block_c else 0)
+    (ref, ref_err), (tri, tri_err) = _both(
+        "build_page_inverse", table, 40, block_c=block_c, block_p=4 if block_c else 0
+    )
     assert torch.equal(ref, tri), (ref.view(3, 40), tri.view(3, 40))
     assert torch.equal(ref_err, tri_err) and int(tri_err.sum()) == 0
 
@@ -85,7 +96,9 @@ def test_remap_topk_locs_matches_reference(loc_dtype, page_size, tiles):
     batch = random_batch(3, page_size, 30, 6, gen, shared_pages=(4,))
     inverse = reference.build_page_inverse(batch.page_table, 30, new_error_counter("cpu"))
     locs, req = topk_locs(batch, 9, 13, gen)
-    (ref, ref_err), (tri, tri_err) = _both("remap_locs", locs.to(loc_dtype), req, inverse, 30, page_size, block_n=tiles[0], block_k=tiles[1])
+    (ref, ref_err), (tri, tri_err) = _both(
+        "remap_locs", locs.to(loc_dtype), req, inverse, 30, page_size, block_n=tiles[0], block_k=tiles[1]
+    )
     assert tri.dtype == torch.int32 and tri.shape == locs.shape
     assert torch.equal(ref, tri)
     assert torch.equal(ref_err, tri_err)
@@ -93,7 +106,9 @@ def test_remap_topk_locs_matches_reference(loc_dtype, page_size, tiles):
 
 
 def test_remap_counts_bad_request_and_page_ids():
-    inverse = reference.build_page_inverse(torch.tensor([[1, 5], [9, 5]], dtype=torch.int32), 12, new_error_counter("cpu"))
+    inverse = reference.build_page_inverse(
+        torch.tensor([[1, 5], [9, 5]], dtype=torch.int32), 12, new_error_counter("cpu")
+    )
     # rows: request 0, padding row, request 7 (>= R), request -3 (< -1), request 1
     locs = torch.tensor([[4, 48, -1], [4, 99, 7], [4, -1, 8], [21, -5, 36], [47, 50, 23]], dtype=torch.int32)
     req = torch.tensor([0, -1, 7, -3, 1])
@@ -119,7 +134,14 @@ def test_remap_current_locs_1d(loc_dtype):
 def test_remap_takes_compact_request_ids_only():
     inverse = torch.full((24,), -1, dtype=torch.int32)
     with pytest.raises(ValueError, match="one id per row"):
-        triton_ops.remap_locs(torch.zeros(4, 3, dtype=torch.int32), torch.zeros(4, 3, dtype=torch.int64), inverse, 12, 4, new_error_counter("cpu"))
+        triton_ops.remap_locs(
+            torch.zeros(4, 3, dtype=torch.int32),
+            torch.zeros(4, 3, dtype=torch.int64),
+            inverse,
+            12,
+            4,
+            new_error_counter("cpu"),
+        )
 
 
 # --- copy_pages / scatter_rows ---------------------------------------------------------------
@@ -147,7 +169,9 @@ def test_copy_pages_byte_exact_and_bounded(layout, index_dtype, block_words):
         before = buffer.clone()
         errors = new_error_counter("cpu")
         impl.copy_pages(src, src_page, dst, dst_page, errors, **knobs)
-        assert same_bytes(buffer[0], before[0]) and same_bytes(buffer[-1], before[-1]), "a bad page id wrote outside dst"
+        assert same_bytes(buffer[0], before[0]) and same_bytes(buffer[-1], before[-1]), (
+            "a bad page id wrote outside dst"
+        )
         outs.append((buffer, errors))
     (ref, ref_err), (tri, tri_err) = outs
     assert same_bytes(ref, tri)
@@ -199,7 +223,9 @@ def test_materialize_and_fill_current_rows_win_over_copied_pages(layout):
         assert same_bytes(buffer[0], before[0]) and same_bytes(buffer[-1], before[-1]), "a bad id wrote outside dense"
         outs.append((dense, errors))
     rows = outs[0][0].view(16, -1)
-    assert same_bytes(rows[1], current[1]) and same_bytes(rows[2], current[2]), "current rows must win over the copied page"
+    assert same_bytes(rows[1], current[1]) and same_bytes(rows[2], current[2]), (
+        "current rows must win over the copied page"
+    )
     assert same_bytes(rows[0], pool[3].view(page_size, -1)[0]) and same_bytes(rows[3], pool[3].view(page_size, -1)[3])
     for dense, errors in outs:
         assert same_bytes(dense, outs[0][0])
@@ -222,7 +248,12 @@ def test_scatter_rows_unaligned_view_falls_back_to_narrower_words():
 def test_shape_and_dtype_errors_name_the_values():
     errors = new_error_counter("cpu")
     with pytest.raises(ValueError, match="one dtype and row width"):
-        triton_ops.scatter_rows(torch.zeros(2, 8, dtype=torch.uint8), torch.zeros(2, dtype=torch.int64), torch.zeros(4, 4, dtype=torch.uint8), errors)
+        triton_ops.scatter_rows(
+            torch.zeros(2, 8, dtype=torch.uint8),
+            torch.zeros(2, dtype=torch.int64),
+            torch.zeros(4, 4, dtype=torch.uint8),
+            errors,
+        )
     with pytest.raises(ValueError, match="int32 or int64"):
         triton_ops.copy_pages(torch.zeros(2, 8), torch.zeros(1), torch.zeros(2, 8), torch.zeros(1), errors)
     with pytest.raises(ValueError, match="contiguous int32"):
@@ -247,7 +278,9 @@ def test_shared_partial_page_keeps_each_request_its_own_rows(backend, monkeypatc
     errors = new_error_counter("cpu")
     inverse = ops.build_page_inverse(table, capacity, errors)
     dense = random_rows(4 * page_size, "bf16", gen)
-    ops.copy_pages(pool.view(capacity, -1), table.view(-1), dense.view(4, -1), torch.arange(4, dtype=torch.int32), errors)
+    ops.copy_pages(
+        pool.view(capacity, -1), table.view(-1), dense.view(4, -1), torch.arange(4, dtype=torch.int32), errors
+    )
     # History: 6 tokens each (page 1 or 9, then 2 tokens of page 5); current: offsets 2, 3 of page 5.
     cur_locs = torch.tensor([22, 23, 22, 23], dtype=torch.int32)
     cur_req = torch.tensor([0, 0, 1, 1])
@@ -271,7 +304,7 @@ def test_forced_backend_setting(monkeypatch):
         monkeypatch.setenv(ops.BACKEND_ENV, name)
         assert ops.select_backend("cpu") == name
     monkeypatch.setenv(ops.BACKEND_ENV, "cuda")
-    with pytest.raises(RuntimeError, match="SGLANG_CPKV_OPS_BACKEND=cuda cannot run .* cpu tensors"):
+    with pytest.raises(RuntimeError, match=r"SGLANG_CPKV_OPS_BACKEND=cuda cannot run .* cpu tensors"):
         ops.build_page_inverse(torch.zeros(1, 1, dtype=torch.int32), 4, new_error_counter("cpu"))
     monkeypatch.setenv(ops.BACKEND_ENV, "fastest")
     with pytest.raises(RuntimeError, match="must be one of auto, cuda, triton, torch, got 'fastest'"):
@@ -298,7 +331,9 @@ def test_backend_choice_logged_once(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="sglang_cpkv.ops"):
         for _ in range(3):
             ops.select_backend("cpu")
-    assert [r.getMessage() for r in caplog.records] == ["CP shared-KV ops run on the triton backend (SGLANG_CPKV_OPS_BACKEND=auto, cpu tensors)"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "CP shared-KV ops run on the triton backend (SGLANG_CPKV_OPS_BACKEND=auto, cpu tensors)"
+    ]
 
 
 def test_without_interpreter_cpu_ops_use_torch():

@@ -250,7 +250,7 @@ def test_apply_writes_nothing_when_a_later_hunk_fails(tmp_path: Path, test_queue
     fix.write_text("".join(lines))
     tree = _tree(wheel, tmp_path / "site", [SERVER_ARGS, COMPILE_UTILS])
     before = {rel: (tree / rel).read_bytes() for rel in (SERVER_ARGS, COMPILE_UTILS)}
-    with pytest.raises(overlay.HunkFailure, match="fix-compile-utils.patch.*hunk 1.*does not match"):
+    with pytest.raises(overlay.HunkFailure, match=r"fix-compile-utils\.patch.*hunk 1.*does not match"):
         overlay.apply_queue(tree, test_queue)
     assert {rel: (tree / rel).read_bytes() for rel in before} == before
     assert not (tree / overlay.RECORD_NAME).exists()

@@ -90,9 +90,9 @@ def test_rebase_0_5_22_to_0_5_23_reports_each_verdict_and_moves_the_pin(tmp_path
     ]
     refreshed = (root / "patches" / "core" / "demo-offset.patch").read_text()
     assert refreshed != offset_patch_before
-    assert (
-        refreshed.splitlines()[0] == offset_patch_before.splitlines()[0]
-    ), "the patch's header comment survives a refresh"
+    assert refreshed.splitlines()[0] == offset_patch_before.splitlines()[0], (
+        "the patch's header comment survives a refresh"
+    )
     # The rebased queue is a valid queue on the new pin: strict, no offsets.
     assert overlay.check_queue(root).startswith("ok: 2 patches")
 

@@ -75,7 +75,13 @@ class FakeServer:
                     return web.Response(status=500, text="planted failure")
         finally:
             self.in_flight.remove(prompt)
-        return web.json_response({"object": "text_completion", "model": MODEL, "choices": [{"index": 0, "text": text, "finish_reason": "length"}]})
+        return web.json_response(
+            {
+                "object": "text_completion",
+                "model": MODEL,
+                "choices": [{"index": 0, "text": text, "finish_reason": "length"}],
+            }
+        )
 
     def _serve(self):
         asyncio.set_event_loop(self._loop)
@@ -131,7 +137,12 @@ def test_clean_server_passes(tmp_path):
 def test_planted_leak_is_flagged_and_exits_nonzero(tmp_path):
     out = tmp_path / "leak.json"
     with FakeServer("leak") as server:
-        proc = subprocess.run([sys.executable, SCRIPT, "--url", server.url, *CLIENT_ARGS, "--out", str(out)], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, SCRIPT, "--url", server.url, *CLIENT_ARGS, "--out", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert proc.returncode == EXIT_CONTAMINATION, proc.stderr
     summary = json.loads(out.read_text())
     assert json.loads(proc.stdout) == summary
@@ -159,7 +170,9 @@ def test_failed_request_is_an_error(tmp_path):
     assert len(summary["errors"]) == 1 and "HTTP 500" in summary["errors"][0]
 
 
-@pytest.mark.parametrize("args", [["-n", "1"], ["-n", "100000"], ["--url", "http://127.0.0.1:8000/v1/completions"], ["--rounds", "0"]])
+@pytest.mark.parametrize(
+    "args", [["-n", "1"], ["-n", "100000"], ["--url", "http://127.0.0.1:8000/v1/completions"], ["--rounds", "0"]]
+)
 def test_out_of_bounds_arguments_are_refused(args):
     with pytest.raises(SystemExit) as exc:
         main(args)

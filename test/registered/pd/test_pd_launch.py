@@ -58,7 +58,13 @@ def test_default_deployment_is_accepted_by_upstream_parsers():
     text = dry_run_text(cfg())
     prefill = build_command("prefill", cfg())
     assert prefill[1:3] == ["-m", "sglang.launch_server"]
-    for flag in ("--enable-prefill-cp", "--attn-cp-size", "--cp-strategy", "--dsa-prefill-backend", "--dsa-decode-backend"):
+    for flag in (
+        "--enable-prefill-cp",
+        "--attn-cp-size",
+        "--cp-strategy",
+        "--dsa-prefill-backend",
+        "--dsa-decode-backend",
+    ):
         assert flag in prefill
     assert prefill[prefill.index("--attn-cp-size") + 1] == "8"
     assert prefill[prefill.index("--disaggregation-mode") + 1] == "prefill"
@@ -110,7 +116,7 @@ def test_cp_shared_kv_flag_is_opt_in_and_checked_against_the_installed_upstream(
     if patched:
         assert "# prefill: flags accepted" in dry_run_text(config, ["prefill"])
     else:
-        with pytest.raises(PDLaunchError, match="sglang_cpkv.overlay apply"):
+        with pytest.raises(PDLaunchError, match=r"sglang_cpkv\.overlay apply"):
             dry_run_text(config, ["prefill"])
 
 
@@ -139,11 +145,22 @@ def test_dry_run_through_the_bash_launcher():
 
 def test_documented_env_file_sets_only_settings_the_launcher_reads():
     # A misspelled PD_* variable would be ignored silently on the cluster.
-    shown = subprocess.run(["bash", "-c", f". {PD / 'glm51-fp8-b300.env'} && env -0"], capture_output=True, timeout=30,
-                           env={"PATH": os.environ["PATH"]}, check=True).stdout.decode().split("\0")  # fmt: skip
+    shown = (
+        subprocess.run(
+            ["bash", "-c", f". {PD / 'glm51-fp8-b300.env'} && env -0"],
+            capture_output=True,
+            timeout=30,
+            env={"PATH": os.environ["PATH"]},
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     env = dict(item.split("=", 1) for item in shown if "=" in item)
     pd_vars = {k for k in env if k.startswith("PD_")}
-    assert pd_vars and pd_vars <= set(ENV_DEFAULTS) | {"PD_PYTHON", "PD_LAUNCH_PYTHON", "PD_ENV_FILE"}, sorted(pd_vars - set(ENV_DEFAULTS))
+    assert pd_vars and pd_vars <= set(ENV_DEFAULTS) | {"PD_PYTHON", "PD_LAUNCH_PYTHON", "PD_ENV_FILE"}, sorted(
+        pd_vars - set(ENV_DEFAULTS)
+    )
     config = PDConfig.from_env(env)
     assert (config.prefill_tp, config.prefill_cp, config.decode_tp, config.decode_dp) == (8, 8, 8, 8)
     assert env["NCCL_IB_HCA"].count("roce_vf_rail") == 8
@@ -252,11 +269,18 @@ def test_start_health_wait_status_and_stop_end_exactly_the_started_group(stub_en
 
 
 def test_up_starts_all_three_roles_in_order_and_stop_ends_them(stub_env, tmp_path):
-    env = {**stub_env, "PD_DECODE_HOST": "127.0.0.1", "PD_DECODE_PORT": str(free_port()),
-           "PD_ROUTER_HOST": "127.0.0.1", "PD_ROUTER_PORT": str(free_port())}  # fmt: skip
+    env = {
+        **stub_env,
+        "PD_DECODE_HOST": "127.0.0.1",
+        "PD_DECODE_PORT": str(free_port()),
+        "PD_ROUTER_HOST": "127.0.0.1",
+        "PD_ROUTER_PORT": str(free_port()),
+    }
     up = launch(PD / "up.sh", env=env)
     assert up.returncode == 0, up.stderr
-    assert [line for line in up.stderr.splitlines() if "is healthy" in line] == [f"[pd_launch] {r} is healthy" for r in ROLES]
+    assert [line for line in up.stderr.splitlines() if "is healthy" in line] == [
+        f"[pd_launch] {r} is healthy" for r in ROLES
+    ]
     records = {r: json.loads((tmp_path / "logs" / f"{r}.pid").read_text()) for r in ROLES}
     assert "-m sglang_router.launch_router --pd-disaggregation" in " ".join(records["router"]["argv"])
     assert launch(PD / "stop.sh", env=env).returncode == 0

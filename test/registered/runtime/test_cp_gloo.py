@@ -42,7 +42,12 @@ def _cases(cp):
     ]
     rng = random.Random(100 + cp)
     randoms = [random_case(rng, max_cp=1) for _ in range(6)]
-    randoms = [BatchCase(c.page_size, c.capacity, c.page_tables, c.prefix_lens, c.extend_lens, cp, ("interleave", "zigzag")[i % 2]) for i, c in enumerate(randoms)]
+    randoms = [
+        BatchCase(
+            c.page_size, c.capacity, c.page_tables, c.prefix_lens, c.extend_lens, cp, ("interleave", "zigzag")[i % 2]
+        )
+        for i, c in enumerate(randoms)
+    ]
     payloads = []
     for i, case in enumerate(fixed + randoms):
         dtype, width = ((torch.bfloat16, 8), (torch.uint8, 12))[i % 2]
@@ -67,7 +72,12 @@ def test_gloo_ranks_equal_cp1(cp):
             assert rows_equal(got["current_full"], current)
         # Reads, request ids and pool writes against the truth, with each rank's own plan.
         in_process = simulate_cp_ranks(case, pool, current, topk)
-        rank_results = [RankResult(in_process[k].plan, results[k][i]["dense"], results[k][i]["remapped"], results[k][i]["pool_after"]) for k in range(cp)]
+        rank_results = [
+            RankResult(
+                in_process[k].plan, results[k][i]["dense"], results[k][i]["remapped"], results[k][i]["pool_after"]
+            )
+            for k in range(cp)
+        ]
         assert check_against_truth(case, pool, current, positions, rank_results) == [], case
         locs = case.out_cache_loc()
         if len(set(locs)) == len(locs):  # duplicate locations: the pool winner is unspecified

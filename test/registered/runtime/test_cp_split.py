@@ -14,7 +14,14 @@ from sglang_cpkv.testing.ci_register import register_cpu_ci
 register_cpu_ci(est_time=45, suite="cpkv-cpu")
 
 # (extend_lens, cp) batches: uneven totals force padding rows on some ranks.
-BATCHES = [([3, 1, 6], 2), ([3, 1, 6], 4), ([5, 9, 2, 7], 8), ([10], 4), ([1, 1, 1, 1, 1, 1, 1, 1, 2], 8), ([16, 17], 8)]
+BATCHES = [
+    ([3, 1, 6], 2),
+    ([3, 1, 6], 4),
+    ([5, 9, 2, 7], 8),
+    ([10], 4),
+    ([1, 1, 1, 1, 1, 1, 1, 1, 2], 8),
+    ([16, 17], 8),
+]
 
 
 def _plan_for(extend_lens, cp, rank, strategy):
@@ -25,25 +32,36 @@ def _plan_for(extend_lens, cp, rank, strategy):
         tables.append(list(range(start, start + e)))
         start += e
     loc = torch.arange(n, dtype=torch.int64)
-    return build_plan(tables, [0] * len(extend_lens), extend_lens, loc, capacity=n, page_size=1, cp_size=cp, cp_rank=rank, strategy=strategy)
+    return build_plan(
+        tables,
+        [0] * len(extend_lens),
+        extend_lens,
+        loc,
+        capacity=n,
+        page_size=1,
+        cp_size=cp,
+        cp_rank=rank,
+        strategy=strategy,
+    )
 
 
 @pytest.mark.parametrize("extend_lens,cp", BATCHES)
 def test_interleave_companion_request_ids_follow_the_locations(extend_lens, cp):
     n = sum(extend_lens)
     token_req = [r for r, e in enumerate(extend_lens) for _ in range(e)]
-    physical = -(-(-(-n // cp)) // cp) * cp  # roundup(ceil(N/cp), cp)
+    longest = -(-n // cp)
+    physical = -(-longest // cp) * cp  # roundup(ceil(N/cp), cp)
     seen = []
     for rank in range(cp):
         plan = _plan_for(extend_lens, cp, rank, "interleave")
         assert plan.split.physical_rows == physical
         locs = plan.local_out_cache_loc.tolist()
         reqs = plan.local_req_id.tolist()
-        real = [t for t in range(rank, n, cp)]
+        real = list(range(rank, n, cp))
         assert locs[: len(real)] == real  # page_size 1 and identity pages: loc == token index
         assert reqs[: len(real)] == [token_req[t] for t in real]
-        assert locs[len(real):] == [-1] * (physical - len(real))
-        assert reqs[len(real):] == [-1] * (physical - len(real))
+        assert locs[len(real) :] == [-1] * (physical - len(real))
+        assert reqs[len(real) :] == [-1] * (physical - len(real))
         seen += real
     assert sorted(seen) == list(range(n))
 
@@ -63,7 +81,7 @@ def test_zigzag_companion_request_ids_and_padding(extend_lens, cp):
         assert reqs[:logical] == [token_req[t] for t in locs[:logical]]
         assert locs[logical:] == [-1] * (physical - logical) and reqs[logical:] == [-1] * (physical - logical)
         # Rank r holds block r of each request, then block 2cp-1-r of each request.
-        first_blocks = [t for t in locs[:logical]]
+        first_blocks = list(locs[:logical])
         starts = [sum(extend_lens[:r]) for r in range(len(extend_lens))]
         expect = []
         for half in (rank, 2 * cp - 1 - rank):

@@ -53,7 +53,9 @@ CLASS_COUNTS: Counter = Counter()
     database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
-@given(case=batch_cases(), row_kind=st.sampled_from(["bf16", "bytes"]), seed=st.integers(0, 2**16), checked=st.booleans())
+@given(
+    case=batch_cases(), row_kind=st.sampled_from(["bf16", "bytes"]), seed=st.integers(0, 2**16), checked=st.booleans()
+)
 def _property(case, row_kind, seed, checked):
     event(case.state_class)
     CLASS_COUNTS[case.state_class] += 1

@@ -7,7 +7,6 @@ dispatch to a GPU kernel backend (the torch reference itself synchronizes by des
 
 import random
 import sys
-from contextlib import nullcontext
 
 import pytest
 import torch
@@ -37,7 +36,9 @@ from sglang_cpkv.testing.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=60, stage="cpkv", runner_config="1-gpu")
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU suite covers the runtime on CPU)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the CPU suite covers the runtime on CPU)"
+)
 
 CASES = [
     BatchCase(4, 16, ((1, 5), (9, 5)), (5, 5), (2, 2)),  # the seed's shared partial page 5
@@ -66,9 +67,17 @@ def test_gpu_layers_equal_cpu_without_host_sync(index):
         if no_sync:
             guard("error")
         plan = build_plan(
-            [list(t) for t in case.page_tables], case.prefix_lens, case.extend_lens, out_cache_loc,
-            capacity=case.capacity, page_size=case.page_size, cp_size=1, cp_rank=0, strategy="interleave", checked=False,
-        )  # fmt: skip
+            [list(t) for t in case.page_tables],
+            case.prefix_lens,
+            case.extend_lens,
+            out_cache_loc,
+            capacity=case.capacity,
+            page_size=case.page_size,
+            cp_size=1,
+            cp_rank=0,
+            strategy="interleave",
+            checked=False,
+        )
         buffers = (new_dense_buffer(plan, (656,), torch.uint8), new_dense_buffer(plan, (656,), torch.uint8))
         for b in buffers:
             b.fill_(POISON_BYTE)
@@ -88,7 +97,9 @@ def test_gpu_layers_equal_cpu_without_host_sync(index):
     plan.raise_if_errors("gpu test")
     for layer in range(layers):
         ref = expected[layer]
-        rows = torch.tensor([i for i in range(ref.dense.shape[0]) if not bool((ref.dense[i] == POISON_BYTE).all())], dtype=torch.int64)
+        rows = torch.tensor(
+            [i for i in range(ref.dense.shape[0]) if not bool((ref.dense[i] == POISON_BYTE).all())], dtype=torch.int64
+        )
         # Rows the CPU run wrote must match; a buffer reused two layers later may hold stale rows elsewhere.
         assert rows_equal(dense_out[layer].cpu()[rows], ref.dense[rows]), f"layer {layer}: dense view differs from CPU"
         assert torch.equal(remapped_out[layer].cpu(), ref.remapped), f"layer {layer}: remapped top-k differs from CPU"

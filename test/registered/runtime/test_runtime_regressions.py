@@ -84,7 +84,7 @@ def test_shared_page_5_each_request_keeps_its_own_slot_and_current_write():
     for r in range(2):
         for p in range(7):
             assert rows_equal(dense[dense_loc(case, P, r, p)], truth[r][p]), (r, p)
-        d, row = _read(case, plan, dense, r, 5 * 4 + 1)  # both requests read "their" loc 21
+        _, row = _read(case, plan, dense, r, 5 * 4 + 1)  # both requests read "their" loc 21
         assert rows_equal(row, current[2 * r]), f"request {r} read another request's current KV"
 
 
@@ -95,7 +95,15 @@ def test_shared_page_5_value_keyed_inverse_contaminates():
     pool, current = make_pool_and_current(case, torch.bfloat16, 8, seed=1)
     topk = torch.tensor([[21], [21], [21], [21]])
     dense, remapped = value_keyed_pipeline(
-        plan.page_table, case.prefix_lens, case.extend_lens, torch.tensor(case.out_cache_loc()), pool, current, topk, case.capacity, case.page_size
+        plan.page_table,
+        case.prefix_lens,
+        case.extend_lens,
+        torch.tensor(case.out_cache_loc()),
+        pool,
+        current,
+        topk,
+        case.capacity,
+        case.page_size,
     )
     read_by_request_0 = dense[int(remapped[0, 0])]
     assert rows_equal(read_by_request_0, current[2]) and not rows_equal(read_by_request_0, current[0])
@@ -104,7 +112,13 @@ def test_shared_page_5_value_keyed_inverse_contaminates():
 def test_bs_gt_1_shared_prefix_and_current_reuse_equal_bs_1():
     # A and B share full page 3 (page-aligned radix sharing); A's history ends mid-page 7 and its
     # current chunk continues it (CURRENT_REUSE); C has no history. Reachable in 0.5.23.
-    case = BatchCase(page_size=4, capacity=16, page_tables=((3, 7, 2), (3, 8), (11, 12)), prefix_lens=(6, 4, 0), extend_lens=(5, 3, 7))
+    case = BatchCase(
+        page_size=4,
+        capacity=16,
+        page_tables=((3, 7, 2), (3, 8), (11, 12)),
+        prefix_lens=(6, 4, 0),
+        extend_lens=(5, 3, 7),
+    )
     assert case.state_class == REACHABLE
     for dtype, width in ((torch.bfloat16, 576), (torch.uint8, 656)):  # bf16 rows, packed FP8 rows as bytes
         pool, current = make_pool_and_current(case, dtype, width, seed=2)
@@ -118,7 +132,10 @@ def test_bs_gt_1_shared_prefix_and_current_reuse_equal_bs_1():
             solo_plan = _plan(alone)
             solo = build_dense_view(solo_plan, pool, cur, new_dense_buffer(solo_plan, (width,), dtype), GROUP)
             for p in range(case.prefix_lens[r] + case.extend_lens[r]):
-                assert rows_equal(dense[dense_loc(case, plan.pages_per_request, r, p)], solo[dense_loc(alone, solo_plan.pages_per_request, 0, p)]), (dtype, r, p)
+                assert rows_equal(
+                    dense[dense_loc(case, plan.pages_per_request, r, p)],
+                    solo[dense_loc(alone, solo_plan.pages_per_request, 0, p)],
+                ), (dtype, r, p)
         topk, positions = random_topk(case, 5, seed=3)
         assert check_against_truth(case, pool, current, positions, simulate_cp_ranks(case, pool, current, topk)) == []
 
@@ -141,9 +158,21 @@ def test_c2_valid_history_loc_not_dropped_when_another_request_writes_that_page(
     # The value-keyed control drops or replaces it.
     topk = torch.tensor([[24, 25, 26]] * case.num_tokens)
     dense_1d, remapped_1d = value_keyed_pipeline(
-        plan.page_table, case.prefix_lens, case.extend_lens, torch.tensor(case.out_cache_loc()), pool, current, topk, case.capacity, case.page_size
+        plan.page_table,
+        case.prefix_lens,
+        case.extend_lens,
+        torch.tensor(case.out_cache_loc()),
+        pool,
+        current,
+        topk,
+        case.capacity,
+        case.page_size,
     )
-    wrong = [p for p in range(3) if int(remapped_1d[0, p]) < 0 or not rows_equal(dense_1d[int(remapped_1d[0, p])], pool[24 + p])]
+    wrong = [
+        p
+        for p in range(3)
+        if int(remapped_1d[0, p]) < 0 or not rows_equal(dense_1d[int(remapped_1d[0, p])], pool[24 + p])
+    ]
     assert wrong, "the value-keyed control was expected to lose request 0's history"
 
 
@@ -169,7 +198,7 @@ def test_plan_build_errors_name_the_bad_value():
         _build(case, page_table=[[1, 5], [99, 5]])
     with pytest.raises(CpSharedKvError, match=r"request 0: page ids \[1\] appear twice"):
         _build(case, page_table=[[1, 1], [9, 5]])
-    with pytest.raises(CpSharedKvError, match="needs 2 pages .* > pages_per_request=1"):
+    with pytest.raises(CpSharedKvError, match=r"needs 2 pages .* > pages_per_request=1"):
         _build(case, pages_per_request=1)
     with pytest.raises(CpSharedKvError, match=r"page_table has 1 columns"):
         _build(case, page_table=[[1], [9]])
@@ -242,7 +271,16 @@ def test_prefetch_double_buffer_matches_direct_materialize():
 
 
 def test_buckets():
-    assert [bucket_pages_per_request(n) for n in (0, 1, 3, 4, 5, 4096, 4097, 9000)] == [1, 1, 4, 4, 8, 4096, 8192, 12288]
+    assert [bucket_pages_per_request(n) for n in (0, 1, 3, 4, 5, 4096, 4097, 9000)] == [
+        1,
+        1,
+        4,
+        4,
+        8,
+        4096,
+        8192,
+        12288,
+    ]
     assert _plan(SHARED_5).pages_per_request == 2
 
 

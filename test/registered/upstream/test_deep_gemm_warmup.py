@@ -48,7 +48,9 @@ SHAPES = (
     (KernelType.GEMM_NT_BF16BF16F32, 160, 6144, 1),
 )
 BASE = dict(model_path=str(GLM5_DIR), skip_tokenizer_init=True, device="cuda", tp_size=8, chunked_prefill_size=65536)
-SPLIT_FFN_ON_RANK_ROWS = dict(enable_prefill_cp=True, cp_strategy="interleave", moe_dense_tp_size=1, moe_a2a_backend="deepep")
+SPLIT_FFN_ON_RANK_ROWS = dict(
+    enable_prefill_cp=True, cp_strategy="interleave", moe_dense_tp_size=1, moe_a2a_backend="deepep"
+)
 
 
 def compiled_m_lists(monkeypatch, tmp_path, env=None, **server):
@@ -84,7 +86,7 @@ def test_prefill_cp_dense_prefix_grouped_full(monkeypatch, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="sglang_cpkv.deep_gemm_warmup"):
         asked, full = compiled_m_lists(monkeypatch, tmp_path, disaggregation_mode="prefill", **SPLIT_FFN_ON_RANK_ROWS)
     assert len(full) == 2 * 65536  # upstream: m_max = 2 x chunked prefill size
-    for kernel_type, _, _, num_groups in SHAPES:
+    for kernel_type, _, _, _num_groups in SHAPES:
         if kernel_type.name.startswith("GROUPED_"):
             assert asked[kernel_type] == full, kernel_type
         else:
@@ -96,8 +98,14 @@ def test_prefill_cp_dense_prefix_grouped_full(monkeypatch, tmp_path, caplog):
 
 def test_zigzag_at_batch_size_one_shrinks(monkeypatch, tmp_path):
     # zigzag forces moe_dense_tp_size=1 and deepep itself; bs=1 rules out its un-split fallback
-    asked, full = compiled_m_lists(monkeypatch, tmp_path, disaggregation_mode="prefill", enable_prefill_cp=True,
-                                   cp_strategy="zigzag", max_running_requests=1)
+    asked, full = compiled_m_lists(
+        monkeypatch,
+        tmp_path,
+        disaggregation_mode="prefill",
+        enable_prefill_cp=True,
+        cp_strategy="zigzag",
+        max_running_requests=1,
+    )
     assert asked[KernelType.GEMM_NT_F8F8BF16] == expected_dense(full, cp=8)
     assert asked[KernelType.GROUPED_GEMM_NT_F8F8BF16_CONTIG] == full
 
@@ -105,19 +113,32 @@ def test_zigzag_at_batch_size_one_shrinks(monkeypatch, tmp_path):
 def test_prefill_server_with_target_layout_draft_shrinks(monkeypatch, tmp_path):
     # EAGLE/NextN's prefill-time draft extend is an EXTEND batch under the target's CP; a P/D prefill
     # server never runs the decode-time draft extend
-    asked, full = compiled_m_lists(monkeypatch, tmp_path, disaggregation_mode="prefill", speculative_algorithm="EAGLE",
-                                   speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4,
-                                   **SPLIT_FFN_ON_RANK_ROWS)
+    asked, full = compiled_m_lists(
+        monkeypatch,
+        tmp_path,
+        disaggregation_mode="prefill",
+        speculative_algorithm="EAGLE",
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+        **SPLIT_FFN_ON_RANK_ROWS,
+    )
     assert asked[KernelType.GEMM_NT_F8F8BF16] == expected_dense(full, cp=8)
 
 
 def test_decoding_server_with_draft_under_cp_env(monkeypatch, tmp_path):
-    eagle = dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=1,
-                 speculative_num_draft_tokens=4, max_running_requests=1024)
+    eagle = dict(
+        speculative_algorithm="EAGLE",
+        speculative_num_steps=3,
+        speculative_eagle_topk=1,
+        speculative_num_draft_tokens=4,
+        max_running_requests=1024,
+    )
     asked, full = compiled_m_lists(monkeypatch, tmp_path, **SPLIT_FFN_ON_RANK_ROWS, **eagle)
     assert asked[KernelType.GEMM_NT_F8F8BF16] == full  # DRAFT_EXTEND_V2 is never CP in 0.5.23
-    asked, full = compiled_m_lists(monkeypatch, tmp_path, env={"SGLANG_CP_DRAFT_SHARED_KV": "1"},
-                                   **SPLIT_FFN_ON_RANK_ROWS, **eagle)
+    asked, full = compiled_m_lists(
+        monkeypatch, tmp_path, env={"SGLANG_CP_DRAFT_SHARED_KV": "1"}, **SPLIT_FFN_ON_RANK_ROWS, **eagle
+    )
     # un-split verify batches: 1024 requests x 4 draft tokens rows
     assert asked[KernelType.GEMM_NT_F8F8BF16] == expected_dense(full, cp=8, floor_extra=4096)
 
@@ -126,11 +147,25 @@ def test_decoding_server_with_draft_under_cp_env(monkeypatch, tmp_path):
     "server",
     [
         pytest.param(dict(disaggregation_mode="prefill"), id="cp1"),
-        pytest.param(dict(disaggregation_mode="prefill", enable_prefill_cp=True, cp_strategy="interleave"), id="interleave-gathered-ffn"),
-        pytest.param(dict(disaggregation_mode="prefill", enable_prefill_cp=True, cp_strategy="zigzag"), id="zigzag-bs-gt-1"),
-        pytest.param(dict(disaggregation_mode="prefill", speculative_algorithm="EAGLE3", speculative_draft_model_path=str(GLM5_DIR),
-                          speculative_num_steps=3, speculative_eagle_topk=1, speculative_num_draft_tokens=4, **SPLIT_FFN_ON_RANK_ROWS),
-                     id="single-group-draft-full-m"),
+        pytest.param(
+            dict(disaggregation_mode="prefill", enable_prefill_cp=True, cp_strategy="interleave"),
+            id="interleave-gathered-ffn",
+        ),
+        pytest.param(
+            dict(disaggregation_mode="prefill", enable_prefill_cp=True, cp_strategy="zigzag"), id="zigzag-bs-gt-1"
+        ),
+        pytest.param(
+            dict(
+                disaggregation_mode="prefill",
+                speculative_algorithm="EAGLE3",
+                speculative_draft_model_path=str(GLM5_DIR),
+                speculative_num_steps=3,
+                speculative_eagle_topk=1,
+                speculative_num_draft_tokens=4,
+                **SPLIT_FFN_ON_RANK_ROWS,
+            ),
+            id="single-group-draft-full-m",
+        ),
         pytest.param(dict(max_running_requests=None, **SPLIT_FFN_ON_RANK_ROWS), id="decode-batches-unbounded"),
     ],
 )

@@ -55,8 +55,13 @@ MODEL_DIR = Path(__file__).parent / "fixtures" / "dsa_v32"  # DeepseekV32ForCaus
 RAW_ROW, PACKED_ROW = 576, 656  # 512 + 64 fp8; 512 fp8 + 16 scale bytes + 64 bf16
 # What each backend's kernels read from an FP8 pool (dsa_backend.py: _forward_trtllm, the TileLang
 # kernels, and the flashmla_* paths that dequantize / feed FlashMLA's FP8 kernels).
-READS_ROW = {"trtllm": RAW_ROW, "tilelang": RAW_ROW, "flashmla_auto": PACKED_ROW, "flashmla_kv": PACKED_ROW,
-             "flashmla_sparse": PACKED_ROW}
+READS_ROW = {
+    "trtllm": RAW_ROW,
+    "tilelang": RAW_ROW,
+    "flashmla_auto": PACKED_ROW,
+    "flashmla_kv": PACKED_ROW,
+    "flashmla_sparse": PACKED_ROW,
+}
 OVERRIDES_REL = "srt/arg_groups/overrides.py"
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
@@ -89,8 +94,15 @@ def pristine_pass():
 
 def resolve(monkeypatch, *, sm, kv, role="null", prefill=None, decode=None, split_pass=None):
     """Resolve one ServerArgs; return ("ok", prefill, decode, pool row) or ("error", message)."""
-    args = ServerArgs(model_path=str(MODEL_DIR), skip_tokenizer_init=True, device="cuda", kv_cache_dtype=kv,
-                      disaggregation_mode=role, dsa_prefill_backend=prefill, dsa_decode_backend=decode)
+    args = ServerArgs(
+        model_path=str(MODEL_DIR),
+        skip_tokenizer_init=True,
+        device="cuda",
+        kv_cache_dtype=kv,
+        disaggregation_mode=role,
+        dsa_prefill_backend=prefill,
+        dsa_decode_backend=decode,
+    )
     with monkeypatch.context() as patched:
         patched.setattr(torch.cuda, "get_device_capability", lambda *a, **k: sm)
         if split_pass is not None:
@@ -102,7 +114,9 @@ def resolve(monkeypatch, *, sm, kv, role="null", prefill=None, decode=None, spli
     resolved = args.resolved_dict()
     runtime_context.get_context().set_server_args(args)
     hf = overrides.model_config_of(args).hf_config
-    model_config = types.SimpleNamespace(hf_config=hf, kv_lora_rank=hf.kv_lora_rank, qk_rope_head_dim=hf.qk_rope_head_dim)
+    model_config = types.SimpleNamespace(
+        hf_config=hf, kv_lora_rank=hf.kv_lora_rank, qk_rope_head_dim=hf.qk_rope_head_dim
+    )
     dtype = torch.float8_e4m3fn if resolved["kv_cache_dtype"] == "fp8_e4m3" else torch.bfloat16
     row = calculate_mla_kv_cache_dim(model_config=model_config, kv_cache_dtype=dtype)
     return ("ok", resolved["dsa_prefill_backend"], resolved["dsa_decode_backend"], row)
@@ -124,8 +138,12 @@ def test_pristine_upstream_mixes_layouts(monkeypatch, pristine_pass):
     got = resolve(monkeypatch, sm=(10, 0), kv="fp8_e4m3", decode="flashmla_kv", split_pass=pristine_pass)
     assert got == ("ok", "trtllm", "flashmla_kv", RAW_ROW), got  # flashmla decode on a raw pool
     # P/D with the same flag on both servers: prefill pool packed, decode pool raw.
-    prefill = resolve(monkeypatch, sm=(10, 0), kv="fp8_e4m3", role="prefill", prefill="flashmla_auto", split_pass=pristine_pass)
-    decode = resolve(monkeypatch, sm=(10, 0), kv="fp8_e4m3", role="decode", prefill="flashmla_auto", split_pass=pristine_pass)
+    prefill = resolve(
+        monkeypatch, sm=(10, 0), kv="fp8_e4m3", role="prefill", prefill="flashmla_auto", split_pass=pristine_pass
+    )
+    decode = resolve(
+        monkeypatch, sm=(10, 0), kv="fp8_e4m3", role="decode", prefill="flashmla_auto", split_pass=pristine_pass
+    )
     assert (prefill[3], decode[3]) == (PACKED_ROW, RAW_ROW), (prefill, decode)
 
 
@@ -133,7 +151,13 @@ def test_explicit_mix_refused_at_start_up(monkeypatch):
     got = resolve(monkeypatch, sm=(10, 0), kv="fp8_e4m3", prefill="flashmla_auto", decode="trtllm")
     assert got[0] == "error", got
     message = got[1]
-    for needed in ("--dsa-prefill-backend flashmla_auto", "--dsa-decode-backend trtllm", "656-byte", "576-byte", "Fix:"):
+    for needed in (
+        "--dsa-prefill-backend flashmla_auto",
+        "--dsa-decode-backend trtllm",
+        "656-byte",
+        "576-byte",
+        "Fix:",
+    ):
         assert needed in message, (needed, message)
 
 
@@ -172,38 +196,64 @@ def test_resolution_table_changes_only_layout_mixes(monkeypatch, pristine_pass):
             assert after == before, (case, before, after)
             continue
         changed.append(case)
-        assert after[0] == "error" and "--dsa-prefill-backend" in after[1] and "--dsa-decode-backend" in after[1], (case, after)
+        assert after[0] == "error" and "--dsa-prefill-backend" in after[1] and "--dsa-decode-backend" in after[1], (
+            case,
+            after,
+        )
     # The changes are exactly the FP8 mixes: one flashmla/trtllm/tilelang flag on the "wrong" default.
     assert any(c["sm"] == (10, 0) and c["prefill"] == "flashmla_auto" and c["decode"] is None for c in changed)
     assert any(c["sm"] == (9, 0) and c["prefill"] == "trtllm" and c["decode"] is None for c in changed)
 
 
 def test_pd_pair_with_same_flags_agrees(monkeypatch):
-    for sm, prefill, decode in (((10, 0), "flashmla_auto", None), ((10, 3), None, "flashmla_kv"), ((9, 0), "trtllm", None)):
-        rows = [resolve(monkeypatch, sm=sm, kv="fp8_e4m3", role=role, prefill=prefill, decode=decode)[3] for role in ("prefill", "decode")]
+    for sm, prefill, decode in (
+        ((10, 0), "flashmla_auto", None),
+        ((10, 3), None, "flashmla_kv"),
+        ((9, 0), "trtllm", None),
+    ):
+        rows = [
+            resolve(monkeypatch, sm=sm, kv="fp8_e4m3", role=role, prefill=prefill, decode=decode)[3]
+            for role in ("prefill", "decode")
+        ]
         assert rows[0] == rows[1], (sm, prefill, decode, rows)
 
 
 def _dsa_pool(row: int):
     """The attributes upstream's DSATokenToKVPool exposes for its FP8 layout."""
-    return types.SimpleNamespace(use_dsa=True, dtype=torch.float8_e4m3fn, dsa_kv_cache_store_fp8=row == PACKED_ROW, kv_cache_dim=row)
+    return types.SimpleNamespace(
+        use_dsa=True, dtype=torch.float8_e4m3fn, dsa_kv_cache_store_fp8=row == PACKED_ROW, kv_cache_dim=row
+    )
 
 
 def _decode_manager(decode_row: int):
     """A decode-side CommonKVManager's state as try_ensure_parallel_info reads it before any transfer."""
     kv_args = types.SimpleNamespace(page_size=64, state_types=[])
-    manager = types.SimpleNamespace(prefill_info_table={}, kv_args=kv_args, kv_cache_dtype_str="fp8_e4m3",
-                                    kv_layout=disagg_utils.get_pd_kv_layout(_dsa_pool(decode_row)),
-                                    attn_tp_size=1, is_mla_backend=True, is_hybrid_mla_backend=False, dsv41_spec_layout=None)
+    manager = types.SimpleNamespace(
+        prefill_info_table={},
+        kv_args=kv_args,
+        kv_cache_dtype_str="fp8_e4m3",
+        kv_layout=disagg_utils.get_pd_kv_layout(_dsa_pool(decode_row)),
+        attn_tp_size=1,
+        is_mla_backend=True,
+        is_hybrid_mla_backend=False,
+        dsv41_spec_layout=None,
+    )
     return manager
 
 
 def test_pd_handshake_refuses_layout_mismatch(monkeypatch):
     assert disagg_utils.get_pd_kv_layout(_dsa_pool(PACKED_ROW)) != disagg_utils.get_pd_kv_layout(_dsa_pool(RAW_ROW))
     assert disagg_utils.get_pd_kv_layout(types.SimpleNamespace(use_dsa=True, dtype=torch.bfloat16)) is None
-    prefill_info = common_conn.PrefillServerInfo(attn_tp_size=1, attn_cp_size=8, dp_size=1, pp_size=1, page_size=64,
-                                                 kv_cache_dtype="fp8_e4m3", follow_bootstrap_room=True,
-                                                 kv_layout=disagg_utils.get_pd_kv_layout(_dsa_pool(PACKED_ROW)))
+    prefill_info = common_conn.PrefillServerInfo(
+        attn_tp_size=1,
+        attn_cp_size=8,
+        dp_size=1,
+        pp_size=1,
+        page_size=64,
+        kv_cache_dtype="fp8_e4m3",
+        follow_bootstrap_room=True,
+        kv_layout=disagg_utils.get_pd_kv_layout(_dsa_pool(PACKED_ROW)),
+    )
     response = types.SimpleNamespace(status_code=200, json=lambda: dataclasses.asdict(prefill_info))
     monkeypatch.setattr(common_conn.requests, "get", lambda *a, **k: response)
     with pytest.raises(RuntimeError) as refused:

@@ -70,13 +70,16 @@ PAGE_SIZE = 64
 @contextlib.contextmanager
 def interleave_cp_rank(cp_size: int, cp_rank: int):
     """Run as CP rank ``cp_rank`` of ``cp_size`` with the interleave strategy bound, as a DSA model."""
-    with get_parallel().override(
-        attn_cp_size=cp_size,
-        attn_cp_rank=cp_rank,
-        enable_prefill_cp=True,
-        cp_strategy="interleave",
-        enable_cp_tp_group_sharing=False,
-    ), mock.patch.object(dsa_utils, "process_model_config", lambda: types.SimpleNamespace(hf_config=DSA_HF_CONFIG)):
+    with (
+        get_parallel().override(
+            attn_cp_size=cp_size,
+            attn_cp_rank=cp_rank,
+            enable_prefill_cp=True,
+            cp_strategy="interleave",
+            enable_cp_tp_group_sharing=False,
+        ),
+        mock.patch.object(dsa_utils, "process_model_config", lambda: types.SimpleNamespace(hf_config=DSA_HF_CONFIG)),
+    ):
         cp_base._STRATEGY = None  # bind lazily from the overridden parallel context
         try:
             yield cp_base.get_cp_strategy()
@@ -106,9 +109,7 @@ def extend_batch(extend_lens: list[int], prefix_lens: list[int], req_to_token: t
         extend_prefix_lens_cpu=list(prefix_lens),
         extend_num_tokens=num_tokens,
         input_ids=torch.zeros(num_tokens, dtype=torch.int64),
-        out_cache_loc=torch.cat(
-            [req_to_token[i, p : p + e] for i, (e, p) in enumerate(zip(extend_lens, prefix_lens))]
-        ),
+        out_cache_loc=torch.cat([req_to_token[i, p : p + e] for i, (e, p) in enumerate(zip(extend_lens, prefix_lens))]),
         attn_cp_metadata=None,
         global_num_tokens_cpu=None,
         spec_info=None,
@@ -179,12 +180,11 @@ def run_rank(extend_lens, prefix_lens, cp_size, cp_rank, kv_cache_fp8):
         cp_utils.prepare_cp_forward(batch)
         backend = dsa_backend(req_to_token, kv_cache_fp8)
         backend.init_forward_metadata(batch)
-        with mock.patch.object(
-            cp_interleave, "attn_cp_all_gather_into_tensor", emulated_all_gather(local_rows_by_rank)
-        ), mock.patch.object(
-            cp_interleave, "use_symmetric_memory", lambda *args, **kwargs: contextlib.nullcontext()
-        ), mock.patch.object(cp_interleave, "is_allocation_symmetric", lambda: False), get_parallel().override(
-            attn_cp_group=None
+        with (
+            mock.patch.object(cp_interleave, "attn_cp_all_gather_into_tensor", emulated_all_gather(local_rows_by_rank)),
+            mock.patch.object(cp_interleave, "use_symmetric_memory", lambda *args, **kwargs: contextlib.nullcontext()),
+            mock.patch.object(cp_interleave, "is_allocation_symmetric", lambda: False),
+            get_parallel().override(attn_cp_group=None),
         ):
             gathered_chunk_slots = strategy.gather_kv_cache(local_rows_by_rank[cp_rank], batch)
         method = backend.get_topk_transform_method(batch.forward_mode)
@@ -284,9 +284,7 @@ def test_ragged_no_prefix_reads_own_request_keys(extend_lens, cp_size):
     assert not failures, f"extend {extend_lens} at cp={cp_size}:\n" + "\n".join(failures)
 
 
-@pytest.mark.parametrize(
-    "extend_lens,prefix_lens,cp_size", [([1, 10], [0, 4], 2), ([3, 64, 5], [5, 0, 7], 8)]
-)
+@pytest.mark.parametrize("extend_lens,prefix_lens,cp_size", [([1, 10], [0, 4], 2), ([3, 64, 5], [5, 0, 7], 8)])
 def test_ragged_prefix_reads_own_request_keys(extend_lens, prefix_lens, cp_size):
     for cp_rank in range(cp_size):
         backend, gathered, method, req_to_token = run_rank(extend_lens, prefix_lens, cp_size, cp_rank, True)

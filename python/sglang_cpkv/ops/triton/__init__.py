@@ -16,4 +16,4 @@ from sglang_cpkv.ops.triton.scatter_rows import scatter_rows
 # triton.jit picks the interpreter when a kernel is defined, so ask a kernel, not the environment.
 INTERPRETED = isinstance(_build_page_inverse_kernel, InterpretedFunction)
 
-__all__ = ["INTERPRETED", "build_page_inverse", "remap_locs", "copy_pages", "scatter_rows", "materialize_and_fill"]
+__all__ = ["INTERPRETED", "build_page_inverse", "copy_pages", "materialize_and_fill", "remap_locs", "scatter_rows"]

@@ -15,8 +15,15 @@ _WORD_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.
 
 
 def check_errors(errors: torch.Tensor, device: torch.device) -> None:
-    if errors.dtype != torch.int32 or errors.dim() != 1 or errors.numel() < NUM_ERROR_KINDS or not errors.is_contiguous():
-        raise ValueError(f"errors must be a contiguous int32 [{NUM_ERROR_KINDS}] counter, got {errors.dtype}{tuple(errors.shape)}")
+    if (
+        errors.dtype != torch.int32
+        or errors.dim() != 1
+        or errors.numel() < NUM_ERROR_KINDS
+        or not errors.is_contiguous()
+    ):
+        raise ValueError(
+            f"errors must be a contiguous int32 [{NUM_ERROR_KINDS}] counter, got {errors.dtype}{tuple(errors.shape)}"
+        )
     if errors.device != device:
         raise ValueError(f"errors is on {errors.device}, the op's tensors on {device}")
 
@@ -39,7 +46,9 @@ def as_rows(name: str, t: torch.Tensor) -> torch.Tensor:
     try:
         rows = t.view(t.shape[0], math.prod(t.shape[1:]))
     except RuntimeError as exc:
-        raise ValueError(f"{name} must have contiguous rows (trailing dims viewable as one), got shape {tuple(t.shape)} strides {t.stride()}") from exc
+        raise ValueError(
+            f"{name} must have contiguous rows (trailing dims viewable as one), got shape {tuple(t.shape)} strides {t.stride()}"
+        ) from exc
     if rows.shape[1] > 1 and rows.stride(1) != 1:
         raise ValueError(f"{name} rows must be contiguous (last stride 1), got strides {t.stride()}")
     return rows
@@ -57,10 +66,19 @@ def as_words(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.
     elem = src.element_size()
     if src.numel() == 0 or dst.numel() == 0:
         return src, dst, elem
-    spans = [src.shape[1] * elem, src.stride(0) * elem, dst.stride(0) * elem, src.storage_offset() * elem, dst.storage_offset() * elem]
-    for word_bytes, word_dtype in _WORD_DTYPES:
-        if all(span % word_bytes == 0 for span in spans) and src.data_ptr() % word_bytes == 0 and dst.data_ptr() % word_bytes == 0:
-            break
+    spans = [
+        src.shape[1] * elem,
+        src.stride(0) * elem,
+        dst.stride(0) * elem,
+        src.storage_offset() * elem,
+        dst.storage_offset() * elem,
+    ]
+    # The 1-byte word always qualifies, so the search never comes up empty.
+    word_bytes, word_dtype = next(
+        (nbytes, dtype)
+        for nbytes, dtype in _WORD_DTYPES
+        if all(span % nbytes == 0 for span in spans) and src.data_ptr() % nbytes == 0 and dst.data_ptr() % nbytes == 0
+    )
     return _view_words(src, word_dtype), _view_words(dst, word_dtype), word_bytes
 
 

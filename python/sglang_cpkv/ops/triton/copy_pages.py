@@ -15,7 +15,14 @@ import triton
 import triton.language as tl
 
 from sglang_cpkv.ops.errors import ERR_PAGE_OUT_OF_RANGE
-from sglang_cpkv.ops.triton._common import alignment_words, as_rows, as_words, check_errors, check_index, next_power_of_2
+from sglang_cpkv.ops.triton._common import (
+    alignment_words,
+    as_rows,
+    as_words,
+    check_errors,
+    check_index,
+    next_power_of_2,
+)
 
 # GPU: 4 KiB per program (512 8-byte words; 4 warps: two 16-byte accesses per thread). H200,
 # 2026-11-30 (benchmark/results/2026-11-30-h200), 8 x 131072 tokens/request: 4 KiB moved
@@ -83,9 +90,13 @@ def copy_pages(
         num_warps: warps per program.
     """
     if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
-        raise ValueError(f"src and dst must have one dtype and page width: src {src.dtype}{tuple(src.shape)}, dst {dst.dtype}{tuple(dst.shape)}")
+        raise ValueError(
+            f"src and dst must have one dtype and page width: src {src.dtype}{tuple(src.shape)}, dst {dst.dtype}{tuple(dst.shape)}"
+        )
     if src_page.shape != dst_page.shape:
-        raise ValueError(f"src_page and dst_page must have one shape: {tuple(src_page.shape)} vs {tuple(dst_page.shape)}")
+        raise ValueError(
+            f"src_page and dst_page must have one shape: {tuple(src_page.shape)} vs {tuple(dst_page.shape)}"
+        )
     device = dst.device
     if src.device != device:
         raise ValueError(f"src is on {src.device}, dst on {device}")

@@ -101,10 +101,14 @@ def remap_locs(
     if loc2d.dim() == 1:
         loc2d = loc2d.reshape(-1, 1)
     if req_id.shape != loc2d.shape[:1]:
-        raise ValueError(f"req_id must have one id per row of locs: locs {tuple(locs.shape)}, req_id {tuple(req_id.shape)}")
+        raise ValueError(
+            f"req_id must have one id per row of locs: locs {tuple(locs.shape)}, req_id {tuple(req_id.shape)}"
+        )
     req_id = check_index("req_id", req_id, device)
     if inverse.dtype != torch.int32 or inverse.dim() != 1 or inverse.device != device:
-        raise ValueError(f"inverse must be int32 [R * C] on {device}, got {inverse.dtype}{tuple(inverse.shape)} on {inverse.device}")
+        raise ValueError(
+            f"inverse must be int32 [R * C] on {device}, got {inverse.dtype}{tuple(inverse.shape)} on {inverse.device}"
+        )
     if capacity <= 0 or inverse.numel() % capacity:
         raise ValueError(f"capacity must be > 0 and divide inverse.numel() = {inverse.numel()}, got {capacity}")
     if page_size <= 0:

@@ -15,7 +15,14 @@ import triton
 import triton.language as tl
 
 from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE
-from sglang_cpkv.ops.triton._common import alignment_words, as_rows, as_words, check_errors, check_index, next_power_of_2
+from sglang_cpkv.ops.triton._common import (
+    alignment_words,
+    as_rows,
+    as_words,
+    check_errors,
+    check_index,
+    next_power_of_2,
+)
 
 # GPU: 8 rows per program, at most 1024 words per row step. H200, 2026-11-30
 # (benchmark/results/2026-11-30-h200), 8 x 131072 rows: 656-byte rows 4100 GB/s with 8 rows
@@ -81,9 +88,13 @@ def scatter_rows(
         num_warps: warps per program.
     """
     if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
-        raise ValueError(f"src and dst must have one dtype and row width: src {src.dtype}{tuple(src.shape)}, dst {dst.dtype}{tuple(dst.shape)}")
+        raise ValueError(
+            f"src and dst must have one dtype and row width: src {src.dtype}{tuple(src.shape)}, dst {dst.dtype}{tuple(dst.shape)}"
+        )
     if dst_loc.shape != src.shape[:1]:
-        raise ValueError(f"dst_loc must have one entry per src row: src {tuple(src.shape)}, dst_loc {tuple(dst_loc.shape)}")
+        raise ValueError(
+            f"dst_loc must have one entry per src row: src {tuple(src.shape)}, dst_loc {tuple(dst_loc.shape)}"
+        )
     device = dst.device
     if src.device != device:
         raise ValueError(f"src is on {src.device}, dst on {device}")
