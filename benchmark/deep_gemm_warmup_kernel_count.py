@@ -3,7 +3,7 @@
 Counts (shape, M) pairs the warmup asks DeepGEMM to JIT on one P/D prefill rank: upstream 0.5.23
 compiles ``1..m_max`` for every shape (m_max = min(2 x chunked prefill size, 128K) = 131072 at
 ``--chunked-prefill-size 65536``); the patch ``core/split-deep-gemm-warmup-m-grid-under-cp.patch``
-keeps that for the grouped MoE shapes and, when ``sglang_cpkv.deep_gemm_warmup.plan_dense_warmup``
+keeps that for the grouped MoE shapes and, when ``sglang_cpkv.hooks.deep_gemm_warmup.plan_dense_warmup``
 says every non-grouped GEMM runs at per-rank M, compiles ``1..max(ceil(m_max / cp), 2048)`` for
 the dense ones. Contiguous grouped shapes compile only Ms that are multiples of DeepGEMM's
 contiguous-layout alignment (upstream filters with ``get_mk_alignment_for_contiguous_layout()``).
@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-from sglang_cpkv.deep_gemm_warmup import plan_dense_warmup, warmup_m_list
+from sglang_cpkv.hooks.deep_gemm_warmup import plan_dense_warmup, warmup_m_list
 
 HIDDEN, HEADS, Q_LORA, KV_LORA, NOPE, ROPE, V_HEAD = 6144, 64, 2048, 512, 192, 64, 256
 INDEX_HEADS, INDEX_DIM, DENSE_FFN, MOE_FFN, EXPERTS = 32, 128, 12288, 2048, 256

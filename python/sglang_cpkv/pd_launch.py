@@ -62,7 +62,7 @@ SERVER_MODULE = "sglang.launch_server"
 ROUTER_MODULE = "sglang_router.launch_router"
 CP_SHARED_KV_FLAG = "--enable-cp-shared-kv"
 # Under CP shared-KV every prefill CP rank holds only the pages it owns, so the decode side must pull from all
-# CP ranks: upstream reads this on both servers (sglang_cpkv.integration.server_args refuses the flag without it).
+# CP ranks: upstream reads this on both servers (sglang_cpkv.hooks.server_args refuses the flag without it).
 ALL_CP_RANKS_TRANSFER_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
 # Environment variables worth recording in a log header: they change how NCCL, the KV transfer engine
 # and upstream behave, and are the first thing to compare when two launches differ.

@@ -19,11 +19,11 @@ launch no extra kernel and no synchronization.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
+from sglang_cpkv.env import env_flag
 from sglang_cpkv.ops.errors import CpSharedKvError, raise_if_errors
 
 if TYPE_CHECKING:
@@ -34,7 +34,7 @@ CHECKED_ENV_VAR = "SGLANG_CPKV_CHECKED"
 
 def enabled() -> bool:
     """Whether ``SGLANG_CPKV_CHECKED`` asks for checked mode (``1``, ``true``, ``yes``, ``on``)."""
-    return os.environ.get(CHECKED_ENV_VAR, "").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag(CHECKED_ENV_VAR)
 
 
 def _slot_range_violations(plan: CpSharedKvPlan, dense_locs: torch.Tensor, req_id: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,7 @@ def _gathered_kv(n):
 
 
 def test_runtime_split_is_upstreams_split_with_padding(up):
-    from sglang_cpkv.integration.cache_write import check_split_matches_upstream
+    from sglang_cpkv.hooks.cache_write import check_split_matches_upstream
 
     md = _metadata(up)
     assert md.per_rank_logical_token == [64] * 5 + [63] * 3
@@ -120,7 +120,7 @@ def test_runtime_split_is_upstreams_split_with_padding(up):
 
 
 def test_split_mismatch_is_named(up):
-    from sglang_cpkv.integration.cache_write import check_split_matches_upstream
+    from sglang_cpkv.hooks.cache_write import check_split_matches_upstream
     from sglang_cpkv.ops.errors import CpSharedKvError
 
     with pytest.raises(CpSharedKvError, match="CP split mismatch"):
@@ -128,7 +128,7 @@ def test_split_mismatch_is_named(up):
 
 
 def test_seed_mismatch_reproduces_and_owned_selection_fixes_it(up):
-    from sglang_cpkv.integration.cache_write import check_cache_write_rows, owned_pool_write_locs
+    from sglang_cpkv.hooks.cache_write import check_cache_write_rows, owned_pool_write_locs
     from sglang_cpkv.ops.errors import CpSharedKvError
 
     rank = 5  # 63 real rows + 1 padding row
@@ -153,7 +153,7 @@ def test_seed_mismatch_reproduces_and_owned_selection_fixes_it(up):
 
 
 def test_each_rank_persists_exactly_its_owned_pages(up):
-    from sglang_cpkv.integration.cache_write import owned_pool_write_locs
+    from sglang_cpkv.hooks.cache_write import owned_pool_write_locs
 
     k, k_rope = _gathered_kv(sum(EXTEND))
     replica = _pool(up)  # upstream with the mode off: every rank writes every row

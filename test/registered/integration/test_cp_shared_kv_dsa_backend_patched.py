@@ -126,7 +126,7 @@ def up(tmp_path_factory):
 
 
 def _publish(up, flag_on, monkeypatch):
-    from sglang_cpkv.integration import dsa_hooks
+    from sglang_cpkv.hooks import dsa_extend
 
     monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
     argv = [
@@ -148,9 +148,9 @@ def _publish(up, flag_on, monkeypatch):
     server_args = up.prepare(argv + (["--enable-cp-shared-kv"] if flag_on else []))
     server_args.resolve_once()
     up.publish(server_args)
-    monkeypatch.setattr(dsa_hooks, "_ENABLED", None)  # read the flag of what was just published
+    monkeypatch.setattr(dsa_extend, "_ENABLED", None)  # read the flag of what was just published
     # The metadata build gathers nothing; forward_extend's tests set each rank's group themselves.
-    monkeypatch.setattr(dsa_hooks, "_exchange_group", lambda: None)
+    monkeypatch.setattr(dsa_extend, "_exchange_group", lambda: None)
 
 
 def _pool(up):
@@ -218,11 +218,11 @@ def _equal(a, b):
 
 @pytest.mark.parametrize("rank", range(CP))
 def test_flag_off_builds_upstreams_metadata_and_no_plan(up, rank, monkeypatch):
-    from sglang_cpkv.integration import dsa_hooks
+    from sglang_cpkv.hooks import dsa_extend
 
     metadata, forward_batch = _metadata(up, rank, False, monkeypatch)
-    assert not dsa_hooks.enabled()
-    assert dsa_hooks.batch_state(forward_batch) is None
+    assert not dsa_extend.enabled()
+    assert dsa_extend.batch_state(forward_batch) is None
     kept = [0, 1, 2] if rank == 0 else [0, 1, 2, 3]  # rank 0 holds no token of request 3
     assert metadata.dsa_extend_seq_lens_list == [n for n in [[20, 36, 25, 0], [20, 35, 25, 1]][rank] if n]
     for row, r in enumerate(kept):
@@ -232,12 +232,12 @@ def test_flag_off_builds_upstreams_metadata_and_no_plan(up, rank, monkeypatch):
 
 @pytest.mark.parametrize("rank", range(CP))
 def test_flag_on_changes_only_the_page_tables_which_address_each_requests_dense_view(up, rank, monkeypatch):
-    from sglang_cpkv.integration import dsa_hooks
+    from sglang_cpkv.hooks import dsa_extend
 
     off, _ = _metadata(up, rank, False, monkeypatch)
     on, forward_batch = _metadata(up, rank, True, monkeypatch)
-    assert dsa_hooks.enabled()
-    state = dsa_hooks.batch_state(forward_batch)
+    assert dsa_extend.enabled()
+    state = dsa_extend.batch_state(forward_batch)
     assert state is not None
     for field in dataclasses.fields(on):
         if field.name not in TABLE_FIELDS:
@@ -246,7 +246,7 @@ def test_flag_on_changes_only_the_page_tables_which_address_each_requests_dense_
     plan = state.plan
     kept = [0, 1, 2] if rank == 0 else [0, 1, 2, 3]
     bs_idx = torch.tensor(kept)
-    assert torch.equal(on.page_table_1, dsa_hooks.remap_page_table(plan, off.page_table_1, bs_idx))
+    assert torch.equal(on.page_table_1, dsa_extend.remap_page_table(plan, off.page_table_1, bs_idx))
     slot_rows = plan.pages_per_request * PAGE
     for row, r in enumerate(kept):
         dense = on.page_table_1[row, : PREFIX[r] + EXTEND[r]]
@@ -377,7 +377,7 @@ def test_flag_off_forward_extend_writes_every_row_and_reads_the_pool(up, monkeyp
 
 
 def test_flag_on_forward_extend_reads_each_requests_dense_view_and_writes_owned_rows(up, monkeypatch):
-    from sglang_cpkv.integration import dsa_hooks
+    from sglang_cpkv.hooks import dsa_extend
     from sglang_cpkv.runtime.layer import pack_owned_history
 
     monkeypatch.setenv("SGLANG_CPKV_CHECKED", "1")  # the plan's and remap's invariants raise on violation
@@ -393,13 +393,13 @@ def test_flag_on_forward_extend_reads_each_requests_dense_view_and_writes_owned_
         ranks.append((backend, forward_batch))
     latent_packs, index_packs = [], []
     for b, fb in ranks:
-        plan, pool = dsa_hooks.batch_state(fb).plan, b.token_to_kv_pool
+        plan, pool = dsa_extend.batch_state(fb).plan, b.token_to_kv_pool
         latent_packs.append(pack_owned_history(plan, pool.kv_buffer[0]))
         index_packs.append(
-            pack_owned_history(plan, dsa_hooks._index_k_pages(pool.get_index_k_with_scale_buffer(0), PAGE))
+            pack_owned_history(plan, dsa_extend._index_k_pages(pool.get_index_k_with_scale_buffer(0), PAGE))
         )
     for rank, (backend, forward_batch) in enumerate(ranks):
-        state = dsa_hooks.batch_state(forward_batch)
+        state = dsa_extend.batch_state(forward_batch)
         assert state.plan.checked
         state.group = PrecomputedAllGather([latent_packs, index_packs], rank)
         up.parallel().override_permanently(attn_cp_rank=rank)
@@ -422,11 +422,11 @@ def test_flag_on_forward_extend_reads_each_requests_dense_view_and_writes_owned_
         # Index K: the indexer's store hook, then its read hook with the dense block table, against
         # upstream's own store/read of each request alone (a pool holding only that request).
         pool_obj = backend.token_to_kv_pool
-        assert dsa_hooks.store_index_k(pool_obj, forward_batch, 0, current_keys, up.act_quant, 128, None)
+        assert dsa_extend.store_index_k(pool_obj, forward_batch, 0, current_keys, up.act_quant, 128, None)
         metadata = backend.forward_metadata
         seq_lens = metadata.indexer_seq_lens.to(torch.int32)
         total, longest = int(seq_lens.sum()), int(seq_lens.max())
-        got_k, got_s = dsa_hooks.index_k_and_scale(
+        got_k, got_s = dsa_extend.index_k_and_scale(
             pool_obj, forward_batch, 0, seq_lens, metadata.real_page_table, total, longest
         )
         kept = [0, 1, 2] if rank == 0 else [0, 1, 2, 3]
@@ -467,11 +467,11 @@ def _seed_backend(up, rank, flag_on, monkeypatch, **attrs):
 
 @pytest.mark.parametrize("rank", range(CP))
 def test_paged_mtp_seed_is_exported_as_pool_locations_with_the_flag_on(up, rank, monkeypatch):
-    from sglang_cpkv.integration import dsa_hooks
+    from sglang_cpkv.hooks import dsa_extend
 
     off, _ = _seed_backend(up, rank, False, monkeypatch)
     on, forward_batch = _seed_backend(up, rank, True, monkeypatch)
-    plan = dsa_hooks.batch_state(forward_batch).plan
+    plan = dsa_extend.batch_state(forward_batch).plan
     *_, pool_topk, _ = _extend_inputs(rank)
     *_, dense_topk, _ = _extend_inputs(rank, plan.pages_per_request)
     # Upstream exports a PAGED seed as it is (pool locations, flag off); with the flag on the same
@@ -497,9 +497,9 @@ def test_ragged_mtp_seed_equals_upstreams_pool_locations_with_the_flag_on(up, ra
     want = off.prepare_mtp_seed_indices(offsets, up.extend)
     assert not torch.equal(on.forward_metadata.page_table_1_flattened, flat)  # the flag on does change the table
     assert torch.equal(on.prepare_mtp_seed_indices(offsets, up.extend), want)
-    from sglang_cpkv.integration import dsa_hooks
+    from sglang_cpkv.hooks import dsa_extend
 
-    dsa_hooks.batch_state(forward_batch).plan.raise_if_errors()
+    dsa_extend.batch_state(forward_batch).plan.raise_if_errors()
 
 
 def test_unfused_mtp_seed_stays_request_local_with_the_flag_on(up, monkeypatch):

@@ -73,7 +73,7 @@ def _pool(up):
 
 def test_dense_views_match_upstream_reads_per_request():
     up = _upstream()
-    from sglang_cpkv.integration import dsa_hooks
+    from sglang_cpkv.hooks import dsa_extend
     from sglang_cpkv.runtime.group import SingleRankGroup
 
     dev = "cuda"
@@ -96,7 +96,7 @@ def test_dense_views_match_upstream_reads_per_request():
     replica.set_mla_kv_buffer(None, out_cache_loc, k[n_hist:], k_rope[n_hist:], layer_id_override=0)
     up.store(index_key[n_hist:], replica.get_index_k_with_scale_buffer(0), out_cache_loc, replica.index_page_size)
 
-    state = dsa_hooks.build_extend_state(
+    state = dsa_extend.build_extend_state(
         pool=pool,
         req_to_token=req_pool.req_to_token,
         req_pool_indices=torch.tensor(REQ_POOL_INDICES, device=dev),
@@ -108,12 +108,12 @@ def test_dense_views_match_upstream_reads_per_request():
         strategy="none",
         group=SingleRankGroup(),
     )
-    fb = SimpleNamespace(**{dsa_hooks.BATCH_ATTR: state})
-    dense = dsa_hooks.extend_dense_kv(pool, 0, fb, k[n_hist:], k_rope[n_hist:])
-    assert dsa_hooks.store_index_k(pool, fb, 0, index_key[n_hist:], None, 128, None)  # the fused store: no act_quant
+    fb = SimpleNamespace(**{dsa_extend.BATCH_ATTR: state})
+    dense = dsa_extend.extend_dense_kv(pool, 0, fb, k[n_hist:], k_rope[n_hist:])
+    assert dsa_extend.store_index_k(pool, fb, 0, index_key[n_hist:], None, 128, None)  # the fused store: no act_quant
 
     table = req_pool.req_to_token[torch.tensor(REQ_POOL_INDICES, device=dev), : max(seq)]
-    remapped = dsa_hooks.remap_page_table(state.plan, table, None)
+    remapped = dsa_extend.remap_page_table(state.plan, table, None)
     full = replica.get_key_buffer(0)
     for r in range(3):
         want = full[table[r, : seq[r]].long()]
@@ -124,7 +124,7 @@ def test_dense_views_match_upstream_reads_per_request():
     pool_pages = torch.div(table[:, ::PAGE], PAGE, rounding_mode="floor").to(torch.int32)
     dense_pages = torch.div(remapped[:, ::PAGE], PAGE, rounding_mode="floor").to(torch.int32)
     want_k, want_s = replica.get_index_k_scale_buffer(0, seq_lens, pool_pages, sum(seq), max(seq))
-    got_k, got_s = dsa_hooks.index_k_and_scale(pool, fb, 0, seq_lens, dense_pages, sum(seq), max(seq))
+    got_k, got_s = dsa_extend.index_k_and_scale(pool, fb, 0, seq_lens, dense_pages, sum(seq), max(seq))
     assert torch.equal(got_k, want_k) and torch.equal(got_s, want_s)
     state.plan.raise_if_errors()
 

@@ -43,15 +43,15 @@ def up():
 
 @pytest.fixture
 def mode():
-    from sglang_cpkv.integration import dsa_hooks
+    from sglang_cpkv.hooks import dsa_extend
 
-    saved = dsa_hooks._ENABLED
+    saved = dsa_extend._ENABLED
 
     def set_mode(on):
-        dsa_hooks._ENABLED = on
+        dsa_extend._ENABLED = on
 
     yield set_mode
-    dsa_hooks._ENABLED = saved
+    dsa_extend._ENABLED = saved
 
 
 def _sends(up, rank):
@@ -105,7 +105,7 @@ def test_flag_on_each_rank_sends_its_owned_pages_and_ranks_partition_the_request
 
 
 def test_state_pages_follow_the_owner_rule():
-    from sglang_cpkv.integration.pd import filter_owned_state_pages
+    from sglang_cpkv.hooks.pd import filter_owned_state_pages
 
     dst = list(range(100, 100 + len(PAGES)))
     got = [filter_owned_state_pages(PAGES.tolist(), dst, rank, CP) for rank in range(CP)]

@@ -79,7 +79,7 @@ DSA_CONFIG = {
 def _publish(model_dir, flag_on):
     from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
 
-    from sglang_cpkv.integration import dsa_hooks
+    from sglang_cpkv.hooks import dsa_extend
 
     argv = [
         "--model-path",
@@ -100,7 +100,7 @@ def _publish(model_dir, flag_on):
     server_args = prepare_server_args(argv + (["--enable-cp-shared-kv"] if flag_on else []))
     server_args.resolve_once()
     set_global_server_args_for_scheduler(server_args)
-    dsa_hooks._ENABLED = None  # read the flag of what was just published
+    dsa_extend._ENABLED = None  # read the flag of what was just published
 
 
 def _loc(pages, pos):
@@ -191,7 +191,7 @@ def _fill_owned_history(pool, batch, data, rank):
 def _synchronous_reference(plan, pool_snapshot, layer, data, upstream_group):
     """What the hooks did before the prefetch: materialize on the spot (upstream's attention-CP
     group), then the current latent rows (bf16 pool rows are ``cat(k, k_rope)``)."""
-    from sglang_cpkv.integration.prefetch import index_k_pages_as_rows
+    from sglang_cpkv.hooks.layer_history import index_k_pages_as_rows
     from sglang_cpkv.runtime.layer import fill_current, materialize_history, new_dense_buffer
 
     kv_rows, index_pages = pool_snapshot
@@ -212,7 +212,7 @@ def _run_batch(batch, rank, upstream_group, flag_on):
     from sglang.kernels.ops.kvcache import dsa_index_k_cache
     from sglang.kernels.ops.quantization.act_quant_triton import act_quant
 
-    from sglang_cpkv.integration import dsa_hooks
+    from sglang_cpkv.hooks import dsa_extend
 
     prefix, extend, pages, _ = batch
     backend, forward_batch = _backend(batch), _forward_batch(batch)
@@ -224,7 +224,7 @@ def _run_batch(batch, rank, upstream_group, flag_on):
         [pool.get_index_k_with_scale_buffer(i).clone() for i in range(LAYERS)],
     )
     backend.init_forward_metadata(forward_batch)
-    state = dsa_hooks.batch_state(forward_batch)
+    state = dsa_extend.batch_state(forward_batch)
     assert (state is not None) == flag_on
     n = sum(extend)
     owner = [(r, prefix[r] + i) for r in range(len(extend)) for i in range(extend[r])]
@@ -268,10 +268,10 @@ def _run_batch(batch, rank, upstream_group, flag_on):
             )
 
         def indexer():
-            assert dsa_hooks.store_index_k(pool, forward_batch, layer_id, d.keys, act_quant, 128, None)
+            assert dsa_extend.store_index_k(pool, forward_batch, layer_id, d.keys, act_quant, 128, None)
             metadata = backend.forward_metadata
             seq_lens = metadata.indexer_seq_lens.to(torch.int32)
-            got["index_k"] = dsa_hooks.index_k_and_scale(
+            got["index_k"] = dsa_extend.index_k_and_scale(
                 pool,
                 forward_batch,
                 layer_id,
@@ -359,7 +359,7 @@ def _worker(rank, model_dir, init_method):
     from sglang.srt.layers.cp.base import init_cp_strategy
     from sglang.srt.runtime_context import get_parallel
 
-    from sglang_cpkv.integration import dsa_hooks, prefetch
+    from sglang_cpkv.hooks import dsa_extend, layer_history
     from sglang_cpkv.runtime.group import TorchDistCpGroup
 
     init_cp_strategy(enable_prefill_cp=True, cp_size=CP, cp_strategy="interleave")
@@ -369,7 +369,7 @@ def _worker(rank, model_dir, init_method):
     )
     parallel_state.initialize_model_parallel()  # patched: makes the exchange group after the attention-CP group
     attn_cp = parallel_state.get_attn_cp_group()
-    exchange = prefetch.exchange_group()
+    exchange = layer_history.exchange_group()
     assert (exchange.cp_size, exchange.cp_rank) == (attn_cp.world_size, attn_cp.rank_in_group) == (CP, rank)
     assert exchange.group is not attn_cp.device_group and exchange.group is not attn_cp.cpu_group
     upstream_group = TorchDistCpGroup(attn_cp.device_group)
@@ -379,8 +379,8 @@ def _worker(rank, model_dir, init_method):
     assert set(ptrs_b) <= set(ptrs_a), "the smaller batch must reuse the dense buffers"
 
     _publish(model_dir, flag_on=False)
-    dsa_hooks.on_attn_cp_group_created(attn_cp)  # flag off: makes nothing (a second group would raise)
-    assert prefetch.exchange_group() is exchange
+    dsa_extend.on_attn_cp_group_created(attn_cp)  # flag off: makes nothing (a second group would raise)
+    assert layer_history.exchange_group() is exchange
     _run_batch(BATCH_A, rank, upstream_group, flag_on=False)
 
 

@@ -1,8 +1,8 @@
 """``--enable-cp-shared-kv`` against the real upstream ``ServerArgs`` resolution (CPU).
 
-Two upstream trees are built beside the install (:mod:`sglang_cpkv.integration.upstream_trees`):
+Two upstream trees are built beside the install (:mod:`sglang_cpkv.testing.upstream_trees`):
 the pinned wheel's pristine files and the same files with our queue applied. Each resolves the
-same command lines in its own process (:mod:`sglang_cpkv.integration.resolve_server_args`), with a
+same command lines in its own process (:mod:`sglang_cpkv.testing.resolve_server_args`), with a
 local DSA ``config.json`` and a Hopper device capability. Checked:
 
 * flag off: every resolved field of the patched tree equals the pristine tree's, for DSA with and
@@ -117,7 +117,7 @@ def _start_resolving(tree: Path, cases: list[dict]) -> subprocess.Popen:
     for name in DRAFT_ENV:
         env.pop(name, None)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sglang_cpkv.integration.resolve_server_args"],
+        [sys.executable, "-m", "sglang_cpkv.testing.resolve_server_args"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -207,7 +207,7 @@ BAD_CASES = [
 
 @pytest.fixture(scope="module")
 def results(models, tmp_path_factory):
-    from sglang_cpkv.integration.upstream_trees import patched_tree, pristine_tree
+    from sglang_cpkv.testing.upstream_trees import patched_tree, pristine_tree
 
     off = _flag_off_cases(models)
     non_dsa = {"argv": _argv(models, "llama", *CP, *PREFILL, FLAG), "env": ALL_RANKS_ENV}

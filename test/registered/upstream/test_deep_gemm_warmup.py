@@ -7,7 +7,7 @@ only ``_compile_deep_gemm_one_type_all`` (the loop that drives deep_gemm's JIT o
 records the Ms it is asked to compile. Expected: grouped MoE types get upstream's full list; dense
 types get ``1..max(ceil(m_max / cp), 2048)`` when prefill CP splits every token-heavy batch and the
 FFNs stay on rank rows; cp=1, a gathered FFN, zigzag at bs > 1 or a full-M draft extend change
-nothing. The reasoning behind each case is in ``sglang_cpkv.deep_gemm_warmup`` and the manifest.
+nothing. The reasoning behind each case is in ``sglang_cpkv.hooks.deep_gemm_warmup`` and the manifest.
 On unpatched upstream the dense-prefix cases fail (every shape gets the full list).
 """
 
@@ -83,7 +83,7 @@ def expected_dense(full, cp, floor_extra=0):
 
 
 def test_prefill_cp_dense_prefix_grouped_full(monkeypatch, tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="sglang_cpkv.deep_gemm_warmup"):
+    with caplog.at_level(logging.INFO, logger="sglang_cpkv.hooks.deep_gemm_warmup"):
         asked, full = compiled_m_lists(monkeypatch, tmp_path, disaggregation_mode="prefill", **SPLIT_FFN_ON_RANK_ROWS)
     assert len(full) == 2 * 65536  # upstream: m_max = 2 x chunked prefill size
     for kernel_type, _, _, _num_groups in SHAPES:

@@ -1,6 +1,6 @@
 """Resolve upstream ``ServerArgs`` for a list of command lines on a CPU machine; print JSON.
 
-    echo '[{"argv": [...], "env": {"NAME": "1"}}, ...]' | python -m sglang_cpkv.integration.resolve_server_args
+    echo '[{"argv": [...], "env": {"NAME": "1"}}, ...]' | python -m sglang_cpkv.testing.resolve_server_args
 
 Run it with the tree to test first on ``PYTHONPATH`` (see :mod:`.upstream_trees`). Each case
 resolves a fresh record (``prepare_server_args`` then ``resolve_once``) with its ``env`` set for

@@ -45,7 +45,8 @@ def _validate_draft(algorithm_name: str) -> None:
     """
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang_cpkv.deep_gemm_warmup import DRAFT_SHARED_KV_ENV, env_flag
+    from sglang_cpkv.env import env_flag
+    from sglang_cpkv.hooks.deep_gemm_warmup import DRAFT_SHARED_KV_ENV
 
     algorithm = SpeculativeAlgorithm.from_string(algorithm_name)
     if algorithm is not SpeculativeAlgorithm.EAGLE:

@@ -43,8 +43,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 from collections.abc import Sequence
+
+from sglang_cpkv.env import env_flag
 
 logger = logging.getLogger(__name__)
 
@@ -54,10 +55,6 @@ DENSE_M_FLOOR = 2048  # the smallest top of the shrunk list, whatever m_max / cp
 # legacy_draft_parallel_spec: EAGLE3, DFLASH and non-MoE DSpark; DSpark counted here whatever its MoE).
 FULL_M_DRAFT_ALGORITHMS = frozenset({"EAGLE3", "DFLASH", "DSPARK"})
 NO_DRAFT_ALGORITHMS = frozenset({"", "NONE", "NGRAM"})  # NGRAM has no draft model
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ value unless the flag is on *and* the batch is an extend batch with a plan:
   fused top-k transform's output) addresses the per-request dense view.
 * :func:`extend_dense_kv` - ``forward_extend`` before the cache write: takes the layer's history
   (owned pages from the pool, others all-gathered from their owners; materialized one layer ahead
-  by :class:`~sglang_cpkv.integration.prefetch.LayerAheadHistory`) and fills the current chunk
+  by :class:`~sglang_cpkv.hooks.layer_history.LayerAheadHistory`) and fills the current chunk
   into the dense view; ``forward_extend`` reads it instead of the pool.
 * :func:`cache_write_locs` - ``forward_extend``'s ``set_mla_kv_buffer``: only owned rows
   (:mod:`.cache_write`).
@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from sglang_cpkv.integration import prefetch
-from sglang_cpkv.integration.cache_write import (
+from sglang_cpkv.hooks import layer_history
+from sglang_cpkv.hooks.cache_write import (
     check_cache_write_rows,
     check_split_matches_upstream,
     owned_pool_write_locs,
@@ -63,7 +63,7 @@ class ExtendBatchState:
     plan: CpSharedKvPlan
     group: CpGroup
     pool_write_locs: torch.Tensor
-    history: prefetch.LayerAheadHistory | None = None
+    history: layer_history.LayerAheadHistory | None = None
     current_scratch: torch.Tensor | None = None
     index_k_stored_layer: int | None = None  # the last layer whose current index K is in its dense view
 
@@ -151,11 +151,11 @@ def on_attn_cp_group_created(attn_cp_group: Any) -> None:
         return
     import torch.distributed as dist
 
-    prefetch.create_exchange_group(list(attn_cp_group.ranks), dist.get_backend(attn_cp_group.device_group))
+    layer_history.create_exchange_group(list(attn_cp_group.ranks), dist.get_backend(attn_cp_group.device_group))
 
 
 def _exchange_group() -> CpGroup:
-    return prefetch.exchange_group()
+    return layer_history.exchange_group()
 
 
 def on_extend_metadata(
@@ -216,7 +216,7 @@ def remap_page_table(plan: CpSharedKvPlan, page_table: torch.Tensor, bs_idx: tor
 def _layer_history(state: ExtendBatchState, pool: Any, layer_id: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The layer's dense latent KV and index-K pages with its history in them (one layer ahead)."""
     if state.history is None:
-        state.history = prefetch.LayerAheadHistory(state.plan, state.group, pool)
+        state.history = layer_history.LayerAheadHistory(state.plan, state.group, pool)
     elif state.history.pool is not pool:
         raise CpSharedKvError(f"layer {layer_id}: one extend batch reads two KV pools")
     return state.history.acquire(layer_id)
@@ -262,7 +262,7 @@ def cache_write_locs(forward_batch: Any, cache_loc: torch.Tensor, kv_rows: int) 
     return state.pool_write_locs
 
 
-_index_k_pages = prefetch.index_k_pages_as_rows
+_index_k_pages = layer_history.index_k_pages_as_rows
 
 
 def store_index_k(
