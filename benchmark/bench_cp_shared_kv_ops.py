@@ -325,6 +325,7 @@ class Bench:
                 src = dst = None  # free before the next size
 
     def _inverse(self, rows: int, pages_per_request: int, gen: torch.Generator):
+        """A ``[rows, P]`` table of distinct pages per request (the ragged layout of full requests: slots r*P+j)."""
         table = torch.stack(
             [torch.randperm(self.args.pool_pages, generator=gen)[:pages_per_request] for _ in range(rows)]
         ).to(torch.int32)
@@ -334,7 +335,7 @@ class Bench:
         gen = torch.Generator().manual_seed(3)
         capacity, ppr = self.args.pool_pages, self.args.pages_per_request
         table = self._inverse(BATCH, ppr, gen)
-        inverse = self.reference.build_page_inverse(table, capacity, self.new_errors(self.device))
+        inverse = self.reference.build_page_inverse(*_slots(table), BATCH, capacity, self.new_errors(self.device))
         n, k = self.args.topk
         req = torch.randint(0, BATCH, (n,), generator=gen)
         j = torch.randint(0, ppr, (n, k), generator=gen)
@@ -354,7 +355,7 @@ class Bench:
             params = {"locs": what, "shape": "x".join(map(str, locs.shape)), "dtype": "int32"}
             nbytes = 2 * locs.numel() * 4 + req_id.numel() * 8
             errors = self.new_errors(self.device)
-            expected = self.reference.remap_locs(locs, req_id, inverse, capacity, PAGE_SIZE, errors)
+            expected = self.reference.remap_locs(locs, req_id, inverse, BATCH, capacity, PAGE_SIZE, errors)
 
             def best():
                 loc = locs.to(torch.int64)
@@ -368,19 +369,23 @@ class Bench:
             candidates = [
                 (
                     "torch_ref",
-                    lambda: self.reference.remap_locs(locs, req_id, inverse, capacity, PAGE_SIZE, errors),
+                    lambda: self.reference.remap_locs(locs, req_id, inverse, BATCH, capacity, PAGE_SIZE, errors),
                     True,
                 ),
                 ("torch_best gather+where", best, False),
             ]
             candidates += [
-                (name, lambda impl=impl: impl.remap_locs(locs, req_id, inverse, capacity, PAGE_SIZE, errors), False)
+                (
+                    name,
+                    lambda impl=impl: impl.remap_locs(locs, req_id, inverse, BATCH, capacity, PAGE_SIZE, errors),
+                    False,
+                )
                 for name, impl in self.providers("remap_locs")
             ]
             if what == "topk":
                 for bn, bk, nw in ((8, 512, 4), (4, 1024, 8), (16, 256, 4)):
                     fn = lambda bn=bn, bk=bk, nw=nw: self.triton.remap_locs(
-                        locs, req_id, inverse, capacity, PAGE_SIZE, errors, block_n=bn, block_k=bk, num_warps=nw
+                        locs, req_id, inverse, BATCH, capacity, PAGE_SIZE, errors, block_n=bn, block_k=bk, num_warps=nw
                     )
                     candidates.append((f"triton[bn={bn},bk={bk},nw={nw}]", fn, False))
             for name, fn, eager in candidates:
@@ -396,7 +401,8 @@ class Bench:
             params = {"bs": rows, "capacity": capacity, "pages_per_req": ppr}
             nbytes = rows * capacity * 4 + table.numel() * 4
             errors = self.new_errors(self.device)
-            expected = self.reference.build_page_inverse(table, capacity, errors)
+            slot_pages, slot_req = _slots(table)
+            expected = self.reference.build_page_inverse(slot_pages, slot_req, rows, capacity, errors)
             flat = table.view(-1).to(torch.int64)
             slot = torch.arange(flat.numel(), device=self.device, dtype=torch.int32)
             target = torch.where(
@@ -411,19 +417,29 @@ class Bench:
                 return inv[:-1]
 
             candidates = [
-                ("torch_ref", lambda: self.reference.build_page_inverse(table, capacity, errors), True),
+                (
+                    "torch_ref",
+                    lambda: self.reference.build_page_inverse(slot_pages, slot_req, rows, capacity, errors),
+                    True,
+                ),
                 ("torch_best full+index_put_", best, False),
             ]
             candidates += [
-                (name, lambda impl=impl: impl.build_page_inverse(table, capacity, errors), False)
+                (
+                    name,
+                    lambda impl=impl: impl.build_page_inverse(slot_pages, slot_req, rows, capacity, errors),
+                    False,
+                )
                 for name, impl in self.providers("build_page_inverse")
             ]
             if rows == BATCH:
-                for bc in (1024, 4096):
+                for block in (256, 4096):
                     candidates.append(
                         (
-                            f"triton[bc={bc}]",
-                            lambda bc=bc: self.triton.build_page_inverse(table, capacity, errors, block_c=bc),
+                            f"triton[block={block}]",
+                            lambda block=block: self.triton.build_page_inverse(
+                                slot_pages, slot_req, rows, capacity, errors, block=block
+                            ),
                             False,
                         )
                     )
@@ -550,14 +566,14 @@ class Bench:
         ).to(torch.int32)
         dense = torch.zeros(BATCH * ppr, pool.shape[1], dtype=pool.dtype, device=self.device)
         errors = self.new_errors(self.device)
-        inverse = self.reference.build_page_inverse(table, capacity, errors)
+        inverse = self.reference.build_page_inverse(*_slots(table), BATCH, capacity, errors)
         outputs = {}
 
         def layer():
             ops.copy_pages(pool, src_page, dense, dst_page, errors)
-            dense_loc = ops.remap_locs(cur_loc, cur_req, inverse, capacity, PAGE_SIZE, errors)
+            dense_loc = ops.remap_locs(cur_loc, cur_req, inverse, BATCH, capacity, PAGE_SIZE, errors)
             ops.scatter_rows(current, dense_loc, dense.view(-1, ROW_BYTES[layout]), errors)
-            outputs["topk"] = ops.remap_locs(topk, topk_req, inverse, capacity, PAGE_SIZE, errors)
+            outputs["topk"] = ops.remap_locs(topk, topk_req, inverse, BATCH, capacity, PAGE_SIZE, errors)
 
         results = []
         backends = ["triton"] + (["cuda"] if self.cuda is not None else [])
@@ -615,6 +631,12 @@ class Bench:
             traceback.print_exc()
         print(f"# per-layer graph capture ({backend}): {result}", flush=True)
         return result
+
+
+def _slots(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense slots of a ``[R, P]`` table of full requests: slot ``r * P + j`` holds ``table[r, j]``."""
+    rows, width = table.shape
+    return table.reshape(-1), torch.arange(rows, device=table.device).repeat_interleave(width)
 
 
 def parse_args(argv=None):

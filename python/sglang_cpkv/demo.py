@@ -24,23 +24,18 @@ import sys
 
 import torch
 
-from sglang_cpkv.runtime import (
-    SingleRankGroup,
-    build_dense_view,
-    build_plan,
-    new_dense_buffer,
-    remap_topk,
-)
 from sglang_cpkv.testing.batches import (
     COLLISION,
     REACHABLE,
     BatchCase,
-    dense_loc,
+    host_plan,
     make_pool_and_current,
     padded_page_table,
-    rows_equal,
+    run_case_on_rank,
+    same_bytes,
     truth_rows,
 )
+from sglang_cpkv.testing.lockstep import run_lockstep
 from sglang_cpkv.testing.value_keyed_inverse import value_keyed_pipeline
 
 NAMES = "ABC"
@@ -66,30 +61,30 @@ def _positions_locs(case: BatchCase) -> torch.Tensor:
     return locs
 
 
+def _request_views(case: BatchCase, cp_rank: int, dense: torch.Tensor) -> list[torch.Tensor]:
+    """Each request's dense view rows, position order, as CP rank ``cp_rank`` laid them out."""
+    plan = host_plan(case, cp_rank)
+    return [
+        dense[[plan.dense_location(r, p) for p in range(case.prefix_lens[r] + case.extend_lens[r])]]
+        for r in range(case.num_requests)
+    ]
+
+
 def _per_request_reads(
     case: BatchCase, pool: torch.Tensor, current: torch.Tensor, device: torch.device
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """cp=1 runtime: (dense view rows of each request, what each request reads at each of its positions)."""
-    plan = build_plan(
-        [list(t) for t in case.page_tables],
-        case.prefix_lens,
-        case.extend_lens,
-        torch.tensor(case.out_cache_loc(), dtype=torch.int64, device=device),
-        capacity=case.capacity,
-        page_size=case.page_size,
-        cp_size=1,
-        cp_rank=0,
-        strategy="interleave",
-    )
-    dense = new_dense_buffer(plan, (pool.shape[1],), pool.dtype)
-    build_dense_view(plan, pool.to(device), current.to(device), dense, SingleRankGroup())
-    remapped = remap_topk(plan, _positions_locs(case).to(device), torch.arange(case.num_requests, device=device))
-    plan.raise_if_errors("demo")
-    views, reads = [], []
+    """cp=1 runtime (the layer pipeline): (dense view rows of each request, what its last current token reads
+    at each of its positions when its top-k is every position of its request)."""
+    locs = _positions_locs(case)
+    token_req = [r for r in range(case.num_requests) for _ in range(case.extend_lens[r])]
+    topk = locs[token_req]  # every current token reads every position of its own request
+    (result,) = run_lockstep(1, lambda group: run_case_on_rank((case, pool, current, topk), group, device))
+    views = _request_views(case, 0, result.dense)
+    last_token = torch.tensor(case.extend_lens).cumsum(0) - 1
+    reads = []
     for r in range(case.num_requests):
         n = case.prefix_lens[r] + case.extend_lens[r]
-        views.append(dense[[dense_loc(case, plan.pages_per_request, r, p) for p in range(n)]].cpu())
-        reads.append(dense[remapped[r, :n].to(torch.int64)].cpu())
+        reads.append(result.dense[result.remapped[last_token[r], :n].to(torch.int64)])
     return views, reads
 
 
@@ -106,11 +101,11 @@ def _describe(row: torch.Tensor, case: BatchCase, pool: torch.Tensor, current: t
     token = 0
     for q in range(case.num_requests):
         for i in range(case.extend_lens[q]):
-            if rows_equal(row, current[token]):
+            if same_bytes(row, current[token]):
                 return f"{NAMES[q]}'s current token {i} (position {case.prefix_lens[q] + i})"
             token += 1
     for loc in range(pool.shape[0]):
-        if rows_equal(row, pool[loc]):
+        if same_bytes(row, pool[loc]):
             return f"pool row {loc} (page {loc // case.page_size})"
     return "a row nobody wrote"
 
@@ -142,14 +137,14 @@ def run(cp2: bool) -> int:
         for r in range(case.num_requests):
             alone, cur = _solo(case, r, current)
             solo_views.append(_per_request_reads(alone, pool, cur, device)[0][0])
-            if not rows_equal(solo_views[r], truth[r]):
+            if not same_bytes(solo_views[r], truth[r]):
                 print(f"  bs=1 run of {NAMES[r]} differs from the contract's truth")
                 failures += 1
 
         views, reads = _per_request_reads(case, pool, current, device)
         verdicts = []
         for r in range(case.num_requests):
-            ok = rows_equal(views[r], solo_views[r]) and rows_equal(reads[r], solo_views[r])
+            ok = same_bytes(views[r], solo_views[r]) and same_bytes(reads[r], solo_views[r])
             failures += not ok
             verdicts.append(f"{NAMES[r]} {'== bs=1' if ok else 'MISMATCH vs bs=1'}")
         print(f"  per-request inverse, cp=1 ({device}): " + ", ".join(verdicts))
@@ -176,7 +171,7 @@ def run(cp2: bool) -> int:
             for p in range(n):
                 d = int(remapped_1d[r, p])
                 got = dense_1d[d] if d >= 0 else None
-                if got is None or not rows_equal(got, solo_views[r][p]):
+                if got is None or not same_bytes(got, solo_views[r][p]):
                     wrong.append((p, "nothing (dropped)" if got is None else _describe(got, case, pool, current)))
             if not wrong:
                 print(
@@ -210,19 +205,15 @@ def _run_cp2(
     failures = 0
     parts = []
     for rank in range(2):
-        dense = results[rank][0]["dense"]
-        P = dense.shape[0] // (case.num_requests * case.page_size)
+        views = _request_views(cp_case, rank, results[rank][0].dense)
         verdicts = []
         for r in range(case.num_requests):
-            n = case.prefix_lens[r] + case.extend_lens[r]
-            ok = rows_equal(dense[[dense_loc(case, P, r, p) for p in range(n)]], solo_views[r])
+            ok = same_bytes(views[r], solo_views[r])
             failures += not ok
             verdicts.append(f"{NAMES[r]} {'== bs=1' if ok else 'MISMATCH'}")
         parts.append(f"rank {rank}: " + ", ".join(verdicts))
-    print(
-        f"  per-request inverse, cp=2 ({'NCCL' if use_nccl else 'gloo, 2 processes'}, owner-sharded pools): "
-        + "; ".join(parts)
-    )
+    transport = "NCCL" if use_nccl else "gloo, 2 processes"
+    print(f"  per-request inverse, cp=2 ({transport}, owner-sharded pools): " + "; ".join(parts))
     return failures
 
 

@@ -3,23 +3,19 @@
 Each forward (one chunk of every active request) builds the per-batch plan
 (:func:`~sglang_cpkv.runtime.build_plan`), splits the current tokens the way upstream 0.5.23 does
 (interleave, or un-split when it does not apply), and runs the toy layer stack
-(:mod:`.model`) on this rank's local rows. Per layer ``l``:
-
-1. the rank's local KV rows are all-gathered to token order (:func:`~sglang_cpkv.runtime.gather_current`);
-2. the dense view of layer ``l`` comes from the layer-ahead :class:`~sglang_cpkv.runtime.HistoryPrefetcher`
-   (history pages of every request, owner pages all-gathered under CP; started during layer
-   ``l - 1``), then :func:`~sglang_cpkv.runtime.fill_current` writes the current KV into each
-   request's own slots (CURRENT_REUSE: a history ending mid-page is continued in that slot);
-3. the indexer and the sparse attention read the dense view through
-   :func:`~sglang_cpkv.runtime.remap_topk` (the per-request inverse);
-4. :func:`~sglang_cpkv.runtime.persist_owned_current` writes the rows of pages this rank owns
-   (``page_id % cp``) into layer ``l``'s pool, which layer ``l`` of the next chunk reads.
+(:mod:`.model`) on this rank's local rows. Every layer's KV work is the runtime's
+:class:`~sglang_cpkv.runtime.LayerPipeline` (layer-ahead, the path serving takes): the rank's local
+KV rows all-gathered to token order; the layer's dense view (history of every request, owner pages
+all-gathered under CP and prefetched during the layer before, then the current rows in each request's
+own slots, CURRENT_REUSE included); the indexer and the sparse attention read it through the
+pipeline's remap (the per-request inverse); the rows of pages this rank owns (``page_id % cp``) are
+persisted into layer ``l``'s pool, which layer ``l`` of the next chunk reads.
 
 Pools are owner-sharded: a rank's pool rows of pages it does not own are poison and never read.
 
-The **negative control** (``access="value_keyed"``, cp=1) replaces steps 2-3 with the seed's 1-D
-value-keyed inverse and global current-page mask (:mod:`sglang_cpkv.testing.value_keyed_inverse`);
-everything else is identical.
+The **negative control** (``access="value_keyed"``, cp=1) replaces the dense view, the remap and
+the persist with the seed's 1-D value-keyed inverse and global current-page mask
+(:mod:`sglang_cpkv.testing.value_keyed_inverse`); everything else is identical.
 
 :func:`run_job_on_rank` is the ``rank_fn`` handed to :func:`sglang_cpkv.testing.cp_dist.spawn_cp_ranks`
 (and called directly for cp=1).
@@ -36,19 +32,8 @@ from sglang_cpkv import ops
 from sglang_cpkv.harness.allocator import PrefixCachingAllocator
 from sglang_cpkv.harness.model import MAX_POSITION, ToyDsa, ToyDsaConfig
 from sglang_cpkv.harness.scenarios import Scenario
-from sglang_cpkv.runtime import (
-    CpGroup,
-    CpSharedKvPlan,
-    HistoryPrefetcher,
-    build_plan,
-    fill_current,
-    gather_current,
-    new_dense_buffer,
-    persist_owned_current,
-    remap_topk,
-    split_applies,
-)
-from sglang_cpkv.testing.batches import COLLISION, POISON_BYTE, REACHABLE, BatchCase
+from sglang_cpkv.runtime import CpGroup, CpSharedKvPlan, LayerPipeline, build_plan, rows_kind, split_applies
+from sglang_cpkv.testing.batches import COLLISION, POISON_BYTE, REACHABLE, BatchCase, padded_page_table
 from sglang_cpkv.testing.value_keyed_inverse import build_value_keyed_inverse, remap_value_keyed, value_keyed_pipeline
 
 Access = Literal["per_request", "value_keyed"]
@@ -116,43 +101,28 @@ class _Active:
     done: int
 
 
-class _PerRequestAccess:
-    """Steps 2-3 of the module docstring through the runtime (per-request inverse, layer-ahead prefetch)."""
-
-    def __init__(self, plan: CpSharedKvPlan, group: CpGroup, pools: list[torch.Tensor]) -> None:
-        self.plan, self.pools = plan, pools
-        buffers = []
-        for _ in range(2):
-            buf = new_dense_buffer(plan, tuple(pools[0].shape[1:]), pools[0].dtype)
-            buf.view(torch.uint8).fill_(POISON_BYTE)
-            buffers.append(buf)
-        self.prefetcher = HistoryPrefetcher(plan, group, (buffers[0], buffers[1]))
-        self.prefetcher.start(0, pools[0])
-
-    def dense_view(self, layer: int, current_full: torch.Tensor) -> torch.Tensor:
-        dense = self.prefetcher.wait(layer)
-        if layer + 1 < len(self.pools):
-            self.prefetcher.start(layer + 1, self.pools[layer + 1])
-        fill_current(self.plan, current_full, dense)
-        return dense
-
-    def remap(self, locs: torch.Tensor, req_id: torch.Tensor) -> torch.Tensor:
-        return remap_topk(self.plan, locs, req_id)
-
-
 class _ValueKeyedAccess:
     """The negative control: the seed's 1-D value-keyed inverse in place of steps 2-3 (cp=1 only)."""
 
-    def __init__(self, plan: CpSharedKvPlan, pools: list[torch.Tensor], out_cache_loc: torch.Tensor) -> None:
+    def __init__(
+        self, plan: CpSharedKvPlan, case: BatchCase, pools: list[torch.Tensor], out_cache_loc: torch.Tensor
+    ) -> None:
         if plan.cp_size != 1:
             raise ValueError("the value-keyed negative control runs at cp=1 only")
         self.plan, self.pools, self.out_cache_loc = plan, pools, out_cache_loc
-        self.inverse_1d = build_value_keyed_inverse(plan.page_table, plan.capacity)
+        # The seed's dense layout: request r's slots at r * P + j, P its longest request's pages.
+        self.pages_per_request = max(len(t) for t in case.page_tables)
+        self.page_table = padded_page_table(case, self.pages_per_request).to(out_cache_loc.device)
+        self.inverse_1d = build_value_keyed_inverse(self.page_table, plan.capacity)
+
+    def dense_start(self, r: int) -> int:
+        """The first dense row of request ``r`` in the seed's layout."""
+        return r * self.pages_per_request * self.plan.page_size
 
     def dense_view(self, layer: int, current_full: torch.Tensor) -> torch.Tensor:
         no_topk = torch.empty(0, dtype=torch.int64, device=current_full.device)
         dense, _ = value_keyed_pipeline(
-            self.plan.page_table,
+            self.page_table,
             self.plan.prefix_lens,
             self.plan.extend_lens,
             self.out_cache_loc,
@@ -166,6 +136,10 @@ class _ValueKeyedAccess:
 
     def remap(self, locs: torch.Tensor, req_id: torch.Tensor) -> torch.Tensor:
         return remap_value_keyed(locs, self.inverse_1d, self.plan.page_size)
+
+    def persist(self, layer: int, current_full: torch.Tensor) -> None:
+        """The seed at cp=1: every current row to its pool location."""
+        self.pools[layer].index_copy_(0, self.out_cache_loc.to(torch.int64), current_full)
 
 
 def _new_pools(scenario: Scenario, config: ToyDsaConfig, device: torch.device) -> list[torch.Tensor]:
@@ -241,24 +215,29 @@ def run_forward(
     local_pos = plan.split.shard(torch.tensor(positions, dtype=torch.int64, device=device), -1, local)
     local_cand = plan.split.shard(torch.tensor(candidates, dtype=torch.int64, device=device), -1, local)
 
-    if access == "per_request":
-        kv_access = _PerRequestAccess(plan, group, pools)
-    else:
-        kv_access = _ValueKeyedAccess(plan, pools, out_cache_loc.to(device))
+    pipe = LayerPipeline(
+        plan, group, [rows_kind("kv", pools, plan, layer_ahead=True, fill_byte=POISON_BYTE)], layer_ahead=True
+    )
+    control = _ValueKeyedAccess(plan, case, pools, out_cache_loc.to(device)) if access == "value_keyed" else None
     outs, reads, masks, denses = [], [], [], []
     for layer in range(model.config.num_layers):
-        current_full = gather_current(plan, model.kv_rows(layer, hidden), group)
-        dense = kv_access.dense_view(layer, current_full)
-        out, read, mask = model.attend(layer, hidden, local_pos, local_cand, plan.local_req_id, dense, kv_access.remap)
-        persist_owned_current(plan, current_full, pools[layer])
-        outs.append(gather_current(plan, out, group).cpu())
-        reads.append(gather_current(plan, read, group).cpu())
-        masks.append(gather_current(plan, mask.to(torch.uint8), group).cpu().bool())
+        current_full = pipe.gather_current(model.kv_rows(layer, hidden))
+        if control is None:
+            dense, remap = pipe.dense_view("kv", layer, current_full), pipe.remap
+        else:
+            dense, remap = control.dense_view(layer, current_full), control.remap
+        out, read, mask = model.attend(layer, hidden, local_pos, local_cand, plan.local_req_id, dense, remap)
+        if control is None:
+            pipe.persist_owned("kv", layer, current_full)
+        else:
+            control.persist(layer, current_full)
+        outs.append(pipe.gather_current(out).cpu())
+        reads.append(pipe.gather_current(read).cpu())
+        masks.append(pipe.gather_current(mask.to(torch.uint8)).cpu().bool())
         denses.append(dense.to("cpu", copy=True))  # the buffer is reused two layers later
         hidden = model.next_hidden(layer, hidden, out)
     plan.raise_if_errors(f"harness forward of scenario {scenario.name}")
 
-    span = plan.pages_per_request * ps
     token = 0
     for r, (a, e) in enumerate(zip(batch, extend_lens)):
         end = a.done + e
@@ -267,7 +246,9 @@ def run_forward(
         tr.reads[:, a.done : end] = torch.stack([x[token : token + e] for x in reads])
         tr.read_mask[:, a.done : end] = torch.stack([m[token : token + e] for m in masks])
         tr.computed[a.done : end] = True
-        tr.dense_views.append(torch.stack([d[r * span : r * span + end] for d in denses]))
+        # A request's dense rows are contiguous, in position order, in either layout.
+        start = plan.dense_location(r, 0) if control is None else control.dense_start(r)
+        tr.dense_views.append(torch.stack([d[start : start + end] for d in denses]))
         token += e
         a.done = end
     return case.state_class

@@ -16,9 +16,12 @@ The setting ``SGLANG_CPKV_OPS_BACKEND`` (environment, read at each call) forces 
 * ``cuda`` / ``triton`` / ``torch``: that backend, or a :class:`RuntimeError` naming why it cannot
   run tensors on this device (never a silent fallback).
 
-The choice is logged once per backend (logger ``sglang_cpkv.ops``). Dispatch reads only tensor
-metadata and Python state: it never synchronizes with the device, so it is safe under CUDA
-graph capture.
+The choice is logged once per backend (logger ``sglang_cpkv.ops``). The first time the CUDA backend
+is considered it is loaded and probed (every op once on a tiny batch, compared with the reference:
+:func:`sglang_cpkv.ops.cuda.is_available`), which synchronizes. :func:`warm_up` does that at start-up
+(serving calls it when the model-parallel groups are made, ``hooks/exchange_group.py``); after it,
+dispatch reads only tensor metadata and Python state and never synchronizes, so the ops are safe
+inside a forward and under CUDA graph capture.
 """
 
 from __future__ import annotations
@@ -115,31 +118,57 @@ def select_backend(device: torch.device | str) -> str:
     return name
 
 
+def warm_up(device: torch.device | str) -> str:
+    """Load and probe the backend that serves ``device`` (the synchronizing first step of the CUDA backend),
+    at start-up rather than inside the first forward. Returns the backend's name."""
+    return select_backend(device)
+
+
 def _backend(device: torch.device) -> ModuleType:
     return _load_backend(select_backend(device))[0]
 
 
-def build_page_inverse(page_table: torch.Tensor, capacity: int, errors: torch.Tensor) -> torch.Tensor:
+# The contract's input checks run here, before any backend, so every backend refuses the same inputs
+# with the same CpSharedKvError (host metadata only: dtypes and shapes, never values).
+
+
+def build_page_inverse(
+    slot_pages: torch.Tensor, slot_req: torch.Tensor, num_requests: int, capacity: int, errors: torch.Tensor
+) -> torch.Tensor:
     """Per-request page inverse of a batch: :func:`sglang_cpkv.ops.reference.build_page_inverse`."""
-    return _backend(page_table.device).build_page_inverse(page_table, capacity, errors)
+    reference.check_ids(slot_pages, "slot_pages")
+    reference.check_ids(slot_req, "slot_req")
+    return _backend(slot_pages.device).build_page_inverse(slot_pages, slot_req, num_requests, capacity, errors)
 
 
 def remap_locs(
-    locs: torch.Tensor, req_id: torch.Tensor, inverse: torch.Tensor, capacity: int, page_size: int, errors: torch.Tensor
+    locs: torch.Tensor,
+    req_id: torch.Tensor,
+    inverse: torch.Tensor,
+    num_requests: int,
+    capacity: int,
+    page_size: int,
+    errors: torch.Tensor,
 ) -> torch.Tensor:
     """Token locations -> dense locations: :func:`sglang_cpkv.ops.reference.remap_locs`."""
-    return _backend(locs.device).remap_locs(locs, req_id, inverse, capacity, page_size, errors)
+    reference.check_ids(locs, "locs")
+    reference.check_ids(req_id, "req_id")
+    reference.check_inverse(inverse, num_requests, capacity)
+    return _backend(locs.device).remap_locs(locs, req_id, inverse, num_requests, capacity, page_size, errors)
 
 
 def copy_pages(
     src: torch.Tensor, src_page: torch.Tensor, dst: torch.Tensor, dst_page: torch.Tensor, errors: torch.Tensor
 ) -> None:
     """Whole pages from ``src`` to ``dst``: :func:`sglang_cpkv.ops.reference.copy_pages`."""
+    reference.check_ids(src_page, "src_page")
+    reference.check_ids(dst_page, "dst_page")
     _backend(dst.device).copy_pages(src, src_page, dst, dst_page, errors)
 
 
 def scatter_rows(src: torch.Tensor, dst_loc: torch.Tensor, dst: torch.Tensor, errors: torch.Tensor) -> None:
     """Rows of ``src`` to rows ``dst_loc`` of ``dst``: :func:`sglang_cpkv.ops.reference.scatter_rows`."""
+    reference.check_ids(dst_loc, "dst_loc")
     _backend(dst.device).scatter_rows(src, dst_loc, dst, errors)
 
 
@@ -153,6 +182,9 @@ def materialize_and_fill(
     errors: torch.Tensor,
 ) -> None:
     """History pages then current rows into one dense view: :func:`sglang_cpkv.ops.reference.materialize_and_fill`."""
+    for ids, name in ((src_page, "src_page"), (dst_page, "dst_page"), (dst_loc, "dst_loc")):
+        reference.check_ids(ids, name)
+    reference.check_row_divides_page(current, dense)
     _backend(dense.device).materialize_and_fill(pool, src_page, dense, dst_page, current, dst_loc, errors)
 
 
@@ -171,4 +203,5 @@ __all__ = [
     "remap_locs",
     "scatter_rows",
     "select_backend",
+    "warm_up",
 ]

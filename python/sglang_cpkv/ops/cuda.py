@@ -1,7 +1,7 @@
 """CUDA backend of the CP shared-KV ops: thin launchers of ``torch.ops.sglang_cpkv.*``.
 
 The kernels live in ``sgl-kernel/csrc/cp_shared_kv`` (shipped in this package as ``sglang_cpkv/csrc``); their
-host launchers are declared, with shapes, in ``cp_shared_kv.h`` and registered in ``torch_bindings.cc``. The four
+host launchers are declared, with shapes, in ``cp_shared_kv.h`` and registered in ``torch_bindings.cc``. The five
 ops have the signatures and meaning of :mod:`sglang_cpkv.ops.reference`, bad ids included (-1 skipped silently;
 other out-of-range ids dropped and counted in ``errors``), and never synchronize with the host, so they can be
 captured in a CUDA graph. :func:`materialize_and_fill` is the per-layer ``copy_pages`` + ``scatter_rows`` in one
@@ -46,11 +46,11 @@ def _register_fakes() -> None:
     """Output shapes of the ops for FakeTensor / torch.compile (the in-place ops return nothing)."""
 
     @torch.library.register_fake("sglang_cpkv::build_page_inverse")
-    def _build_page_inverse_fake(page_table, capacity, errors):
-        return page_table.new_empty((page_table.shape[0] * capacity,), dtype=torch.int32)
+    def _build_page_inverse_fake(slot_pages, slot_req, num_requests, capacity, errors):
+        return slot_pages.new_empty((num_requests * capacity,), dtype=torch.int32)
 
     @torch.library.register_fake("sglang_cpkv::remap_locs")
-    def _remap_locs_fake(locs, req_id, inverse, capacity, page_size, errors):
+    def _remap_locs_fake(locs, req_id, inverse, num_requests, capacity, page_size, errors):
         return torch.empty_like(locs, dtype=torch.int32, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("sglang_cpkv::copy_pages")
@@ -109,7 +109,9 @@ def _probe() -> str | None:
     results, split and fused, equal the reference's."""
     device = torch.device("cuda", torch.cuda.current_device())
     capacity, page_size, width = 12, 4, 8
-    page_table = torch.tensor([[1, 5], [9, 5]], dtype=torch.int32, device=device)
+    # Ragged slots of [[1, 5], [9, 5]], a rounding slot (-1) and a bad page id (40) of request 1.
+    slot_pages = torch.tensor([1, 5, 9, 5, -1, 40], dtype=torch.int32, device=device)
+    slot_req = torch.tensor([0, 0, 1, 1, -1, 1], dtype=torch.int64, device=device)
     locs = torch.tensor([[4, 21, 7, -1], [36, 22, 3, 47], [4, 5, -1, 6]], dtype=torch.int64, device=device)
     req_id = torch.tensor([0, 1, 7], dtype=torch.int64, device=device)  # 7: a bad request row
     pool = torch.arange(capacity * page_size * width, dtype=torch.int32, device=device).view(capacity, -1)
@@ -122,8 +124,8 @@ def _probe() -> str | None:
     for name in ("reference", "cuda", "cuda fused"):
         ops = reference if name == "reference" else module
         errors = new_error_counter(device)
-        inverse = ops.build_page_inverse(page_table, capacity, errors)
-        dense_locs = ops.remap_locs(locs, req_id, inverse, capacity, page_size, errors)
+        inverse = ops.build_page_inverse(slot_pages, slot_req, 2, capacity, errors)
+        dense_locs = ops.remap_locs(locs, req_id, inverse, 2, capacity, page_size, errors)
         dense = torch.full((4, page_size * width), 7, dtype=torch.int32, device=device)
         if name == "cuda fused":
             materialize_and_fill(pool, src_page, dense, dst_page, current, dst_loc, errors)
@@ -164,21 +166,24 @@ def _ops():
     return torch.ops.sglang_cpkv
 
 
-def build_page_inverse(page_table: torch.Tensor, capacity: int, errors: torch.Tensor) -> torch.Tensor:
+def build_page_inverse(
+    slot_pages: torch.Tensor, slot_req: torch.Tensor, num_requests: int, capacity: int, errors: torch.Tensor
+) -> torch.Tensor:
     """Per-request page inverse: :func:`sglang_cpkv.ops.reference.build_page_inverse` (int32 ``[R * C]``)."""
-    return _ops().build_page_inverse(page_table, capacity, errors)
+    return _ops().build_page_inverse(slot_pages, slot_req, num_requests, capacity, errors)
 
 
 def remap_locs(
     locs: torch.Tensor,
     req_id: torch.Tensor,
     inverse: torch.Tensor,
+    num_requests: int,
     capacity: int,
     page_size: int,
     errors: torch.Tensor,
 ) -> torch.Tensor:
     """Token locations -> dense locations: :func:`sglang_cpkv.ops.reference.remap_locs` (``req_id`` int64 ``[N]``)."""
-    return _ops().remap_locs(locs, req_id, inverse, capacity, page_size, errors)
+    return _ops().remap_locs(locs, req_id, inverse, num_requests, capacity, page_size, errors)
 
 
 def copy_pages(

@@ -16,11 +16,15 @@ from __future__ import annotations
 import torch
 
 # Index of each kind in the counter tensor (kernels use the same numbers).
-ERR_PAGE_OUT_OF_RANGE = 0  # a page id outside [0, capacity) (or a page index outside src/dst)
+ERR_PAGE_OUT_OF_RANGE = 0  # a page id outside [0, capacity), or twice in one request (or a page index outside src/dst)
 ERR_REQ_OUT_OF_RANGE = 1  # a request id outside [0, batch_rows) other than the padding id -1
 ERR_LOC_OUT_OF_RANGE = 2  # a destination row outside the destination tensor
 NUM_ERROR_KINDS = 3
-ERROR_NAMES = ("page id out of range", "request id out of range", "destination row out of range")
+ERROR_NAMES = (
+    "page id out of range or repeated in a request",
+    "request id out of range",
+    "destination row out of range",
+)
 
 
 def new_error_counter(device: torch.device | str) -> torch.Tensor:

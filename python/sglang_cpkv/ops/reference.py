@@ -1,13 +1,13 @@
 """Torch reference of the CP shared-KV ops: the contract the Triton and CUDA kernels implement.
 
 Terms are those of ``docs/design/cp-shared-kv-contract.md`` (copied from the project's shared
-contract): page id, capacity ``C``, request row ``r`` in ``[0, R)``, page index ``j`` in
-``[0, P)``, dense slot ``r * P + j``, per-request inverse (int32, flat ``[R * C]``, entry
-``r * C + page_id`` = slot or -1).
+contract): page id, capacity ``C``, request row ``r`` in ``[0, R)``, page index ``j``, dense slot
+``start[r] + j`` (the ragged dense layout: request ``r``'s slots follow those of the requests before
+it), per-request inverse (int32, flat ``[R * C]``, entry ``r * C + page_id`` = slot or -1).
 
-Four ops cover every hot path of the runtime:
+Five ops cover every hot path of the runtime:
 
-* :func:`build_page_inverse` - per batch: page table -> per-request inverse.
+* :func:`build_page_inverse` - per batch: the page of every dense slot -> per-request inverse.
 * :func:`remap_locs` - per batch (current locs) and per layer (top-k locs): token locations of a
   request -> dense locations, through the per-request inverse. Request ids are compact: one per
   row of ``locs`` (a ``[tokens, topk]`` tensor takes ``[tokens]`` ids), never broadcast.
@@ -31,34 +31,79 @@ from __future__ import annotations
 
 import torch
 
-from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE
+from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE, CpSharedKvError
 
 PADDING_ID = -1
 
 
-def build_page_inverse(page_table: torch.Tensor, capacity: int, errors: torch.Tensor) -> torch.Tensor:
+def check_ids(t: torch.Tensor, name: str) -> None:
+    """Ids and locations are integer tensors: a float or bool id would silently truncate."""
+    if t.dtype not in (torch.int32, torch.int64):
+        raise CpSharedKvError(f"{name} must be int32 or int64, got {t.dtype}")
+
+
+def check_inverse(inverse: torch.Tensor, num_requests: int, capacity: int) -> None:
+    """The inverse carries neither R nor C, so the caller's pair must account for every entry."""
+    if capacity < 1 or num_requests < 0:
+        raise CpSharedKvError(f"capacity must be >= 1 and num_requests >= 0, got {capacity}, {num_requests}")
+    if inverse.dtype != torch.int32 or inverse.dim() != 1 or inverse.numel() != num_requests * capacity:
+        raise CpSharedKvError(
+            f"inverse must be int32 [num_requests * capacity] = [{num_requests} * {capacity}], "
+            f"got {inverse.dtype}{tuple(inverse.shape)}"
+        )
+
+
+def check_row_divides_page(current: torch.Tensor, dense: torch.Tensor) -> None:
+    """A current row must tile a dense page exactly, or its rows would straddle pages."""
+    row = current[0].numel() if current.dim() > 1 else 1
+    page = dense[0].numel() if dense.dim() > 1 else 1
+    if current.dim() < 2 or row == 0 or page % row:
+        raise CpSharedKvError(
+            f"current rows {tuple(current.shape)} do not tile the dense pages {tuple(dense.shape)}: "
+            f"a page of {page} elements is not a whole number of {row}-element rows"
+        )
+
+
+def build_page_inverse(
+    slot_pages: torch.Tensor, slot_req: torch.Tensor, num_requests: int, capacity: int, errors: torch.Tensor
+) -> torch.Tensor:
     """Per-request page inverse of a batch.
 
     Args:
-        page_table: int32 ``[R, P]``; row ``r`` lists request ``r``'s page ids in page-index
-            order, ``-1`` past its last page. The request id of slot ``s`` is ``s // P``.
-        capacity: ``C``, the number of page ids of the pool.
-        errors: int32 ``[NUM_ERROR_KINDS]`` counter (page ids ``>= C`` or ``< -1``).
+        slot_pages: int32 or int64 ``[S]``, the pool page id held by each dense slot; ``-1``: a slot no
+            page fills (the layout's rounding).
+        slot_req: int64 ``[S]``, the request row of each slot (``-1`` with a ``-1`` page).
+        num_requests: ``R``. capacity: ``C``, the number of page ids of the pool.
+        errors: int32 ``[NUM_ERROR_KINDS]`` counter: page ids ``>= C`` or ``< -1`` and a page id held by
+            two slots of one request (:data:`ERR_PAGE_OUT_OF_RANGE`); request ids outside ``[-1, R)``
+            (:data:`ERR_REQ_OUT_OF_RANGE`).
 
     Returns:
-        int32 ``[R * C]``: entry ``r * C + page_table[r, j]`` = ``r * P + j``; -1 elsewhere.
-        A page id twice in one row is an error of the caller (checked mode reports it); which
-        slot wins is then unspecified.
+        int32 ``[R * C]``: entry ``slot_req[s] * C + slot_pages[s]`` = ``s``; -1 elsewhere. Of two slots
+        of one request holding one page, one wins (unspecified which) and the other is counted.
     """
-    rows, pages_per_request = page_table.shape
-    inverse = torch.full((rows * capacity,), PADDING_ID, dtype=torch.int32, device=page_table.device)
-    flat = page_table.reshape(-1).to(torch.int64)
-    slot = torch.arange(flat.numel(), device=page_table.device, dtype=torch.int64)
-    req = slot // pages_per_request
-    bad = (flat >= capacity) | (flat < PADDING_ID)
-    errors[ERR_PAGE_OUT_OF_RANGE] += bad.sum().to(torch.int32)
-    valid = (flat >= 0) & (flat < capacity)
-    inverse[req[valid] * capacity + flat[valid]] = slot[valid].to(torch.int32)
+    check_ids(slot_pages, "slot_pages")
+    check_ids(slot_req, "slot_req")
+    if slot_pages.shape != slot_req.shape or slot_pages.dim() != 1:
+        raise CpSharedKvError(
+            f"slot_pages and slot_req must be 1-D of one length, got {tuple(slot_pages.shape)} and {tuple(slot_req.shape)}"
+        )
+    if capacity < 1 or num_requests < 0:
+        raise CpSharedKvError(f"capacity must be >= 1 and num_requests >= 0, got {capacity}, {num_requests}")
+    inverse = torch.full((num_requests * capacity,), PADDING_ID, dtype=torch.int32, device=slot_pages.device)
+    page = slot_pages.to(torch.int64)
+    req = slot_req.to(torch.int64)
+    slot = torch.arange(page.numel(), device=page.device, dtype=torch.int64)
+    padding = (page == PADDING_ID) | (req == PADDING_ID)
+    bad_page = ~padding & ((page >= capacity) | (page < PADDING_ID))
+    bad_req = ~padding & ~bad_page & ((req >= num_requests) | (req < PADDING_ID))
+    valid = ~(padding | bad_page | bad_req)
+    entry = req[valid] * capacity + page[valid]
+    inverse[entry] = slot[valid].to(torch.int32)
+    # A slot whose entry another slot won: its page is repeated within its request.
+    repeated = inverse[entry].to(torch.int64) != slot[valid]
+    errors[ERR_PAGE_OUT_OF_RANGE] += (bad_page.sum() + repeated.sum()).to(torch.int32)
+    errors[ERR_REQ_OUT_OF_RANGE] += bad_req.sum().to(torch.int32)
     return inverse
 
 
@@ -66,6 +111,7 @@ def remap_locs(
     locs: torch.Tensor,
     req_id: torch.Tensor,
     inverse: torch.Tensor,
+    num_requests: int,
     capacity: int,
     page_size: int,
     errors: torch.Tensor,
@@ -78,7 +124,7 @@ def remap_locs(
         locs: int32 or int64 ``[N]`` or ``[N, K]`` pool token locations; ``-1`` is padding.
         req_id: int64 ``[N]``, the request row of each row of ``locs`` (``-1``: padding row).
         inverse: int32 ``[R * C]`` from :func:`build_page_inverse`.
-        capacity: ``C``. ``R`` is ``inverse.numel() // C``.
+        num_requests: ``R``. capacity: ``C``; ``inverse`` must hold exactly ``R * C`` entries.
         page_size: tokens per page.
         errors: int32 counter: request ids outside ``[-1, R)``, pages outside ``[0, C)``.
 
@@ -86,13 +132,16 @@ def remap_locs(
         int32, the shape of ``locs``: dense locations, ``-1`` for padding, a padding row, an
         absent page (not in the request's page table) or a dropped bad id.
     """
-    rows = inverse.numel() // capacity
+    check_ids(locs, "locs")
+    check_ids(req_id, "req_id")
+    check_inverse(inverse, num_requests, capacity)
+    rows = num_requests
     if locs.dim() == 1:
         loc2d = locs.reshape(-1, 1)
     else:
         loc2d = locs
     if req_id.shape != loc2d.shape[:1]:
-        raise ValueError(
+        raise CpSharedKvError(
             f"req_id must have one id per row of locs: locs {tuple(locs.shape)}, req_id {tuple(req_id.shape)}"
         )
     loc = loc2d.to(torch.int64)
@@ -129,12 +178,14 @@ def copy_pages(
         dst_page: int32 ``[S]`` page rows of ``dst``. Duplicates: the winner is unspecified.
         errors: int32 counter: an index ``>=`` its tensor's page count or ``< -1``.
     """
+    check_ids(src_page, "src_page")
+    check_ids(dst_page, "dst_page")
     if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
-        raise ValueError(
+        raise CpSharedKvError(
             f"src and dst must have one dtype and page width: src {src.dtype}{tuple(src.shape)}, dst {dst.dtype}{tuple(dst.shape)}"
         )
     if src_page.shape != dst_page.shape:
-        raise ValueError(
+        raise CpSharedKvError(
             f"src_page and dst_page must have one shape: {tuple(src_page.shape)} vs {tuple(dst_page.shape)}"
         )
     s = src_page.to(torch.int64)
@@ -154,12 +205,13 @@ def scatter_rows(src: torch.Tensor, dst_loc: torch.Tensor, dst: torch.Tensor, er
         dst: ``[M, D]``, same dtype and width; written in place. Duplicates: winner unspecified.
         errors: int32 counter: a row ``>= M`` or ``< -1``.
     """
+    check_ids(dst_loc, "dst_loc")
     if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
-        raise ValueError(
+        raise CpSharedKvError(
             f"src and dst must have one dtype and row width: src {src.dtype}{tuple(src.shape)}, dst {dst.dtype}{tuple(dst.shape)}"
         )
     if dst_loc.shape != src.shape[:1]:
-        raise ValueError(
+        raise CpSharedKvError(
             f"dst_loc must have one entry per src row: src {tuple(src.shape)}, dst_loc {tuple(dst_loc.shape)}"
         )
     loc = dst_loc.to(torch.int64)
@@ -193,5 +245,6 @@ def materialize_and_fill(
         dst_loc: int32 or int64 ``[N]`` rows of ``dense.view(-1, D)`` (-1: skip).
         errors: int32 counter (bad page rows, bad destination rows).
     """
+    check_row_divides_page(current, dense)
     copy_pages(pool, src_page, dense, dst_page, errors)
     scatter_rows(current, dst_loc, dense.view(-1, *current.shape[1:]), errors)

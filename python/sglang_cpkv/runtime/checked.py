@@ -6,15 +6,15 @@ Then the plan and every layer op synchronize and raise :class:`~sglang_cpkv.ops.
 naming the bad values:
 
 * after each op, the plan's device error counter (bad page/request ids, rows out of range);
-* plan: inverse and page table agree (every valid ``(r, j)`` is found at ``r * C + page``, and
-  nothing else is); no page id twice within one request's table; every current token's dense
-  location is inside its own request's slot range ``[r * P * ps, (r + 1) * P * ps)`` at its own
-  logical position, and no dense location is written by two tokens (so no dense slot is written
-  by two requests); padded local rows have request id -1 and location -1;
+* plan: the dense slots and the inverse agree (every slot ``s`` of request ``r`` holding page ``p`` is
+  found at ``inverse[r * C + p]``, and nothing else is); each request's slots are its own range
+  ``[start[r], start[r] + n_r)``, with no page id twice; every current token's dense location is in its
+  own request's range at its own logical position, and no dense location is written by two tokens (so
+  no dense slot is written by two requests); padded local rows have request id -1 and location -1;
 * remap: every remapped top-k location lands in its own request's slot range.
 
-Off (the default) it costs nothing: the layer functions test one Python bool of the plan and
-launch no extra kernel and no synchronization.
+Off (the default) it costs nothing: the pipeline tests one Python bool of the plan and launches no
+extra kernel and no synchronization.
 """
 
 from __future__ import annotations
@@ -39,11 +39,12 @@ def enabled() -> bool:
 
 def _slot_range_violations(plan: CpSharedKvPlan, dense_locs: torch.Tensor, req_id: torch.Tensor) -> torch.Tensor:
     """Bool, shape of ``dense_locs``: a location >= 0 outside its row's request slot range."""
-    span = plan.pages_per_request * plan.page_size
-    locs = dense_locs.to(torch.int64).reshape(dense_locs.shape[0], -1)
-    req = req_id.to(torch.int64).reshape(-1, 1)
-    lo = req * span
-    inside = (locs >= lo) & (locs < lo + span)
+    bounds = torch.tensor([plan.slot_range(r) for r in range(plan.num_requests)], dtype=torch.int64) * plan.page_size
+    locs = dense_locs.to(torch.int64).reshape(dense_locs.shape[0], -1).cpu()
+    req = req_id.to(torch.int64).cpu()
+    lo = bounds[req.clamp(min=0), 0].unsqueeze(1)
+    hi = bounds[req.clamp(min=0), 1].unsqueeze(1)
+    inside = (locs >= lo) & (locs < hi) & (req >= 0).unsqueeze(1)
     return (locs >= 0) & ~inside
 
 
@@ -55,32 +56,38 @@ def check_errors(plan: CpSharedKvPlan, where: str) -> None:
 def check_plan(plan: CpSharedKvPlan) -> None:
     """Every plan invariant of the module docstring; raises :class:`CpSharedKvError`."""
     check_errors(plan, "plan build")
-    table = plan.page_table.to(torch.int64).cpu()
-    rows, pages = table.shape
-    cap, ps = plan.capacity, plan.page_size
-    for r in range(rows):
-        row = table[r][table[r] >= 0]
-        uniq, counts = row.unique(return_counts=True)
+    slot_pages = plan.slot_pages.to(torch.int64).cpu()
+    slot_req = plan.slot_req.cpu()
+    cap = plan.capacity
+    for r in range(plan.num_requests):
+        start, stop = plan.slot_range(r)
+        if not bool((slot_req[start:stop] == r).all()):
+            raise CpSharedKvError(f"request {r}: its slots [{start}, {stop}) are not all its own")
+        pages = slot_pages[start:stop]
+        uniq, counts = pages.unique(return_counts=True)
         if bool((counts > 1).any()):
             raise CpSharedKvError(f"request {r}: page ids {uniq[counts > 1].tolist()} appear twice in its page table")
+    if bool((slot_pages[plan.needed_slots :] != -1).any()) or bool((slot_req[plan.needed_slots :] != -1).any()):
+        raise CpSharedKvError("the layout's rounding slots hold a page or a request")
     inverse = plan.inverse.to(torch.int64).cpu()
-    valid = (table >= 0).nonzero()
-    for r, j in valid.tolist():
-        got = int(inverse[r * cap + table[r, j]])
-        if got != r * pages + j:
+    for s in range(plan.needed_slots):
+        got = int(inverse[int(slot_req[s]) * cap + int(slot_pages[s])])
+        if got != s:
             raise CpSharedKvError(
-                f"inverse disagrees with page table: request {r} page index {j} page id {int(table[r, j])} -> slot {got}, expected {r * pages + j}"
+                f"inverse disagrees with the slots: request {int(slot_req[s])} page id {int(slot_pages[s])} -> "
+                f"slot {got}, expected {s}"
             )
-    if int((inverse >= 0).sum()) != valid.shape[0]:
-        raise CpSharedKvError(f"inverse has {int((inverse >= 0).sum())} entries, page table {valid.shape[0]} pages")
+    if int((inverse >= 0).sum()) != plan.needed_slots:
+        raise CpSharedKvError(f"inverse has {int((inverse >= 0).sum())} entries, the batch {plan.needed_slots} slots")
 
     dense = plan.current_dense_locs.to(torch.int64).cpu()
-    expected = torch.cat(
+    expected = torch.tensor(
         [
-            (r * pages + torch.div(p, ps, rounding_mode="floor")) * ps + p % ps
+            plan.dense_location(r, p)
             for r, (pre, ext) in enumerate(zip(plan.prefix_lens, plan.extend_lens))
-            for p in (torch.arange(pre, pre + ext),)
-        ]
+            for p in range(pre, pre + ext)
+        ],
+        dtype=torch.int64,
     )
     wrong = (dense != expected).nonzero().flatten().tolist()
     if wrong:

@@ -23,8 +23,12 @@ class CpGroup(Protocol):
     cp_size: int
     cp_rank: int
 
-    def all_gather_rows(self, local: torch.Tensor) -> torch.Tensor:
-        """``[cp_size * M, ...]``: every rank's ``[M, ...]`` block, rank-major. ``M`` equal on all ranks."""
+    def all_gather_rows(self, local: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[cp_size * M, ...]``: every rank's ``[M, ...]`` block, rank-major. ``M`` equal on all ranks.
+
+        ``out`` (``[cp_size * M, ...]``, the dtype of ``local``) is written and returned when given, so a
+        caller reuses one buffer across layers.
+        """
         ...
 
 
@@ -34,11 +38,14 @@ class SingleRankGroup:
     cp_size = 1
     cp_rank = 0
 
-    def all_gather_rows(self, local: torch.Tensor) -> torch.Tensor:
-        return local
+    def all_gather_rows(self, local: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            return local
+        out.copy_(local)
+        return out
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous ``uint8 [rows, row_bytes]`` view of ``t`` (``[rows, ...]``)."""
     row_bytes = math.prod(t.shape[1:]) * t.element_size()
     return t.contiguous().view(torch.uint8).reshape(t.shape[0], row_bytes)
@@ -57,15 +64,22 @@ class TorchDistCpGroup:
         self.cp_rank = dist.get_rank(group)
         self._gloo = dist.get_backend(group) == "gloo"
 
-    def all_gather_rows(self, local: torch.Tensor) -> torch.Tensor:
-        if self.cp_size == 1:
-            return local
+    def all_gather_rows(self, local: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         rows = local.shape[0]
-        src = _as_bytes(local)
-        out = torch.empty((self.cp_size * rows, src.shape[1]), dtype=torch.uint8, device=local.device)
+        shape = (self.cp_size * rows, *local.shape[1:])
+        if out is None:
+            out = local.new_empty(shape)
+        elif tuple(out.shape) != shape or out.dtype != local.dtype or not out.is_contiguous():
+            raise ValueError(
+                f"all_gather_rows: out is {tuple(out.shape)} {out.dtype}, expected contiguous {shape} {local.dtype}"
+            )
+        if self.cp_size == 1:
+            out.copy_(local)
+            return out
+        src, dst = as_bytes(local), as_bytes(out)
         if rows and src.shape[1]:
             if self._gloo:
-                dist.all_gather(list(out.chunk(self.cp_size)), src, group=self.group)
+                dist.all_gather(list(dst.chunk(self.cp_size)), src, group=self.group)
             else:
-                dist.all_gather_into_tensor(out, src, group=self.group)
-        return out.view(local.dtype).reshape(self.cp_size * rows, *local.shape[1:])
+                dist.all_gather_into_tensor(dst, src, group=self.group)
+        return out

@@ -1,19 +1,24 @@
 """The per-batch CP shared-KV plan: built once per batch, reused by every layer.
 
 :func:`build_plan` turns the batch's request page tables, host lengths and current-token pool
-locations into a frozen :class:`CpSharedKvPlan` of device tensors; the per-layer functions of
-:mod:`sglang_cpkv.runtime.layer` only read it. Terms (page id, capacity ``C``, request row
-``r``, page index ``j``, ``P``, dense slot ``r * P + j``, per-request inverse) are those of
-``docs/design/cp-shared-kv-contract.md``.
+locations into a frozen :class:`CpSharedKvPlan`: every per-batch value the layers need, computed once
+(the per-layer work is :class:`~sglang_cpkv.runtime.pipeline.LayerPipeline`, which only reads it).
+Terms (page id, capacity ``C``, request row ``r``, page index ``j``, dense slot, per-request inverse)
+are those of ``docs/design/cp-shared-kv-contract.md``.
+
+Dense layout (ragged): request ``r`` needs ``n_r = ceil((prefix_r + extend_r) / page_size)`` pages;
+its slots are ``start[r] + j`` for ``j < n_r``, ``start`` the exclusive cumulative sum of ``n_r``. The
+view has :func:`~.buckets.round_dense_slots` ``(sum n_r)`` slots (under 3.2% more, so shapes repeat);
+the rounding slots hold no page. Every dense location is checked to fit int32 here.
 
 Synchronization: the plan's device work is a handful of ops with no host sync
-(``repeat_interleave`` gets ``output_size``). Host-side lengths are validated always (free).
-Page ids and ``out_cache_loc`` are validated on the host when they are host tensors; on a GPU
-they are counted in the plan's device error counter instead (:meth:`CpSharedKvPlan.raise_if_errors`
-surfaces it at a natural sync point; checked mode raises at once). One exception: under
-``cp_size > 1`` the all-gather layout of history pages needs the history page ids on the host
-(deduplicated owned pages, padded to the largest owner's count), so a device page table is copied
-to the host once per batch; pass a host page table when the caller has one.
+(``repeat_interleave`` gets ``output_size``). Host-side lengths are validated always (free). Page ids
+and ``out_cache_loc`` are validated on the host when they are host tensors; on a GPU a bad or repeated
+page id is counted in the plan's device error counter instead (the surfacing is the caller's: checked
+mode raises at once). One host sync per batch, before the first layer, under ``cp_size > 1`` only: the
+all-gather layout of history pages needs the history page ids on the host (deduplicated owned pages,
+padded to the largest owner's count), so the history pages of a device page table are copied to the
+host once; a host page table needs none.
 """
 
 from __future__ import annotations
@@ -24,12 +29,14 @@ from dataclasses import dataclass
 import torch
 
 from sglang_cpkv import ops
-from sglang_cpkv.ops.errors import CpSharedKvError
+from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, CpSharedKvError
 from sglang_cpkv.runtime import checked as checked_mode
-from sglang_cpkv.runtime.buckets import bucket_pages_per_request
+from sglang_cpkv.runtime.buckets import round_dense_slots
 from sglang_cpkv.runtime.cp_split import CpSplit, CpStrategy, build_cp_split
+from sglang_cpkv.runtime.ownership import page_owner
 
 PADDING_ID = -1
+INT32_MAX = (1 << 31) - 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,9 +44,10 @@ class CpSharedKvPlan:
     """Everything the layers of one batch reuse. Built by :func:`build_plan`; never mutated.
 
     Host attributes:
-        num_requests: ``R``. pages_per_request: ``P`` (a bucket, :mod:`.buckets`).
-        capacity: ``C``. page_size: tokens per page.
+        num_requests: ``R``. capacity: ``C``. page_size: tokens per page.
         prefix_lens, extend_lens: per request, history and current token counts.
+        request_pages: ``n_r`` per request; slot_starts: ``start[r]`` per request.
+        num_slots: slots of the dense view (``sum(n_r)`` rounded, module docstring).
         num_tokens: ``N = sum(extend_lens)``.
         split: the CP split of the current tokens (:class:`~.cp_split.CpSplit`).
         exchange_pages_per_rank: ``M``, pages each rank contributes to the history all-gather
@@ -47,11 +55,12 @@ class CpSharedKvPlan:
         checked: checked mode (:mod:`.checked`), fixed at build.
 
     Device tensors (all on the device of ``out_cache_loc``):
-        page_table: int32 ``[R, P]``; -1 past each request's ``ceil((prefix+extend)/page_size)`` pages.
+        slot_pages: int32 ``[num_slots]``, the pool page id of each dense slot (-1: a rounding slot).
+        slot_req: int64 ``[num_slots]``, the request of each dense slot (-1: a rounding slot).
         inverse: int32 ``[R * C]``, the per-request inverse (``ops.build_page_inverse``).
         token_req_id: int64 ``[N]``, request row of each current token (token order).
-        current_dense_locs: int32 ``[N]``, dense location of each current token (fill target).
-        history_slots: int32 ``[S]``, dense slots ``r * P + j`` with ``j < ceil(prefix_r / page_size)``
+        current_dense_locs: int64 ``[N]``, dense location of each current token (fill target).
+        history_slots: int32 ``[S]``, the dense slots ``start[r] + j`` with ``j < ceil(prefix_r / page_size)``
             (slots holding only current tokens are never materialized).
         history_pages: int32 ``[S]``, the pool page id of each history slot.
         local_req_id: int64 ``[physical_rows]``, request row of each local query row of this
@@ -60,8 +69,8 @@ class CpSharedKvPlan:
             ``out_cache_loc`` (padding rows -1).
         local_token_index: int64 ``[per_rank_logical[cp_rank]]``, global token of each real local row.
         current_gather_index: int64 ``[N]``, see :meth:`CpSplit.unshard`.
-        owned_cache_write_locs: ``[N]`` (dtype of ``out_cache_loc``): the pool location of each
-            current token whose page this rank owns (``page_id % cp_size == cp_rank``), else -1.
+        owned_cache_write_locs: int64 ``[N]``: the pool location of each current token whose page this
+            rank owns (:func:`~.ownership.page_owner`), else -1.
         exchange_send_pages: int32 ``[M]``: pool page ids this rank packs for the history
             all-gather (its owned distinct history pages, -1 padding).
         exchange_recv_rows: int32 ``[S]``: for each history slot, its page's row in the
@@ -70,16 +79,19 @@ class CpSharedKvPlan:
     """
 
     num_requests: int
-    pages_per_request: int
     capacity: int
     page_size: int
     prefix_lens: tuple[int, ...]
     extend_lens: tuple[int, ...]
+    request_pages: tuple[int, ...]
+    slot_starts: tuple[int, ...]
+    num_slots: int
     num_tokens: int
     split: CpSplit
     exchange_pages_per_rank: int
     checked: bool
-    page_table: torch.Tensor
+    slot_pages: torch.Tensor
+    slot_req: torch.Tensor
     inverse: torch.Tensor
     token_req_id: torch.Tensor
     current_dense_locs: torch.Tensor
@@ -108,8 +120,26 @@ class CpSharedKvPlan:
 
     @property
     def dense_rows(self) -> int:
-        """Rows of the dense view: ``R * P * page_size``."""
-        return self.num_requests * self.pages_per_request * self.page_size
+        """Rows of the dense view: ``num_slots * page_size``."""
+        return self.num_slots * self.page_size
+
+    @property
+    def needed_slots(self) -> int:
+        """Slots the batch's pages fill: ``sum(n_r)`` (the view rounds it up to ``num_slots``)."""
+        return sum(self.request_pages)
+
+    def slot_start(self, request: int) -> int:
+        """The first dense slot of ``request``."""
+        return self.slot_starts[request]
+
+    def slot_range(self, request: int) -> tuple[int, int]:
+        """``[start, stop)`` of the dense slots that belong to ``request``."""
+        start = self.slot_starts[request]
+        return start, start + self.request_pages[request]
+
+    def dense_location(self, request: int, position: int) -> int:
+        """The dense location of logical position ``position`` of ``request`` (host arithmetic)."""
+        return (self.slot_start(request) + position // self.page_size) * self.page_size + position % self.page_size
 
     def raise_if_errors(self, where: str = "CP shared-KV batch") -> None:
         """Synchronize and raise :class:`CpSharedKvError` if any op of the batch dropped a bad id."""
@@ -182,17 +212,26 @@ def _exchange_layout(
         empty = torch.empty(0, dtype=torch.int64)
         return 0, empty, empty
     unique_pages = history_page_ids.unique(sorted=True)
-    owner = unique_pages % cp_size
+    owner = page_owner(unique_pages, cp_size)
     owned = [unique_pages[owner == k] for k in range(cp_size)]
     pages_per_rank = max(int(t.numel()) for t in owned)
     send = torch.full((pages_per_rank,), PADDING_ID, dtype=torch.int64)
     send[: owned[cp_rank].numel()] = owned[cp_rank]
-    slot_owner = history_page_ids % cp_size
+    slot_owner = page_owner(history_page_ids, cp_size)
     recv_rows = torch.empty_like(history_page_ids)
     for k in range(cp_size):
         mine = slot_owner == k
         recv_rows[mine] = k * pages_per_rank + torch.searchsorted(owned[k], history_page_ids[mine])
     return pages_per_rank, send, recv_rows
+
+
+def _slot_pages(table: torch.Tensor, slot_req: torch.Tensor, slot_j: torch.Tensor, capacity: int) -> torch.Tensor:
+    """int32 page id of every used slot, gathered on the table's device. An id outside ``[0, C)`` becomes ``C``
+    before the int32 cast (so ``2**32 + 5`` cannot wrap to page 5): the inverse build counts it as bad."""
+    if table.device.type != "cpu":  # staged through pinned memory: no host sync
+        slot_req, slot_j = _to_device(slot_req, table.device), _to_device(slot_j, table.device)
+    pages = table.to(torch.int64)[slot_req, slot_j]
+    return torch.where((pages >= 0) & (pages < capacity), pages, capacity).to(torch.int32)
 
 
 def build_plan(
@@ -206,7 +245,6 @@ def build_plan(
     cp_size: int,
     cp_rank: int,
     strategy: CpStrategy,
-    pages_per_request: int | None = None,
     checked: bool | None = None,
 ) -> CpSharedKvPlan:
     """Build the batch plan (once per batch, before the first layer).
@@ -222,30 +260,32 @@ def build_plan(
             (request-major); ``N = sum(extend_lens)``. Its device is the plan's device.
         capacity: ``C``, page ids of the pool. page_size: tokens per page.
         cp_size, cp_rank: the CP group (``cp_size = 1``: no CP). strategy: see :mod:`.cp_split`.
-        pages_per_request: ``P``; default the bucket of the batch's largest page count.
         checked: checked mode; default from ``SGLANG_CPKV_CHECKED`` (:mod:`.checked`).
 
     Raises:
         CpSharedKvError: page ids outside ``[0, C)`` or repeated within a request (host table),
-            lengths that do not fit ``pages_per_request`` or the page table, ``out_cache_loc``
-            length != ``sum(extend_lens)``, a CP split that does not apply, a rank outside
-            ``[0, cp_size)``; in checked mode also every device-side error and broken invariant.
+            lengths that do not fit the page table, a dense view past int32 locations,
+            ``out_cache_loc`` length != ``sum(extend_lens)``, a CP split that does not apply, a rank
+            outside ``[0, cp_size)``; in checked mode also every device-side error and broken invariant.
     """
     if capacity < 1 or page_size < 1:
         raise CpSharedKvError(f"capacity and page_size must be >= 1, got capacity={capacity}, page_size={page_size}")
+    if capacity > INT32_MAX:
+        raise CpSharedKvError(f"capacity {capacity} page ids do not fit int32")
     prefix, extend = _validate_lengths(prefix_lens, extend_lens)
     num_requests = len(prefix)
     split = build_cp_split(strategy, extend, cp_size, cp_rank)
     num_tokens = split.num_tokens
 
     pages_needed = [-(-(p + e) // page_size) for p, e in zip(prefix, extend)]
-    if pages_per_request is None:
-        pages_per_request = bucket_pages_per_request(max(pages_needed))
-    elif max(pages_needed) > pages_per_request:
-        r = max(range(num_requests), key=lambda i: pages_needed[i])
+    starts = [0]
+    for n in pages_needed[:-1]:
+        starts.append(starts[-1] + n)
+    num_slots = round_dense_slots(sum(pages_needed))
+    if num_slots * page_size > INT32_MAX:
         raise CpSharedKvError(
-            f"request {r} needs {pages_needed[r]} pages (prefix {prefix[r]} + extend {extend[r]} tokens, "
-            f"page_size {page_size}) > pages_per_request={pages_per_request}"
+            f"the batch's dense view needs {num_slots} slots x page_size {page_size} = {num_slots * page_size} "
+            f"locations, more than int32 holds ({INT32_MAX}): split the batch"
         )
     table = _host_page_table(page_table, num_requests)
     too_long = [(r, n) for r, n in enumerate(pages_needed) if n > table.shape[1]]
@@ -272,32 +312,30 @@ def build_plan(
     device = out_cache_loc.device
     errors = ops.new_error_counter(device)
 
-    # Page table [R, P] int32: -1 past each request's own pages (W may be wider or narrower than P).
-    width = min(table.shape[1], pages_per_request)
-    used = torch.arange(pages_per_request).unsqueeze(0) < torch.tensor(pages_needed).unsqueeze(1)
-    dense_table = torch.full((num_requests, pages_per_request), PADDING_ID, dtype=torch.int32, device=device)
-    columns = table[:, :width]
-    dense_table[:, :width] = (
-        columns.to(torch.int32) if columns.device == device else _to_device(columns, device, torch.int32)
+    # Every used slot's (request, page index), on the host: the layout is a function of host lengths.
+    slot_req_host = torch.repeat_interleave(torch.arange(num_requests), torch.tensor(pages_needed))
+    slot_j_host = torch.cat([torch.arange(n) for n in pages_needed])
+    used_pages = _slot_pages(table, slot_req_host, slot_j_host, capacity)
+    slot_pages = torch.full((num_slots,), PADDING_ID, dtype=torch.int32, device=device)
+    slot_pages[: used_pages.numel()] = used_pages if used_pages.device == device else _to_device(used_pages, device)
+    slot_req = _to_device(
+        torch.cat([slot_req_host, torch.full((num_slots - slot_req_host.numel(),), PADDING_ID)]), device, torch.int64
     )
-    dense_table = torch.where(_to_device(used, device), dense_table, PADDING_ID)
-    inverse = ops.build_page_inverse(dense_table, capacity, errors)
+    inverse = ops.build_page_inverse(slot_pages, slot_req, num_requests, capacity, errors)
 
     extend_dev = _to_device(torch.tensor(extend, dtype=torch.int64), device)
     token_req_id = torch.repeat_interleave(
         torch.arange(num_requests, dtype=torch.int64, device=device), extend_dev, output_size=num_tokens
     )
-    current_dense_locs = ops.remap_locs(out_cache_loc, token_req_id, inverse, capacity, page_size, errors)
+    current_dense_locs = ops.remap_locs(
+        out_cache_loc, token_req_id, inverse, num_requests, capacity, page_size, errors
+    ).to(torch.int64)
 
-    history_pages_per_req = [-(-p // page_size) for p in prefix]
     history_slots_host = torch.cat(
-        [
-            torch.arange(r * pages_per_request, r * pages_per_request + n, dtype=torch.int64)
-            for r, n in enumerate(history_pages_per_req)
-        ]
+        [torch.arange(start, start + -(-p // page_size), dtype=torch.int64) for start, p in zip(starts, prefix)]
     )
     history_slots = _to_device(history_slots_host, device, torch.int32)
-    history_pages = dense_table.view(-1).index_select(0, history_slots.to(torch.int64))
+    history_pages = slot_pages.index_select(0, history_slots.to(torch.int64))
 
     local_token_index = _to_device(split.local_token_index, device)
     current_gather_index = _to_device(split.gather_index, device)
@@ -305,32 +343,34 @@ def build_plan(
     local_out_cache_loc = split.shard(out_cache_loc, PADDING_ID, local_token_index)
 
     if cp_size == 1:
-        owned_cache_write_locs = out_cache_loc
+        owned_cache_write_locs = out_cache_loc.to(torch.int64)
         pages_per_rank = 0
         send_pages = torch.empty(0, dtype=torch.int32, device=device)
         recv_rows = torch.empty(0, dtype=torch.int32, device=device)
     else:
-        owner = torch.div(out_cache_loc, page_size, rounding_mode="floor") % cp_size
-        owned_cache_write_locs = torch.where(owner == cp_rank, out_cache_loc, PADDING_ID)
-        # The one host copy of a device page table (see the module docstring).
-        host_table = table[:, :width].to(torch.int64).cpu()
-        history_page_ids = host_table[history_slots_host // pages_per_request, history_slots_host % pages_per_request]
+        owner = page_owner(torch.div(out_cache_loc, page_size, rounding_mode="floor"), cp_size)
+        owned_cache_write_locs = torch.where(owner == cp_rank, out_cache_loc, PADDING_ID).to(torch.int64)
+        # The one host copy of a device page table (see the module docstring): the history slots' pages.
+        history_page_ids = used_pages.index_select(0, history_slots_host.to(used_pages.device)).to(torch.int64).cpu()
         pages_per_rank, send_host, recv_host = _exchange_layout(history_page_ids, cp_size, cp_rank)
         send_pages = _to_device(send_host, device, torch.int32)
         recv_rows = _to_device(recv_host, device, torch.int32)
 
     plan = CpSharedKvPlan(
         num_requests=num_requests,
-        pages_per_request=pages_per_request,
         capacity=capacity,
         page_size=page_size,
         prefix_lens=prefix,
         extend_lens=extend,
+        request_pages=tuple(pages_needed),
+        slot_starts=tuple(starts),
+        num_slots=num_slots,
         num_tokens=num_tokens,
         split=split,
         exchange_pages_per_rank=pages_per_rank,
         checked=checked_mode.enabled() if checked is None else checked,
-        page_table=dense_table,
+        slot_pages=slot_pages,
+        slot_req=slot_req,
         inverse=inverse,
         token_req_id=token_req_id,
         current_dense_locs=current_dense_locs,
@@ -348,3 +388,21 @@ def build_plan(
     if plan.checked:
         checked_mode.check_plan(plan)
     return plan
+
+
+def dense_to_pool_locs(plan: CpSharedKvPlan, dense_locs: torch.Tensor) -> torch.Tensor:
+    """Dense-view locations back to pool locations through the plan (-1 stays -1); dtype of ``dense_locs``.
+
+    Dense location ``d`` is slot ``d // page_size`` at offset ``d % page_size``; the slot's page is
+    ``plan.slot_pages[slot]``. A location outside the dense view, or on a slot no page fills, maps to -1
+    and is counted as a bad id in the plan's error counter (no host sync).
+    """
+    page_size = plan.page_size
+    locs = dense_locs.to(torch.int64)
+    in_view = (locs >= 0) & (locs < plan.dense_rows)
+    slot = torch.div(torch.where(in_view, locs, torch.zeros_like(locs)), page_size, rounding_mode="floor")
+    page = plan.slot_pages.to(torch.int64)[slot]
+    mapped = in_view & (page >= 0)
+    plan.errors[ERR_LOC_OUT_OF_RANGE] += ((locs >= 0) & ~mapped).sum().to(plan.errors.dtype)
+    pool = page * page_size + locs % page_size
+    return torch.where(mapped, pool, torch.full_like(pool, PADDING_ID)).to(dense_locs.dtype)

@@ -21,8 +21,10 @@ Every case is labelled with the contract's state class (:attr:`BatchCase.state_c
 
 :func:`generate_case` draws a case from any integer source, so one generator serves
 ``random.Random`` (:func:`random_case`, for the demo and harness) and hypothesis
-(:func:`batch_cases`). :func:`simulate_cp_ranks` runs the whole runtime for every CP rank in one
-process (the page all-gather done by concatenation) and reports every mismatch with the truth.
+(:func:`batch_cases`). :func:`run_case_on_rank` is one CP rank's layer through the runtime's pipeline
+(run on every rank by :func:`sglang_cpkv.testing.lockstep.run_lockstep` in one process, or by
+:func:`sglang_cpkv.testing.cp_dist.spawn_cp_ranks` in real processes), and :func:`check_against_truth`
+reports every mismatch of its results with the truth.
 """
 
 from __future__ import annotations
@@ -30,14 +32,20 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_cpkv.runtime.cp_split import split_applies
-
-if TYPE_CHECKING:
-    from sglang_cpkv.runtime.plan import CpSharedKvPlan
+from sglang_cpkv.runtime import (
+    CpGroup,
+    CpSharedKvPlan,
+    LayerPipeline,
+    as_bytes,
+    build_plan,
+    page_owner,
+    rows_kind,
+    split_applies,
+)
+from sglang_cpkv.testing.lockstep import run_lockstep
 
 REACHABLE = "reachable-0.5.23"
 COLLISION = "collision"
@@ -153,6 +161,67 @@ def batch_cases(**kwargs):
     return _cases()
 
 
+def sparse_case(
+    num_requests: int,
+    page_size: int,
+    capacity: int,
+    max_pages: int,
+    gen: torch.Generator,
+    *,
+    shared_pages: tuple[int, ...] = (),
+) -> BatchCase:
+    """A batch on sparse page sets drawn from the whole pool (distinct within a request), each request
+    holding ``shared_pages`` first, its history ending anywhere (mid-page too) and its current tokens after
+    it: the op-level tests' and benchmarks' inputs (collisions between independent draws included)."""
+    tables, prefix_lens, extend_lens = [], [], []
+    for _ in range(num_requests):
+        count = int(torch.randint(max(1, len(shared_pages)), max_pages + 1, (), generator=gen))
+        own = [p for p in torch.randperm(capacity, generator=gen).tolist() if p not in shared_pages]
+        tables.append(tuple(shared_pages) + tuple(own[: count - len(shared_pages)]))
+        total = int(torch.randint((count - 1) * page_size + 1, count * page_size + 1, (), generator=gen))
+        prefix = int(torch.randint(0, total, (), generator=gen))
+        prefix_lens.append(prefix)
+        extend_lens.append(total - prefix)
+    return BatchCase(page_size, capacity, tuple(tables), tuple(prefix_lens), tuple(extend_lens))
+
+
+def flat_slots(page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slot_pages, slot_req)`` of a ``[R, P]`` page table laid out as slots ``r * P + j`` (entries -1 pad):
+    the op-level input of ``build_page_inverse`` for a hand-made table (plans use the ragged layout)."""
+    rows, width = page_table.shape
+    slot_req = torch.arange(rows, dtype=torch.int64, device=page_table.device).repeat_interleave(width)
+    return page_table.reshape(-1), slot_req
+
+
+def current_locs(case: BatchCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """The current tokens' pool locations ``[N]`` (int64, token order) and request ids ``[N]``."""
+    req = [r for r in range(case.num_requests) for _ in range(case.extend_lens[r])]
+    return torch.tensor(case.out_cache_loc(), dtype=torch.int64), torch.tensor(req, dtype=torch.int64)
+
+
+def topk_locs(
+    case: BatchCase, rows: int, topk: int, gen: torch.Generator, *, padding: float = 0.1, absent: float = 0.05
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k locations ``[rows, topk]`` (int64) with request ids ``[rows]``.
+
+    Mostly locations on the row's request's pages; a fraction ``padding`` is -1 (and one row in eight is a
+    padding row, request id -1), a fraction ``absent`` is on any pool page (usually one the request does not
+    hold: it maps to -1).
+    """
+    held = torch.tensor([len(t) for t in case.page_tables])
+    table = padded_page_table(case, int(held.max())).to(torch.int64)
+    req = torch.randint(0, case.num_requests, (rows,), generator=gen)
+    req[torch.rand(rows, generator=gen) < 0.125] = -1
+    j = (torch.rand(rows, topk, generator=gen) * held[req.clamp(min=0)][:, None]).long()
+    page = table[req.clamp(min=0)[:, None], j]
+    loc = page * case.page_size + torch.randint(0, case.page_size, (rows, topk), generator=gen)
+    draw = torch.rand(rows, topk, generator=gen)
+    anywhere = torch.randint(0, case.capacity * case.page_size, (rows, topk), generator=gen)
+    loc = torch.where(draw < absent, anywhere, loc)
+    loc = torch.where(draw > 1 - padding, torch.full_like(loc, -1), loc)
+    return loc, req
+
+
 def make_pool_and_current(
     case: BatchCase, dtype: torch.dtype, row_elems: int, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,11 +245,6 @@ def truth_rows(case: BatchCase, pool: torch.Tensor, current_kv: torch.Tensor) ->
     return out
 
 
-def dense_loc(case: BatchCase, pages_per_request: int, r: int, p: int) -> int:
-    """Dense location of logical position ``p`` of request ``r``."""
-    return (r * pages_per_request + p // case.page_size) * case.page_size + p % case.page_size
-
-
 def random_topk(case: BatchCase, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k reads for every current token: (pool locs int64 ``[N, k]``, logical positions ``[N, k]``).
 
@@ -200,106 +264,125 @@ def random_topk(case: BatchCase, k: int, seed: int) -> tuple[torch.Tensor, torch
     )
 
 
-def rows_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Byte equality (NaN-safe, dtype-agnostic)."""
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Byte equality (NaN bit patterns included); shapes and dtypes equal."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
-POISON_BYTE = 0xA5  # fills non-owned pool pages and unwritten dense rows in simulations
+# Row layouts of the DSA latent KV: bf16 rows of 576 elements (1152 bytes: latent 512 + rope 64), and the
+# 656-byte packed FP8 rows viewed as uint8.
+ROW_LAYOUTS: dict[str, tuple[torch.dtype, int]] = {"bf16": (torch.bfloat16, 576), "fp8_packed": (torch.uint8, 656)}
 
 
-def _poison(t: torch.Tensor) -> None:
-    t.view(torch.uint8).fill_(POISON_BYTE)
+def random_rows(rows: int, layout: str, gen: torch.Generator, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[rows, width]`` of ``layout`` (:data:`ROW_LAYOUTS`), every byte random (never zeros, which would hide
+    unwritten rows); drawn on the CPU from ``gen`` so two backends see the same bytes."""
+    dtype, width = ROW_LAYOUTS[layout]
+    nbytes = width * torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (rows, nbytes), dtype=torch.uint8, generator=gen)
+    return raw.view(dtype).to(device)
+
+
+POISON_BYTE = 0xA5  # fills non-owned pool pages and unwritten dense rows, so a stray read is visible
+
+
+def owner_sharded_pool(case: BatchCase, pool: torch.Tensor, cp_rank: int) -> torch.Tensor:
+    """Rank ``cp_rank``'s pool: the rows of the pages it owns, every other byte :data:`POISON_BYTE`."""
+    owner = page_owner(torch.arange(case.capacity), case.cp_size).repeat_interleave(case.page_size)
+    rank_pool = pool.clone()
+    rank_pool.view(torch.uint8)[owner != cp_rank] = POISON_BYTE
+    return rank_pool
 
 
 @dataclass
 class RankResult:
-    """What one simulated CP rank produced for a case."""
+    """What one CP rank produced for a case (host tensors)."""
 
-    plan: CpSharedKvPlan
-    dense: torch.Tensor
-    remapped: torch.Tensor
-    pool_after: torch.Tensor
+    dense: torch.Tensor  # the dense view after the layer's history and current rows
+    remapped: torch.Tensor  # the rank's local top-k rows, remapped
+    local_req_id: torch.Tensor
+    current_full: torch.Tensor  # the all-gathered current rows
+    pool_after: torch.Tensor  # the rank's pool after persisting its owned rows
 
 
-def simulate_cp_ranks(
+CasePayload = tuple  # (BatchCase, full pool [C*ps, row], current KV [N, row], top-k pool locations [N, K])
+
+
+def run_case_on_rank(
+    payload: CasePayload,
+    group: CpGroup,
+    device: torch.device | str,
+    *,
+    layer_ahead: bool = False,
+    checked: bool = False,
+) -> RankResult:
+    """One CP rank's layer for one case, through the runtime's :class:`~sglang_cpkv.runtime.LayerPipeline`
+    (a collective: every rank of ``group`` calls it with the same payload).
+
+    The rank's pool keeps only its owned pages (:func:`owner_sharded_pool`); it builds its plan, takes the
+    layer's dense view (history, then the current rows all-gathered from every rank's split rows), remaps its
+    local top-k rows and persists its owned rows.
+    """
+    case, pool_full, current_kv, topk_locs = payload
+    device = torch.device(device)
+    plan = build_plan(
+        [list(t) for t in case.page_tables],
+        case.prefix_lens,
+        case.extend_lens,
+        torch.tensor(case.out_cache_loc(), dtype=torch.int64, device=device),
+        capacity=case.capacity,
+        page_size=case.page_size,
+        cp_size=group.cp_size,
+        cp_rank=group.cp_rank,
+        strategy=case.effective_strategy,  # type: ignore[arg-type]
+        checked=checked,
+    )
+    pool = owner_sharded_pool(case, pool_full, group.cp_rank).to(device)
+    pipe = LayerPipeline(
+        plan,
+        group,
+        [rows_kind("kv", [pool], plan, layer_ahead=layer_ahead, fill_byte=POISON_BYTE)],
+        layer_ahead=layer_ahead,
+    )
+    current_full = pipe.gather_current(plan.split.shard(current_kv.to(device), 0))
+    dense = pipe.dense_view("kv", 0, current_full)
+    remapped = pipe.remap(plan.split.shard(topk_locs.to(device), -1, plan.local_token_index), plan.local_req_id)
+    pipe.persist_owned("kv", 0, current_full)
+    plan.raise_if_errors(f"CP rank {group.cp_rank}")
+    return RankResult(dense.cpu(), remapped.cpu(), plan.local_req_id.cpu(), current_full.cpu(), pool.cpu())
+
+
+def run_case_on_ranks(
     case: BatchCase,
     pool: torch.Tensor,
     current_kv: torch.Tensor,
     topk_locs: torch.Tensor,
-    checked: bool = False,
+    device: torch.device | str = "cpu",
+    **kwargs,
 ) -> list[RankResult]:
-    """Run the runtime for every rank of ``case.cp_size`` in this process.
-
-    Each rank's pool keeps only its owned pages (others poisoned), builds its own plan, packs its
-    owned history pages; the all-gathers are concatenations; then it unpacks, fills the current KV
-    (gathered from every rank's split rows), remaps its local top-k rows, and persists owned rows.
-    """
-    from sglang_cpkv.runtime import build_plan, layer
-
-    cp = case.cp_size
-    strategy = case.effective_strategy
-    out_cache_loc = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
-    ps = case.page_size
-    plans = [
-        build_plan(
-            [list(t) for t in case.page_tables],
-            case.prefix_lens,
-            case.extend_lens,
-            out_cache_loc,
-            capacity=case.capacity,
-            page_size=ps,
-            cp_size=cp,
-            cp_rank=k,
-            strategy=strategy,  # type: ignore[arg-type]
-            checked=checked,
-        )
-        for k in range(cp)
-    ]
-    pools = []
-    page_owner = torch.arange(case.capacity).repeat_interleave(ps) % cp
-    for k in range(cp):
-        rank_pool = pool.clone()
-        rank_pool.view(torch.uint8)[page_owner != k] = POISON_BYTE
-        pools.append(rank_pool)
-    denses = []
-    for plan in plans:
-        dense = layer.new_dense_buffer(plan, tuple(pool.shape[1:]), pool.dtype)
-        _poison(dense)
-        denses.append(dense)
-    if cp == 1:
-        layer.materialize_history(plans[0], pools[0], denses[0], _SingleGroup())
-    elif plans[0].exchange_pages_per_rank:
-        gathered = torch.cat([layer.pack_owned_history(plans[k], pools[k]) for k in range(cp)])
-        for k in range(cp):
-            layer.unpack_history(plans[k], gathered, denses[k])
-    results = []
-    local_kv = [plans[k].split.shard(current_kv, 0) for k in range(cp)]
-    for k, plan in enumerate(plans):
-        if plan.split.strategy == "none":
-            current_full = layer.gather_current(plan, local_kv[k], _SingleGroup())
-        else:
-            current_full = plan.split.unshard(torch.cat(local_kv), plan.current_gather_index)
-        layer.fill_current(plan, current_full, denses[k])
-        local_topk = plan.split.shard(topk_locs, -1, plan.local_token_index)
-        remapped = layer.remap_topk(plan, local_topk, plan.local_req_id)
-        layer.persist_owned_current(plan, current_full, pools[k])
-        plan.raise_if_errors("simulate_cp_ranks")
-        results.append(RankResult(plan, denses[k], remapped, pools[k]))
-    return results
+    """:func:`run_case_on_rank` on every CP rank of ``case`` in this process (threads in lockstep)."""
+    return run_lockstep(
+        case.cp_size, lambda group: run_case_on_rank((case, pool, current_kv, topk_locs), group, device, **kwargs)
+    )
 
 
-class _SingleGroup:
-    cp_size = 1
-    cp_rank = 0
-
-    def all_gather_rows(self, local: torch.Tensor) -> torch.Tensor:
-        return local
-
-
-def _row_bytes(t: torch.Tensor) -> torch.Tensor:
-    row_bytes = t.shape[1:].numel() * t.element_size()
-    return t.contiguous().view(torch.uint8).reshape(t.shape[0], row_bytes)
+def host_plan(case: BatchCase, cp_rank: int) -> CpSharedKvPlan:
+    """The plan rank ``cp_rank`` builds for ``case``, on the CPU (the layout a rank's results are read with)."""
+    return build_plan(
+        [list(t) for t in case.page_tables],
+        case.prefix_lens,
+        case.extend_lens,
+        torch.tensor(case.out_cache_loc(), dtype=torch.int64),
+        capacity=case.capacity,
+        page_size=case.page_size,
+        cp_size=case.cp_size,
+        cp_rank=cp_rank,
+        strategy=case.effective_strategy,  # type: ignore[arg-type]
+    )
 
 
 def check_against_truth(
@@ -319,7 +402,7 @@ def check_against_truth(
     """
     ps = case.page_size
     truth = truth_rows(case, pool, current_kv)
-    truth_all = _row_bytes(torch.cat(truth))
+    truth_all = as_bytes(torch.cat(truth))
     req_of_row = torch.cat([torch.full((t.shape[0],), r, dtype=torch.int64) for r, t in enumerate(truth)])
     pos_of_row = torch.cat([torch.arange(t.shape[0], dtype=torch.int64) for t in truth])
     row_base = torch.tensor([0] + [t.shape[0] for t in truth]).cumsum(0)
@@ -330,17 +413,18 @@ def check_against_truth(
     cp = case.cp_size
     problems: list[str] = []
     for k, res in enumerate(results):
-        plan = res.plan
-        P = plan.pages_per_request
-        dense_idx = (req_of_row * P + pos_of_row // ps) * ps + pos_of_row % ps
-        bad = (_row_bytes(res.dense[dense_idx]) != truth_all).any(dim=1).nonzero().flatten().tolist()
+        plan = host_plan(case, k)
+        dense_idx = torch.tensor(
+            [plan.dense_location(int(r), int(p)) for r, p in zip(req_of_row, pos_of_row)], dtype=torch.int64
+        )
+        bad = (as_bytes(res.dense[dense_idx]) != truth_all).any(dim=1).nonzero().flatten().tolist()
         problems += [
             f"rank {k}: request {int(req_of_row[i])} dense position {int(pos_of_row[i])} differs from the truth"
             for i in bad
         ]
 
-        local_tokens = plan.local_token_index.cpu()
-        local_req = plan.local_req_id.cpu()
+        local_tokens = plan.local_token_index
+        local_req = res.local_req_id
         remapped = res.remapped.cpu().to(torch.int64)
         logical = local_tokens.numel()
         if bool((local_req[logical:] != -1).any()) or bool((remapped[logical:] != -1).any()):
@@ -360,19 +444,19 @@ def check_against_truth(
         if bool((got[valid] < 0).any()):
             problems.append(f"rank {k}: {int((got[valid] < 0).sum())} valid top-k reads were dropped (-1)")
         sel = valid & (got >= 0)
-        read = _row_bytes(res.dense[got[sel]])
+        read = as_bytes(res.dense[got[sel]])
         want = truth_all[row_base[expected_req.unsqueeze(1).expand_as(positions)[sel]] + positions[sel]]
         for i in (read != want).any(dim=1).nonzero().flatten().tolist()[:8]:
             problems.append(
                 f"rank {k}: a top-k read of request {int(expected_req.unsqueeze(1).expand_as(positions)[sel][i])} position {int(positions[sel][i])} returned another row"
             )
 
-        owner = (torch.arange(pool.shape[0]) // ps) % cp
-        after, before = _row_bytes(res.pool_after), _row_bytes(pool)
-        mine_written = (out_cache_loc // ps) % cp == k
+        owner = page_owner(torch.arange(pool.shape[0]) // ps, cp)
+        after, before = as_bytes(res.pool_after), as_bytes(pool)
+        mine_written = page_owner(out_cache_loc // ps, cp) == k
         written_locs = out_cache_loc[mine_written]
         ok_write = torch.zeros(pool.shape[0], dtype=torch.bool)
-        cur_bytes = _row_bytes(current_kv)
+        cur_bytes = as_bytes(current_kv)
         mine = mine_written.nonzero().flatten()
         for loc in written_locs.unique().tolist():
             # A location written by several tokens (collision class only) is a scatter with duplicate
@@ -407,10 +491,9 @@ def value_keyed_read_mismatches(
 ) -> list[tuple[int, int, int]]:
     """The negative control (cp=1): ``(token, request, position)`` of every top-k read through the
     1-D value-keyed inverse that does not return the truth row (dropped or another row)."""
-    from sglang_cpkv.runtime.buckets import bucket_pages_per_request
     from sglang_cpkv.testing.value_keyed_inverse import value_keyed_pipeline
 
-    P = bucket_pages_per_request(max(len(t) for t in case.page_tables))
+    P = max(len(t) for t in case.page_tables)  # the seed's layout: r * P + j
     dense, remapped = value_keyed_pipeline(
         padded_page_table(case, P),
         case.prefix_lens,
@@ -430,6 +513,6 @@ def value_keyed_read_mismatches(
             if p < 0:
                 continue
             d = int(remapped[t, col])
-            if d < 0 or not rows_equal(dense[d], truth[r][p]):
+            if d < 0 or not same_bytes(dense[d], truth[r][p]):
                 wrong.append((t, r, p))
     return wrong

@@ -1,13 +1,10 @@
-"""Run the CP shared-KV runtime on real CP ranks (separate processes, torch.distributed).
+"""Run CP ranks as separate processes (torch.distributed: gloo on CPU, NCCL on GPUs).
 
-:func:`run_case_on_rank` is one rank's whole per-layer flow for a :class:`BatchCase` with a real
-:class:`~sglang_cpkv.runtime.TorchDistCpGroup`: owner-sharded pool (pages not owned by the rank
-poisoned), plan, history materialize through the page all-gather, current KV all-gathered from
-the rank's split rows, fill, top-k remap of its local rows, persist of owned rows.
-:func:`spawn_cp_ranks` runs it for a list of cases on ``cp`` spawned processes (gloo on CPU,
-NCCL when ``device="cuda"``) and returns every rank's results; ``rank_fn`` swaps in another per-rank
-flow (the multi-GPU harness runs its layer stack through it). Used by the gloo tests, the demo, and
-the multi-GPU harness.
+:func:`spawn_cp_ranks` runs a per-rank function for a list of payloads on ``cp`` spawned processes and
+returns every rank's results; by default the function is
+:func:`sglang_cpkv.testing.batches.run_case_on_rank` (one layer of a :class:`BatchCase` through the
+runtime's pipeline). The multi-GPU harness passes its own per-rank job. Used by the gloo tests, the
+demo and the harness; :mod:`sglang_cpkv.testing.lockstep` runs the same functions as threads.
 """
 
 from __future__ import annotations
@@ -23,58 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sglang_cpkv.testing.batches import POISON_BYTE, BatchCase
+from sglang_cpkv.testing.batches import run_case_on_rank
 
-# One case for the ranks: (case, full pool, current KV [N, row], top-k pool locs [N, K]).
-CasePayload = tuple[BatchCase, torch.Tensor, torch.Tensor, torch.Tensor]
 # What a rank runs per payload: (payload, CP group, device) -> picklable result. Module-level (spawn pickles it).
 RankFn = Callable[[Any, Any, torch.device], Any]
-
-
-def run_case_on_rank(payload: CasePayload, group, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """One rank's flow for one case (a collective: every rank of ``group`` must call it).
-
-    Returns host tensors: ``dense`` (the rank's dense view), ``remapped`` (its local top-k rows),
-    ``local_req_id``, ``pool_after`` (its pool after persisting owned rows), ``current_full``
-    (the all-gathered current KV).
-    """
-    from sglang_cpkv.runtime import build_plan, layer
-
-    case, pool_full, current_kv, topk_locs = payload
-    device = torch.device(device)
-    cp, rank = group.cp_size, group.cp_rank
-    plan = build_plan(
-        [list(t) for t in case.page_tables],
-        case.prefix_lens,
-        case.extend_lens,
-        torch.tensor(case.out_cache_loc(), dtype=torch.int64, device=device),
-        capacity=case.capacity,
-        page_size=case.page_size,
-        cp_size=cp,
-        cp_rank=rank,
-        strategy=case.effective_strategy,  # type: ignore[arg-type]
-    )
-    owner = torch.arange(case.capacity).repeat_interleave(case.page_size) % cp
-    pool = pool_full.clone()
-    pool.view(torch.uint8)[owner != rank] = POISON_BYTE
-    pool = pool.to(device)
-    dense = layer.new_dense_buffer(plan, tuple(pool.shape[1:]), pool.dtype)
-    dense.view(torch.uint8).fill_(POISON_BYTE)
-    layer.materialize_history(plan, pool, dense, group)
-    local_kv = plan.split.shard(current_kv.to(device), 0)
-    current_full = layer.gather_current(plan, local_kv, group)
-    layer.fill_current(plan, current_full, dense)
-    local_topk = plan.split.shard(topk_locs.to(device), -1, plan.local_token_index)
-    remapped = layer.remap_topk(plan, local_topk, plan.local_req_id)
-    layer.persist_owned_current(plan, current_full, pool)
-    plan.raise_if_errors(f"rank {rank}")
-    return {
-        "dense": dense.cpu(),
-        "remapped": remapped.cpu(),
-        "local_req_id": plan.local_req_id.cpu(),
-        "pool_after": pool.cpu(),
-        "current_full": current_full.cpu(),
-    }
 
 
 def _worker(
@@ -102,8 +51,8 @@ def spawn_cp_ranks(cp: int, payloads: list, device: str = "cpu", rank_fn: RankFn
     """Run every payload on ``cp`` spawned ranks; returns ``results[rank][payload]``.
 
     ``device="cpu"`` uses gloo; ``"cuda"`` uses NCCL with rank ``k`` on GPU ``k``. ``rank_fn``
-    (default :func:`run_case_on_rank`, whose payloads are :data:`CasePayload` with ``cp_size``
-    equal to ``cp``) is called on every rank as ``rank_fn(payload, group, device)``.
+    (default :func:`~sglang_cpkv.testing.batches.run_case_on_rank`, whose payloads are
+    :data:`~sglang_cpkv.testing.batches.CasePayload` with ``cp_size`` equal to ``cp``) is called on every rank as ``rank_fn(payload, group, device)``.
     """
     if rank_fn is None:
         rank_fn = run_case_on_rank

@@ -5,7 +5,8 @@
 // return the launch's cudaError_t. torch_bindings.cc checks tensors and calls them.
 //
 // Terms are those of docs/design/cp-shared-kv-contract.md: capacity C (page ids of the pool), request row
-// r in [0, R), page index j in [0, P), dense slot r * P + j, per-request inverse int32 [R * C].
+// r in [0, R), page index j, dense slot start[r] + j (the ragged layout: the launchers take every slot's page
+// and request explicitly, never a stride), per-request inverse int32 [R * C].
 // The torch reference (python/sglang_cpkv/ops/reference.py) is the truth each launcher reproduces exactly,
 // bad ids included: -1 is skipped silently; any other id outside its range is dropped (nothing written, or -1
 // written for remap) and counted with an atomic add in errors[kind] (python/sglang_cpkv/ops/errors.py).
@@ -25,19 +26,18 @@ constexpr int kErrReqOutOfRange = 1;
 constexpr int kErrLocOutOfRange = 2;
 constexpr int kNumErrorKinds = 3;
 
-// inverse[r * C + page_table[r, j]] = r * P + j; -1 everywhere else. Page ids >= C or < -1 are counted in
-// errors[kErrPageOutOfRange]. A page id twice in one row: one of its slots wins (unspecified which).
-// One launch: each block owns a range of one request's inverse, fills it with -1 and then writes the slots
-// of that request's pages that fall in its range, so no second kernel is needed to order fill and scatter.
-// PageIdT: int32_t, int64_t.
+// inverse[slot_req[s] * C + slot_pages[s]] = s; -1 everywhere else. A slot with page or request -1 is skipped (the
+// layout's rounding); page ids >= C or < -1, and a page a request holds in two slots (the second claim), count
+// errors[kErrPageOutOfRange]; request ids >= R or < -1 count errors[kErrReqOutOfRange]. A memset of -1, then
+// one thread per slot claims its entry with atomicCAS. PageIdT: int32_t, int64_t.
 template <typename PageIdT>
-cudaError_t build_page_inverse(const PageIdT* page_table,      // [R, P], row r at page_table + r * row_stride
-                               int64_t rows,                   // R
-                               int64_t pages_per_request,      // P
-                               int64_t page_table_row_stride,  // elements between rows (>= P)
-                               int64_t capacity,               // C
-                               int32_t* inverse,               // [R * C], written entirely
-                               int32_t* errors,                // [kNumErrorKinds]
+cudaError_t build_page_inverse(const PageIdT* slot_pages,  // [S] pool page of each dense slot
+                               const int64_t* slot_req,    // [S] request row of each dense slot
+                               int64_t num_slots,          // S
+                               int64_t num_requests,       // R
+                               int64_t capacity,           // C
+                               int32_t* inverse,           // [R * C], written entirely
+                               int32_t* errors,            // [kNumErrorKinds]
                                cudaStream_t stream);
 
 // dense[n, k] = inverse[req_id[n] * C + locs[n, k] / page_size] * page_size + locs[n, k] % page_size, or -1
@@ -52,7 +52,7 @@ cudaError_t remap_locs(const LocT* locs,         // [N, K], row n at locs + n * 
                        int64_t locs_row_stride,  // elements between rows of locs (>= K)
                        const int64_t* req_id,    // [N] request row of each row of locs, -1: padding row
                        const int32_t* inverse,   // [R * C] from build_page_inverse
-                       int64_t batch_rows,       // R
+                       int64_t num_requests,     // R
                        int64_t capacity,         // C
                        int64_t page_size,        // tokens per page (> 0)
                        int32_t* dense_locs,      // [N, K] contiguous, written entirely

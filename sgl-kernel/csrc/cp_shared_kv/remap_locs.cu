@@ -24,10 +24,10 @@ struct Lookup {
 };
 
 __device__ __forceinline__ Lookup
-classify(int64_t loc, int64_t req, int64_t batch_rows, int64_t capacity, int64_t page_size, int page_shift) {
+classify(int64_t loc, int64_t req, int64_t num_requests, int64_t capacity, int64_t page_size, int page_shift) {
   // A negative location or a padding row (-1) is padding: -1, nothing counted.
   if (loc < 0 || req == -1) return {-1, 0, -1};
-  if (req < -1 || req >= batch_rows) return {-1, 0, kErrReqOutOfRange};
+  if (req < -1 || req >= num_requests) return {-1, 0, kErrReqOutOfRange};
   const int64_t page = page_shift >= 0 ? loc >> page_shift : loc / page_size;
   if (page >= capacity) return {-1, 0, kErrPageOutOfRange};
   return {req * capacity + page, loc - page * page_size, -1};
@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kRemapThreads)
                       const int32_t* __restrict__ inverse,  // [R * C]
                       FlatT total,                          // N * K
                       FlatT row_len,                        // K
-                      int64_t batch_rows,                   // R
+                      int64_t num_requests,                   // R
                       int64_t capacity,                     // C
                       int64_t page_size,                    // tokens per page
                       int page_shift,                       // log2(page_size) when a power of two, else -1
@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kRemapThreads)
     for (int e = 0; e < kVec; ++e) {
       lookup[k][e] = classify(req[k] == -1 ? -1 : static_cast<int64_t>(loc[k].value[e]),
                               req[k],
-                              batch_rows,
+                              num_requests,
                               capacity,
                               page_size,
                               page_shift);
@@ -118,7 +118,7 @@ cudaError_t launch_remap_locs(const LocT* locs,
                               int64_t locs_row_stride,
                               const int64_t* req_id,
                               const int32_t* inverse,
-                              int64_t batch_rows,
+                              int64_t num_requests,
                               int64_t capacity,
                               int64_t page_size,
                               int page_shift,
@@ -136,7 +136,7 @@ cudaError_t launch_remap_locs(const LocT* locs,
                                                                                          inverse,
                                                                                          static_cast<uint32_t>(total),
                                                                                          static_cast<uint32_t>(row_len),
-                                                                                         batch_rows,
+                                                                                         num_requests,
                                                                                          capacity,
                                                                                          page_size,
                                                                                          page_shift,
@@ -149,7 +149,7 @@ cudaError_t launch_remap_locs(const LocT* locs,
                                                                                          inverse,
                                                                                          static_cast<uint64_t>(total),
                                                                                          static_cast<uint64_t>(row_len),
-                                                                                         batch_rows,
+                                                                                         num_requests,
                                                                                          capacity,
                                                                                          page_size,
                                                                                          page_shift,
@@ -168,7 +168,7 @@ cudaError_t remap_locs(const LocT* locs,
                        int64_t locs_row_stride,
                        const int64_t* req_id,
                        const int32_t* inverse,
-                       int64_t batch_rows,
+                       int64_t num_requests,
                        int64_t capacity,
                        int64_t page_size,
                        int32_t* dense_locs,
@@ -192,7 +192,7 @@ cudaError_t remap_locs(const LocT* locs,
                                             locs_row_stride,
                                             req_id,
                                             inverse,
-                                            batch_rows,
+                                            num_requests,
                                             capacity,
                                             page_size,
                                             page_shift,
@@ -206,7 +206,7 @@ cudaError_t remap_locs(const LocT* locs,
                                        locs_row_stride,
                                        req_id,
                                        inverse,
-                                       batch_rows,
+                                       num_requests,
                                        capacity,
                                        page_size,
                                        page_shift,

@@ -21,7 +21,8 @@ namespace torch_ops {
 namespace {
 
 // Check messages are concatenated here, without std::ostream, and handed to TORCH_CHECK as one C string.
-// NOTE: on the H200 image (torch 2.11+cu130, g++ 13) the built library carries its own copy of libstdc++
+// NOTE: on the GPU test machine (H200, torch 2.11+cu130, g++ 13; the Docker image's torch is 2.14.1) the built
+// library carries its own copy of libstdc++
 // (ldd lists none), and c10::str's `ss << int64_t` inside it segfaulted (cuda-gdb, 2026-11-30: frame
 // c10::detail::_str<long> -> std::basic_ostream::_M_insert<long>) whenever a check with an integer in its
 // message failed. std::to_string and std::string appends need no locale, and a single const char* argument
@@ -147,31 +148,31 @@ cudaError_t dispatch_index_type(const at::Tensor& index, Fn&& fn) {
 
 }  // namespace
 
-at::Tensor build_page_inverse(const at::Tensor& page_table, int64_t capacity, at::Tensor& errors) {
-  check_cuda_tensor(page_table, "page_table", page_table, "page_table");
-  check_index_dtype(page_table, "page_table");
-  CPKV_CHECK(page_table.dim() == 2, "page_table must be [R, P], got shape ", format_dims(page_table.sizes()));
-  CPKV_CHECK(page_table.size(1) <= 1 || page_table.stride(1) == 1,
-              "page_table must have unit column stride, got strides ",
-              format_dims(page_table.strides()));
-  CPKV_CHECK(capacity >= 0, "capacity must be >= 0, got ", capacity);
-  check_error_counter(errors, page_table, "page_table");
-  const int64_t rows = page_table.size(0);
-  const int64_t pages_per_request = page_table.size(1);
-  CPKV_CHECK(rows <= 65535, "page_table has ", rows, " rows, more than the 65535 request rows supported");
-  CPKV_CHECK(rows * pages_per_request <= std::numeric_limits<int32_t>::max(),
-              "R * P = ",
-              rows * pages_per_request,
+at::Tensor build_page_inverse(const at::Tensor& slot_pages,
+                              const at::Tensor& slot_req,
+                              int64_t num_requests,
+                              int64_t capacity,
+                              at::Tensor& errors) {
+  check_cuda_tensor(slot_pages, "slot_pages", slot_pages, "slot_pages");
+  check_index_vector(slot_pages, "slot_pages", slot_pages.numel(), "dense slot");
+  check_cuda_tensor(slot_req, "slot_req", slot_pages, "slot_pages");
+  CPKV_CHECK(slot_req.scalar_type() == at::kLong, "slot_req must be int64, got ", slot_req.scalar_type());
+  check_index_vector(slot_req, "slot_req", slot_pages.numel(), "slot_pages entry");
+  CPKV_CHECK(capacity >= 1, "capacity must be >= 1, got ", capacity);
+  CPKV_CHECK(num_requests >= 0, "num_requests must be >= 0, got ", num_requests);
+  CPKV_CHECK(slot_pages.numel() <= std::numeric_limits<int32_t>::max(),
+              slot_pages.numel(),
               " dense slots do not fit the int32 inverse");
-  const c10::cuda::CUDAGuard device_guard(page_table.device());
-  at::Tensor inverse = at::empty({rows * capacity}, page_table.options().dtype(at::kInt));
+  check_error_counter(errors, slot_pages, "slot_pages");
+  const c10::cuda::CUDAGuard device_guard(slot_pages.device());
+  at::Tensor inverse = at::empty({num_requests * capacity}, slot_pages.options().dtype(at::kInt));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const cudaError_t status = dispatch_index_type(page_table, [&](auto page_id) {
+  const cudaError_t status = dispatch_index_type(slot_pages, [&](auto page_id) {
     using PageIdT = decltype(page_id);
-    return sglang_cpkv::build_page_inverse<PageIdT>(page_table.data_ptr<PageIdT>(),
-                                                    rows,
-                                                    pages_per_request,
-                                                    page_table.stride(0),
+    return sglang_cpkv::build_page_inverse<PageIdT>(slot_pages.data_ptr<PageIdT>(),
+                                                    slot_req.data_ptr<int64_t>(),
+                                                    slot_pages.numel(),
+                                                    num_requests,
                                                     capacity,
                                                     inverse.data_ptr<int32_t>(),
                                                     errors.data_ptr<int32_t>(),
@@ -184,6 +185,7 @@ at::Tensor build_page_inverse(const at::Tensor& page_table, int64_t capacity, at
 at::Tensor remap_locs(const at::Tensor& locs,
                       const at::Tensor& req_id,
                       const at::Tensor& inverse,
+                      int64_t num_requests,
                       int64_t capacity,
                       int64_t page_size,
                       at::Tensor& errors) {
@@ -209,17 +211,18 @@ at::Tensor remap_locs(const at::Tensor& locs,
               "inverse must be a contiguous 1-D [R * C] tensor, got shape ",
               format_dims(inverse.sizes()));
   CPKV_CHECK(capacity > 0, "capacity must be > 0, got ", capacity);
-  CPKV_CHECK(inverse.numel() % capacity == 0,
-              "inverse must hold R * C entries with C = capacity = ",
+  CPKV_CHECK(num_requests >= 0 && inverse.numel() == num_requests * capacity,
+              "inverse must hold num_requests * capacity = ",
+              num_requests,
+              " * ",
               capacity,
-              ", got ",
+              " entries, got ",
               inverse.numel());
   CPKV_CHECK(page_size > 0, "page_size must be > 0, got ", page_size);
   check_error_counter(errors, locs, "locs");
   const c10::cuda::CUDAGuard device_guard(locs.device());
   at::Tensor dense_locs = at::empty(locs.sizes(), locs.options().dtype(at::kInt));
   const int64_t locs_row_stride = locs.stride(0);
-  const int64_t batch_rows = inverse.numel() / capacity;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cudaError_t status = dispatch_index_type(locs, [&](auto loc) {
     using LocT = decltype(loc);
@@ -229,7 +232,7 @@ at::Tensor remap_locs(const at::Tensor& locs,
                                          locs_row_stride,
                                          req_id.data_ptr<int64_t>(),
                                          inverse.data_ptr<int32_t>(),
-                                         batch_rows,
+                                         num_requests,
                                          capacity,
                                          page_size,
                                          dense_locs.data_ptr<int32_t>(),
@@ -395,12 +398,15 @@ void materialize_and_fill(const at::Tensor& pool,
 }  // namespace sglang_cpkv
 
 TORCH_LIBRARY(sglang_cpkv, m) {
-  // Per batch: page table [R, P] -> per-request inverse int32 [R * C]; counts bad page ids.
-  m.def("build_page_inverse(Tensor page_table, int capacity, Tensor(a!) errors) -> Tensor");
+  // Per batch: the page and request of every dense slot -> per-request inverse int32 [R * C]; counts bad and
+  // repeated page ids and bad request ids.
+  m.def(
+      "build_page_inverse(Tensor slot_pages, Tensor slot_req, int num_requests, int capacity, Tensor(a!) errors) -> "
+      "Tensor");
   // Per batch / per layer: pool locations [N] or [N, K] of request req_id[n] -> dense locations (int32).
   m.def(
-      "remap_locs(Tensor locs, Tensor req_id, Tensor inverse, int capacity, int page_size, Tensor(a!) errors) -> "
-      "Tensor");
+      "remap_locs(Tensor locs, Tensor req_id, Tensor inverse, int num_requests, int capacity, int page_size, "
+      "Tensor(a!) errors) -> Tensor");
   // Per layer: dst[dst_page[i]] = src[src_page[i]], whole pages, in place.
   m.def("copy_pages(Tensor src, Tensor src_page, Tensor(a!) dst, Tensor dst_page, Tensor(b!) errors) -> ()");
   // Per layer: dst[dst_loc[i]] = src[i], rows, in place.

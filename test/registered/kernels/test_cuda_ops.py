@@ -22,6 +22,7 @@ import torch
 
 from sglang_cpkv.ops import cuda_build, reference
 from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE, new_error_counter
+from sglang_cpkv.testing.batches import ROW_LAYOUTS, flat_slots
 from sglang_cpkv.testing.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=120, stage="cpkv", runner_config="1-gpu")
@@ -34,8 +35,6 @@ pytestmark = pytest.mark.skipif(
 
 BATCH_ROWS = [1, 2, 3, 4, 8]
 PAGE_SIZES = [16, 64]
-# name -> (dtype, elements per row): bf16 rows of 1152 bytes, packed FP8 DSA rows of 656 bytes viewed as uint8.
-ROW_LAYOUTS = {"bf16": (torch.bfloat16, 576), "fp8_packed": (torch.uint8, 656)}
 INDEX_DTYPES = [torch.int32, torch.int64]
 CAPACITY = 160  # pool pages of the random cases
 DEVICE = "cuda"
@@ -108,22 +107,26 @@ def test_build_page_inverse(cuda_ops, rows, pages_per_request, dtype, bad_ids):
     table = _page_table(
         rows, pages_per_request, capacity, _gen("inverse", rows, pages_per_request, dtype, bad_ids), dtype, bad_ids
     )
-    want, want_errors = _run(reference, "build_page_inverse", table, capacity)
-    have, have_errors = _run(cuda_ops, "build_page_inverse", table, capacity)
+    want, want_errors = _run(reference, "build_page_inverse", *flat_slots(table), rows, capacity)
+    have, have_errors = _run(cuda_ops, "build_page_inverse", *flat_slots(table), rows, capacity)
     assert torch.equal(have, want)
     assert have_errors.tolist() == want_errors.tolist()
     assert bool(want_errors[ERR_PAGE_OUT_OF_RANGE] > 0) == bad_ids
 
 
-def test_build_page_inverse_strided_and_empty(cuda_ops):
-    wide = _page_table(3, 20, CAPACITY, _gen("strided"), torch.int32, bad_ids=True)
-    table = wide[:, :11]  # row stride 20
-    assert torch.equal(
-        cuda_ops.build_page_inverse(table, CAPACITY, new_error_counter(DEVICE)),
-        reference.build_page_inverse(table, CAPACITY, new_error_counter(DEVICE)),
-    )
-    empty = torch.empty((0, 4), dtype=torch.int32, device=DEVICE)
-    assert cuda_ops.build_page_inverse(empty, CAPACITY, new_error_counter(DEVICE)).numel() == 0
+def test_build_page_inverse_repeated_pages_and_empty(cuda_ops):
+    """A page twice in one request: counted, one of its slots kept; bad request ids counted; R = 0 and S = 0."""
+    slot_pages = torch.tensor([3, 7, 3, 2, 3, -1, 5], dtype=torch.int32, device=DEVICE)
+    slot_req = torch.tensor([0, 0, 0, 1, 1, -1, 4], dtype=torch.int64, device=DEVICE)
+    want, want_errors = _run(reference, "build_page_inverse", slot_pages, slot_req, 2, 12)
+    have, have_errors = _run(cuda_ops, "build_page_inverse", slot_pages, slot_req, 2, 12)
+    assert have_errors.tolist() == want_errors.tolist() == [1, 1, 0]
+    assert int(have[3]) in (0, 2)  # the repeated page: either slot, unspecified
+    keep = torch.arange(24, device=DEVICE) != 3
+    assert torch.equal(have[keep], want[keep]) and int(have[12 + 3]) == 4
+    none = torch.empty(0, dtype=torch.int32, device=DEVICE), torch.empty(0, dtype=torch.int64, device=DEVICE)
+    assert cuda_ops.build_page_inverse(*none, 0, CAPACITY, new_error_counter(DEVICE)).numel() == 0
+    assert bool((cuda_ops.build_page_inverse(*none, 2, CAPACITY, new_error_counter(DEVICE)) == -1).all())
 
 
 def _locs_and_req(
@@ -178,14 +181,14 @@ REMAP_SHAPES = {
 def test_remap_locs(cuda_ops, rows, page_size, loc_dtype, shape):
     gen = _gen("remap", rows, page_size, loc_dtype, shape)
     table = _page_table(rows, 12, CAPACITY, gen, torch.int32, bad_ids=False)
-    inverse = reference.build_page_inverse(table, CAPACITY, new_error_counter(DEVICE))
+    inverse = reference.build_page_inverse(*flat_slots(table), table.shape[0], CAPACITY, new_error_counter(DEVICE))
     row_len, columns, first = REMAP_SHAPES[shape]
     locs, req = _locs_and_req(table, CAPACITY, page_size, 301, columns, gen, loc_dtype)
     locs = locs[:, first : first + row_len]
     if shape == "1d":
         locs = locs.reshape(-1)
-    want, want_errors = _run(reference, "remap_locs", locs, req, inverse, CAPACITY, page_size)
-    have, have_errors = _run(cuda_ops, "remap_locs", locs, req, inverse, CAPACITY, page_size)
+    want, want_errors = _run(reference, "remap_locs", locs, req, inverse, table.shape[0], CAPACITY, page_size)
+    have, have_errors = _run(cuda_ops, "remap_locs", locs, req, inverse, table.shape[0], CAPACITY, page_size)
     assert have.dtype == torch.int32 and have.shape == locs.shape
     assert torch.equal(have, want)
     assert have_errors.tolist() == want_errors.tolist()
@@ -195,10 +198,10 @@ def test_remap_locs(cuda_ops, rows, page_size, loc_dtype, shape):
 def test_remap_locs_page_size_not_power_of_two(cuda_ops):
     gen = _gen("remap-ps", 48)
     table = _page_table(3, 12, CAPACITY, gen, torch.int64, bad_ids=False)
-    inverse = reference.build_page_inverse(table, CAPACITY, new_error_counter(DEVICE))
+    inverse = reference.build_page_inverse(*flat_slots(table), table.shape[0], CAPACITY, new_error_counter(DEVICE))
     locs, req = _locs_and_req(table, CAPACITY, 48, 64, 33, gen, torch.int64)
-    want, want_errors = _run(reference, "remap_locs", locs, req, inverse, CAPACITY, 48)
-    have, have_errors = _run(cuda_ops, "remap_locs", locs, req, inverse, CAPACITY, 48)
+    want, want_errors = _run(reference, "remap_locs", locs, req, inverse, table.shape[0], CAPACITY, 48)
+    have, have_errors = _run(cuda_ops, "remap_locs", locs, req, inverse, table.shape[0], CAPACITY, 48)
     assert torch.equal(have, want) and have_errors.tolist() == want_errors.tolist()
 
 
@@ -367,7 +370,7 @@ def test_shared_page_regression(cuda_ops, fused):
     capacity, page_size, width = 12, 4, 8
     table = torch.tensor([[1, 5], [9, 5]], dtype=torch.int32, device=DEVICE)
     errors = new_error_counter(DEVICE)
-    inverse = cuda_ops.build_page_inverse(table, capacity, errors)
+    inverse = cuda_ops.build_page_inverse(*flat_slots(table), table.shape[0], capacity, errors)
     assert inverse[0 * capacity + 5].item() == 1 and inverse[1 * capacity + 5].item() == 3
     assert inverse[0 * capacity + 9].item() == -1 and inverse[1 * capacity + 1].item() == -1
     pool = torch.arange(capacity * page_size * width, dtype=torch.int32, device=DEVICE).view(capacity, -1)
@@ -375,7 +378,7 @@ def test_shared_page_regression(cuda_ops, fused):
     # 2, 3) for both requests, with different KV.
     cur_locs = torch.tensor([22, 23, 22, 23], dtype=torch.int64, device=DEVICE)
     cur_req = torch.tensor([0, 0, 1, 1], dtype=torch.int64, device=DEVICE)
-    dst_loc = cuda_ops.remap_locs(cur_locs, cur_req, inverse, capacity, page_size, errors)
+    dst_loc = cuda_ops.remap_locs(cur_locs, cur_req, inverse, table.shape[0], capacity, page_size, errors)
     assert dst_loc.tolist() == [1 * page_size + 2, 1 * page_size + 3, 3 * page_size + 2, 3 * page_size + 3]
     current = -1 - torch.arange(4 * width, dtype=torch.int32, device=DEVICE).view(4, width)
     src_page = torch.tensor([1, 5, 9, 5], dtype=torch.int32, device=DEVICE)
@@ -402,12 +405,12 @@ def test_shared_page_regression(cuda_ops, fused):
 def test_opcheck(cuda_ops):
     gen = _gen("opcheck")
     table = _page_table(3, 6, CAPACITY, gen, torch.int32, bad_ids=True)
-    inverse = reference.build_page_inverse(table, CAPACITY, new_error_counter(DEVICE))
+    inverse = reference.build_page_inverse(*flat_slots(table), table.shape[0], CAPACITY, new_error_counter(DEVICE))
     locs, req = _locs_and_req(table, CAPACITY, 16, 9, 5, gen, torch.int32)
     pool, src_page, dense, dst_page, cur, dst_loc = _layer_inputs(2, 16, "bf16", gen, torch.int32)
     cases = {
-        "build_page_inverse": (table, CAPACITY, new_error_counter(DEVICE)),
-        "remap_locs": (locs, req, inverse, CAPACITY, 16, new_error_counter(DEVICE)),
+        "build_page_inverse": (*flat_slots(table), 3, CAPACITY, new_error_counter(DEVICE)),
+        "remap_locs": (locs, req, inverse, 3, CAPACITY, 16, new_error_counter(DEVICE)),
         "copy_pages": (pool, src_page, dense, dst_page, new_error_counter(DEVICE)),
         "scatter_rows": (cur, dst_loc, dense.view(-1, cur.shape[1]), new_error_counter(DEVICE)),
         "materialize_and_fill": (pool, src_page, dense, dst_page, cur, dst_loc, new_error_counter(DEVICE)),
@@ -436,8 +439,8 @@ def test_torch_compile_fullgraph(cuda_ops):
     pool, src_page, dense, dst_page, cur, dst_loc = _layer_inputs(3, page_size, "bf16", gen, torch.int64)
 
     def layer(errors, dense_out):
-        inverse = cuda_ops.build_page_inverse(table, capacity, errors)
-        top_dense = cuda_ops.remap_locs(top_locs, top_req, inverse, capacity, page_size, errors)
+        inverse = cuda_ops.build_page_inverse(*flat_slots(table), table.shape[0], capacity, errors)
+        top_dense = cuda_ops.remap_locs(top_locs, top_req, inverse, table.shape[0], capacity, page_size, errors)
         cuda_ops.materialize_and_fill(pool, src_page, dense_out, dst_page, cur, dst_loc, errors)
         return inverse, top_dense
 
@@ -468,9 +471,9 @@ def test_cuda_graph_capture_and_replay(cuda_ops):
     def layer():
         errors.zero_()
         dense_out.copy_(dense)
-        inverse = cuda_ops.build_page_inverse(table, capacity, errors)
-        cur_dense = cuda_ops.remap_locs(cur_locs, cur_req, inverse, capacity, page_size, errors)
-        top_dense = cuda_ops.remap_locs(top_locs, top_req, inverse, capacity, page_size, errors)
+        inverse = cuda_ops.build_page_inverse(*flat_slots(table), table.shape[0], capacity, errors)
+        cur_dense = cuda_ops.remap_locs(cur_locs, cur_req, inverse, table.shape[0], capacity, page_size, errors)
+        top_dense = cuda_ops.remap_locs(top_locs, top_req, inverse, table.shape[0], capacity, page_size, errors)
         cuda_ops.materialize_and_fill(pool, src_page, dense_out, dst_page, cur, cur_dense, errors)
         return inverse, cur_dense, top_dense
 
@@ -502,9 +505,13 @@ def test_cuda_graph_capture_and_replay(cuda_ops):
             buffer.copy_(value)
         graph.replay()
         want_errors = new_error_counter(DEVICE)
-        want_inverse = reference.build_page_inverse(table, capacity, want_errors)
-        want_cur = reference.remap_locs(cur_locs, cur_req, want_inverse, capacity, page_size, want_errors)
-        want_top = reference.remap_locs(top_locs, top_req, want_inverse, capacity, page_size, want_errors)
+        want_inverse = reference.build_page_inverse(*flat_slots(table), table.shape[0], capacity, want_errors)
+        want_cur = reference.remap_locs(
+            cur_locs, cur_req, want_inverse, table.shape[0], capacity, page_size, want_errors
+        )
+        want_top = reference.remap_locs(
+            top_locs, top_req, want_inverse, table.shape[0], capacity, page_size, want_errors
+        )
         want_dense = dense.clone()
         reference.copy_pages(pool, src_page, want_dense, dst_page, want_errors)
         reference.scatter_rows(cur, want_cur, want_dense.view(-1, cur.shape[1]), want_errors)
@@ -560,6 +567,7 @@ def test_probe_refuses_missing_stale_and_jit_off(cuda_ops, tmp_path):
                 torch.zeros(4, 2, dtype=torch.int32, device=DEVICE),
                 torch.zeros(4, dtype=torch.int32, device=DEVICE),
                 torch.full((24,), -1, dtype=torch.int32, device=DEVICE),
+                2,
                 12,
                 4,
             ),
@@ -571,6 +579,7 @@ def test_probe_refuses_missing_stale_and_jit_off(cuda_ops, tmp_path):
                 torch.zeros(4, 2, dtype=torch.int32, device=DEVICE),
                 torch.zeros(3, dtype=torch.int64, device=DEVICE),
                 torch.full((24,), -1, dtype=torch.int32, device=DEVICE),
+                2,
                 12,
                 4,
             ),
@@ -581,18 +590,28 @@ def test_probe_refuses_missing_stale_and_jit_off(cuda_ops, tmp_path):
             lambda: (
                 torch.zeros(4, 2, dtype=torch.int32, device=DEVICE),
                 torch.zeros(4, dtype=torch.int64, device=DEVICE),
-                torch.full((25,), -1, dtype=torch.int32, device=DEVICE),
+                torch.full((24,), -1, dtype=torch.int32, device=DEVICE),
+                3,
                 12,
                 4,
             ),
-            "inverse must hold R * C entries with C = capacity = 12, got 25",
+            "inverse must hold num_requests * capacity = 3 * 12 entries, got 24",
         ),
         (
             "build_page_inverse",
-            lambda: (torch.zeros(2, 3, dtype=torch.float32, device=DEVICE), 12),
-            "page_table must be int32 or int64, got Float",
+            lambda: (
+                torch.zeros(6, dtype=torch.float32, device=DEVICE),
+                torch.zeros(6, dtype=torch.int64, device=DEVICE),
+                2,
+                12,
+            ),
+            "slot_pages must be int32 or int64, got Float",
         ),
-        ("build_page_inverse", lambda: (torch.zeros(2, 3, dtype=torch.int32), 12), "page_table must be a CUDA tensor"),
+        (
+            "build_page_inverse",
+            lambda: (torch.zeros(6, dtype=torch.int32), torch.zeros(6, dtype=torch.int64), 2, 12),
+            "slot_pages must be a CUDA tensor",
+        ),
         (
             "copy_pages",
             lambda: (

@@ -1,11 +1,12 @@
 """GPU parity sweep of the CP shared-KV ops: torch == Triton == CUDA, byte for byte.
 
 Grid: batch_rows {1,2,3,4,8} x page sizes {16,64} x row layouts (bf16 1152-byte rows, 656-byte
-packed FP8 rows as uint8) x patterns (dense: every page materialized, every current token
-written; masked: pages owned by another CP rank masked with -1, a tenth of current tokens
-without a location, CP-split fill with -1 padding), on sparse page sets sharing a page across
-requests. Plus CP split shapes (cp 2 and 4), bad ids, the [[1,5],[9,5]] shared-page regression
-and one realistic-size case per op (multi-chunk launches of the GPU auto configuration).
+packed FP8 rows as uint8) x patterns (cp 1, synchronous: history and current rows in one fused op;
+cp 2, layer-ahead: owned pages exchanged between two ranks, CP-split current rows with padding),
+on sparse page sets sharing a page across requests, through the runtime's layer pipeline on each
+ops backend (every rank's dense view, remapped top-k and pool equal across backends and equal the
+truth). Plus CP split shapes (cp 2 and 4), bad ids, the [[1,5],[9,5]] shared-page regression and
+one realistic-size case per op (multi-chunk launches of the GPU auto configuration).
 
 The CUDA provider runs only where ``sglang_cpkv.ops.cuda.is_available()``; every test skips
 cleanly without a GPU. The CPU subset (torch vs the Triton interpreter) is in
@@ -17,18 +18,23 @@ import sys
 import pytest
 import torch
 
+from sglang_cpkv import ops
 from sglang_cpkv.ops import reference
 from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE, new_error_counter
-from sglang_cpkv.testing.ci_register import register_cuda_ci
-from sglang_cpkv.testing.ops_cases import (
+from sglang_cpkv.testing.batches import (
     ROW_LAYOUTS,
-    random_batch,
+    BatchCase,
+    check_against_truth,
+    flat_slots,
+    padded_page_table,
     random_rows,
-    run_layer_sequence,
+    random_topk,
+    run_case_on_ranks,
     same_bytes,
+    sparse_case,
     topk_locs,
-    truth_dense,
 )
+from sglang_cpkv.testing.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=60, stage="cpkv", runner_config="1-gpu")
 
@@ -71,12 +77,28 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _assert_same(ref: dict, got: dict, keys=("inverse", "dense", "topk_dense", "errors")):
-    for key in keys:
-        a, b = ref[key], got[key]
-        if not same_bytes(a, b):
-            diff = (a.contiguous().view(torch.uint8) != b.contiguous().view(torch.uint8)).nonzero()
-            raise AssertionError(f"{key}: {diff.shape[0]} bytes differ, first at {diff[:4].tolist()}")
+def _pipeline_runs(case: BatchCase, layout: str, provider: str, monkeypatch, *, layer_ahead: bool, topk: int):
+    """Every rank's pipeline results on the reference and on ``provider``; both checked against the truth."""
+    _provider(provider)  # skips when the provider cannot run here
+    pool = random_rows(case.capacity * case.page_size, layout, _gen(case.capacity))
+    current = random_rows(case.num_tokens, layout, _gen(case.num_tokens))
+    locs, positions = random_topk(case, topk, seed=case.num_tokens)
+    runs = []
+    for backend in ("torch", provider):
+        monkeypatch.setenv(ops.BACKEND_ENV, backend)
+        results = run_case_on_ranks(case, pool, current, locs, "cuda", layer_ahead=layer_ahead)
+        problems = check_against_truth(case, pool, current, positions, results)
+        assert problems == [], f"{backend}: {problems[:4]}"
+        runs.append(results)
+    out_locs = case.out_cache_loc()
+    # A pool location two requests write (independent draws may collide) has an unspecified winner.
+    fields = ("dense", "remapped", "current_full") + (("pool_after",) if len(set(out_locs)) == len(out_locs) else ())
+    for rank, (ref, got) in enumerate(zip(*runs)):
+        for field in fields:
+            a, b = getattr(ref, field), getattr(got, field)
+            if not same_bytes(a, b):
+                diff = (a.contiguous().view(torch.uint8) != b.contiguous().view(torch.uint8)).nonzero()
+                raise AssertionError(f"rank {rank} {field}: {diff.shape[0]} bytes differ, first at {diff[:4].tolist()}")
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -84,37 +106,23 @@ def _assert_same(ref: dict, got: dict, keys=("inverse", "dense", "topk_dense", "
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("batch_rows", BATCH_ROWS)
-def test_layer_sequence_parity(batch_rows, page_size, layout, pattern, provider):
-    impl = _provider(provider)
+def test_layer_pipeline_parity(batch_rows, page_size, layout, pattern, provider, monkeypatch):
     seed = batch_rows * 1000 + page_size * 10 + LAYOUTS.index(layout) * 2 + PATTERNS.index(pattern)
-    # Sparse page sets from a 512-page pool, page 3 shared by every request, tables padded to a bucket.
-    batch = random_batch(batch_rows, page_size, 512, 24, _gen(seed), shared_pages=(3,), pages_per_request=32)
-    kwargs = dict(
-        cp_size=2 if pattern == "masked" else 1,
-        skip=0.1 if pattern == "masked" else 0.0,
-        topk_shape=(64, 512),
-        seed=seed,
-        device="cuda",
-    )
-    ref = run_layer_sequence(reference, batch, layout, **kwargs)
-    got = run_layer_sequence(impl, batch, layout, **kwargs)
-    _assert_same(ref, got)
-    assert got["errors"].tolist() == [0, 0, 0]
-    assert same_bytes(got["dense"].cpu(), truth_dense(batch, got))
+    # Sparse page sets from a 512-page pool, page 3 shared by every request.
+    base = sparse_case(batch_rows, page_size, 512, 24, _gen(seed), shared_pages=(3,))
+    cp = 2 if pattern == "masked" else 1
+    case = BatchCase(base.page_size, base.capacity, base.page_tables, base.prefix_lens, base.extend_lens, cp)
+    _pipeline_runs(case, layout, provider, monkeypatch, layer_ahead=cp > 1, topk=64)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 @pytest.mark.parametrize("cp_size", [2, 4])
 @pytest.mark.parametrize("batch_rows", [3, 8])
-def test_cp_split_shapes(batch_rows, cp_size, provider):
+def test_cp_split_shapes(batch_rows, cp_size, provider, monkeypatch):
     """Each rank remaps and fills its interleave share (rows padded with -1 to a common length)."""
-    impl = _provider(provider)
-    batch = random_batch(batch_rows, 64, 256, 6, _gen(cp_size * 10 + batch_rows), shared_pages=(5,))
-    kwargs = dict(cp_size=cp_size, skip=0.05, topk_shape=(33, 100), seed=cp_size, device="cuda")
-    ref = run_layer_sequence(reference, batch, "fp8_packed", **kwargs)
-    got = run_layer_sequence(impl, batch, "fp8_packed", **kwargs)
-    _assert_same(ref, got)
-    assert same_bytes(got["dense"].cpu(), truth_dense(batch, got))
+    base = sparse_case(batch_rows, 64, 256, 6, _gen(cp_size * 10 + batch_rows), shared_pages=(5,))
+    case = BatchCase(base.page_size, base.capacity, base.page_tables, base.prefix_lens, base.extend_lens, cp_size)
+    _pipeline_runs(case, "fp8_packed", provider, monkeypatch, layer_ahead=True, topk=33)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -130,7 +138,7 @@ def test_shared_page_regression(provider):
         pool = random_rows(capacity * page_size, "bf16", gen, "cuda")
         dense = random_rows(4 * page_size, "bf16", gen, "cuda")
         current = random_rows(8, "bf16", gen, "cuda")
-        inverse = backend.build_page_inverse(table, capacity, errors)
+        inverse = backend.build_page_inverse(*flat_slots(table), 2, capacity, errors)
         backend.copy_pages(
             pool.view(capacity, -1),
             table.view(-1),
@@ -140,7 +148,7 @@ def test_shared_page_regression(provider):
         )
         locs = torch.tensor([5 * 64 + 60 + i for i in range(4)] * 2, dtype=torch.int64, device="cuda")
         req = torch.tensor([0] * 4 + [1] * 4, device="cuda")
-        dense_locs = backend.remap_locs(locs, req, inverse, capacity, page_size, errors)
+        dense_locs = backend.remap_locs(locs, req, inverse, 2, capacity, page_size, errors)
         backend.scatter_rows(current, dense_locs, dense, errors)
         results.append((inverse, dense_locs, dense, errors))
     for a, b in zip(*results):
@@ -158,9 +166,9 @@ def test_bad_ids_dropped_and_counted(provider):
     for backend in (reference, impl):
         errors = new_error_counter("cuda")
         table = torch.tensor([[3, 12, -1], [-7, 2, 40]], dtype=torch.int32, device="cuda")
-        inverse = backend.build_page_inverse(table, 12, errors)
+        inverse = backend.build_page_inverse(*flat_slots(table), 2, 12, errors)
         locs = torch.tensor([[200, 48 * 4, -1], [8, 9, 10]], dtype=torch.int32, device="cuda")
-        backend.remap_locs(locs, torch.tensor([0, 5], device="cuda"), inverse, 12, 4, errors)
+        backend.remap_locs(locs, torch.tensor([0, 5], device="cuda"), inverse, 2, 12, 4, errors)
         src = random_rows(3, "fp8_packed", _gen(1), "cuda")
         guard = random_rows(6, "fp8_packed", _gen(2), "cuda")
         before = guard.clone()
@@ -189,14 +197,14 @@ def test_realistic_sizes(provider):
     4096 x 2048 int32 top-k, and a history materialize + fill of 656-byte rows."""
     impl = _provider(provider)
     gen = _gen(42)
-    batch = random_batch(8, 64, 40960, 1024, gen, pages_per_request=1024)
+    case = sparse_case(8, 64, 40960, 1024, gen)
     outputs = []
     for backend in (reference, impl):
         errors = new_error_counter("cuda")
-        table = batch.page_table.cuda()
-        inverse = backend.build_page_inverse(table, 40960, errors)
-        tk_locs, tk_req = topk_locs(batch, 4096, 2048, _gen(43))
-        topk = backend.remap_locs(tk_locs.to(torch.int32).cuda(), tk_req.cuda(), inverse, 40960, 64, errors)
+        table = padded_page_table(case, 1024).cuda()
+        inverse = backend.build_page_inverse(*flat_slots(table), 8, 40960, errors)
+        tk_locs, tk_req = topk_locs(case, 4096, 2048, _gen(43))
+        topk = backend.remap_locs(tk_locs.to(torch.int32).cuda(), tk_req.cuda(), inverse, 8, 40960, 64, errors)
         pool = random_rows(4096 * 64, "fp8_packed", _gen(44), "cuda").view(4096, -1)
         dense = torch.zeros(2048, 64 * 656, dtype=torch.uint8, device="cuda")
         src_page = torch.randint(0, 4096, (2048,), generator=_gen(45), dtype=torch.int32).cuda()

@@ -20,18 +20,28 @@ import torch
 from sglang_cpkv import ops
 from sglang_cpkv.ops import reference
 from sglang_cpkv.ops import triton as triton_ops
-from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE, new_error_counter
-from sglang_cpkv.testing.ci_register import register_cpu_ci
-from sglang_cpkv.testing.ops_cases import (
-    ROW_LAYOUTS,
-    current_locs,
-    random_batch,
-    random_rows,
-    run_layer_sequence,
-    same_bytes,
-    topk_locs,
-    truth_dense,
+from sglang_cpkv.ops.errors import (
+    ERR_LOC_OUT_OF_RANGE,
+    ERR_PAGE_OUT_OF_RANGE,
+    ERR_REQ_OUT_OF_RANGE,
+    CpSharedKvError,
+    new_error_counter,
 )
+from sglang_cpkv.testing.batches import (
+    ROW_LAYOUTS,
+    BatchCase,
+    check_against_truth,
+    current_locs,
+    flat_slots,
+    padded_page_table,
+    random_rows,
+    random_topk,
+    run_case_on_ranks,
+    same_bytes,
+    sparse_case,
+    topk_locs,
+)
+from sglang_cpkv.testing.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=60, suite="cpkv-cpu")
 
@@ -60,29 +70,37 @@ def test_kernels_run_in_the_interpreter():
 
 
 @pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
-@pytest.mark.parametrize("block_c", [0, 8])  # 0: auto (one program per row); 8: several chunks per row
-def test_build_page_inverse_matches_reference(index_dtype, block_c):
-    gen = _gen(1)
-    batch = random_batch(3, 16, 40, 7, gen, shared_pages=(5,), pages_per_request=9)
-    table = batch.page_table.to(index_dtype)
-    (ref, ref_err), (tri, tri_err) = _both(
-        "build_page_inverse", table, 40, block_c=block_c, block_p=4 if block_c else 0
-    )
+@pytest.mark.parametrize("block", [0, 8])  # 0: auto (one program); 8: several programs
+def test_build_page_inverse_matches_reference(index_dtype, block):
+    case = sparse_case(3, 16, 40, 7, _gen(1), shared_pages=(5,))
+    slot_pages, slot_req = flat_slots(padded_page_table(case, 9).to(index_dtype))
+    (ref, ref_err), (tri, tri_err) = _both("build_page_inverse", slot_pages, slot_req, 3, 40, block=block)
     assert torch.equal(ref, tri), (ref.view(3, 40), tri.view(3, 40))
     assert torch.equal(ref_err, tri_err) and int(tri_err.sum()) == 0
+    assert int((tri >= 0).sum()) == sum(len(t) for t in case.page_tables)
 
 
-@pytest.mark.parametrize("block_c", [0, 4])
-def test_build_page_inverse_counts_bad_page_ids_once(block_c):
-    table = torch.tensor([[3, 12, -1, -1], [-7, 2, 40, 11]], dtype=torch.int32)
-    (ref, ref_err), (tri, tri_err) = _both("build_page_inverse", table, 12, block_c=block_c)
-    assert torch.equal(ref, tri)
-    assert tri_err.tolist() == ref_err.tolist() == [3, 0, 0]  # 12 and 40 are >= C, -7 < -1
+@pytest.mark.parametrize("block", [0, 4])
+def test_build_page_inverse_counts_bad_ids_and_repeated_pages(block):
+    # request 0: pages 3, 12 (>= C), 3 again (repeated); request 1: -7 (< -1), 2; a rounding slot; request 9 (>= R).
+    slot_pages = torch.tensor([3, 12, 3, -7, 2, -1, 4], dtype=torch.int32)
+    slot_req = torch.tensor([0, 0, 0, 1, 1, -1, 9])
+    (ref, ref_err), (tri, tri_err) = _both("build_page_inverse", slot_pages, slot_req, 2, 12, block=block)
+    expected = [0] * 3
+    expected[ERR_PAGE_OUT_OF_RANGE] = 3  # 12, -7 and the second page 3 of request 0
+    expected[ERR_REQ_OUT_OF_RANGE] = 1
+    assert tri_err.tolist() == ref_err.tolist() == expected
+    # The repeated page keeps one of its slots (unspecified which); everything else agrees exactly.
+    assert int(tri[3]) in (0, 2) and int(ref[3]) in (0, 2)
+    keep = torch.ones(24, dtype=torch.bool)
+    keep[3] = False
+    assert torch.equal(ref[keep], tri[keep]) and tri[12 + 2] == 4 and int((tri >= 0).sum()) == 2
 
 
 def test_build_page_inverse_empty_batch():
-    (ref, _), (tri, tri_err) = _both("build_page_inverse", torch.empty(0, 4, dtype=torch.int32), 12)
-    assert ref.shape == tri.shape == (0,) and int(tri_err.sum()) == 0
+    empty = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64)
+    (ref, _), (tri, tri_err) = _both("build_page_inverse", *empty, 2, 12)
+    assert torch.equal(ref, tri) and bool((tri == -1).all()) and int(tri_err.sum()) == 0
 
 
 # --- remap_locs -----------------------------------------------------------------------------
@@ -93,11 +111,11 @@ def test_build_page_inverse_empty_batch():
 @pytest.mark.parametrize("tiles", [(0, 0), (2, 4)])  # auto, or many small tiles with ragged edges
 def test_remap_topk_locs_matches_reference(loc_dtype, page_size, tiles):
     gen = _gen(2)
-    batch = random_batch(3, page_size, 30, 6, gen, shared_pages=(4,))
-    inverse = reference.build_page_inverse(batch.page_table, 30, new_error_counter("cpu"))
-    locs, req = topk_locs(batch, 9, 13, gen)
+    case = sparse_case(3, page_size, 30, 6, gen, shared_pages=(4,))
+    inverse = reference.build_page_inverse(*flat_slots(padded_page_table(case, 6)), 3, 30, new_error_counter("cpu"))
+    locs, req = topk_locs(case, 9, 13, gen)
     (ref, ref_err), (tri, tri_err) = _both(
-        "remap_locs", locs.to(loc_dtype), req, inverse, 30, page_size, block_n=tiles[0], block_k=tiles[1]
+        "remap_locs", locs.to(loc_dtype), req, inverse, 3, 30, page_size, block_n=tiles[0], block_k=tiles[1]
     )
     assert tri.dtype == torch.int32 and tri.shape == locs.shape
     assert torch.equal(ref, tri)
@@ -107,12 +125,12 @@ def test_remap_topk_locs_matches_reference(loc_dtype, page_size, tiles):
 
 def test_remap_counts_bad_request_and_page_ids():
     inverse = reference.build_page_inverse(
-        torch.tensor([[1, 5], [9, 5]], dtype=torch.int32), 12, new_error_counter("cpu")
+        *flat_slots(torch.tensor([[1, 5], [9, 5]], dtype=torch.int32)), 2, 12, new_error_counter("cpu")
     )
     # rows: request 0, padding row, request 7 (>= R), request -3 (< -1), request 1
     locs = torch.tensor([[4, 48, -1], [4, 99, 7], [4, -1, 8], [21, -5, 36], [47, 50, 23]], dtype=torch.int32)
     req = torch.tensor([0, -1, 7, -3, 1])
-    (ref, ref_err), (tri, tri_err) = _both("remap_locs", locs, req, inverse, 12, 4)
+    (ref, ref_err), (tri, tri_err) = _both("remap_locs", locs, req, inverse, 2, 12, 4)
     assert torch.equal(ref, tri)
     expected = [0] * 3
     expected[ERR_REQ_OUT_OF_RANGE] = 4  # two real locations in each of the rows of requests 7 and -3
@@ -123,11 +141,10 @@ def test_remap_counts_bad_request_and_page_ids():
 
 @pytest.mark.parametrize("loc_dtype", INDEX_DTYPES)
 def test_remap_current_locs_1d(loc_dtype):
-    gen = _gen(3)
-    batch = random_batch(4, 16, 50, 5, gen)
-    inverse = reference.build_page_inverse(batch.page_table, 50, new_error_counter("cpu"))
-    locs, req = current_locs(batch, gen)
-    (ref, ref_err), (tri, tri_err) = _both("remap_locs", locs.to(loc_dtype), req, inverse, 50, 16)
+    case = sparse_case(4, 16, 50, 5, _gen(3))
+    inverse = reference.build_page_inverse(*flat_slots(padded_page_table(case, 5)), 4, 50, new_error_counter("cpu"))
+    locs, req = current_locs(case)
+    (ref, ref_err), (tri, tri_err) = _both("remap_locs", locs.to(loc_dtype), req, inverse, 4, 50, 16)
     assert torch.equal(ref, tri) and torch.equal(ref_err, tri_err) and (tri >= 0).all()
 
 
@@ -138,6 +155,7 @@ def test_remap_takes_compact_request_ids_only():
             torch.zeros(4, 3, dtype=torch.int32),
             torch.zeros(4, 3, dtype=torch.int64),
             inverse,
+            2,
             12,
             4,
             new_error_counter("cpu"),
@@ -257,7 +275,36 @@ def test_shape_and_dtype_errors_name_the_values():
     with pytest.raises(ValueError, match="int32 or int64"):
         triton_ops.copy_pages(torch.zeros(2, 8), torch.zeros(1), torch.zeros(2, 8), torch.zeros(1), errors)
     with pytest.raises(ValueError, match="contiguous int32"):
-        triton_ops.build_page_inverse(torch.zeros(1, 2, dtype=torch.int32), 4, torch.zeros(3, dtype=torch.int64))
+        triton_ops.build_page_inverse(
+            torch.zeros(2, dtype=torch.int32),
+            torch.zeros(2, dtype=torch.int64),
+            1,
+            4,
+            torch.zeros(3, dtype=torch.int64),
+        )
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_contract_violations_refused_on_every_backend(backend, monkeypatch):
+    """The dispatcher refuses, before any backend runs: float ids (1.7 would truncate to row 1), an inverse
+    whose R * C does not match the caller's pair (a wrong C that divides it would move request 1's tokens
+    into request 0's slots), and current rows that do not tile a dense page."""
+    monkeypatch.setenv(ops.BACKEND_ENV, backend)
+    errors = new_error_counter("cpu")
+    rows = torch.zeros(4, 8)
+    with pytest.raises(CpSharedKvError, match=r"dst_loc must be int32 or int64, got torch\.float32"):
+        ops.scatter_rows(rows[:1], torch.tensor([1.7]), rows, errors)
+    with pytest.raises(CpSharedKvError, match="slot_pages must be int32 or int64"):
+        ops.build_page_inverse(torch.tensor([1.0]), torch.tensor([0]), 1, 4, errors)
+    inverse = ops.build_page_inverse(*flat_slots(torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)), 2, 6, errors)
+    with pytest.raises(CpSharedKvError, match=r"inverse must be int32 \[num_requests \* capacity\] = \[2 \* 3\]"):
+        ops.remap_locs(torch.tensor([[4]]), torch.tensor([1]), inverse, 2, 3, 2, errors)  # 12 entries, C = 3
+    pages = torch.zeros(2, 12)
+    with pytest.raises(CpSharedKvError, match="do not tile the dense pages"):
+        ops.materialize_and_fill(
+            pages, torch.tensor([0]), pages, torch.tensor([1]), torch.zeros(1, 5), torch.tensor([0]), errors
+        )
+    assert errors.tolist() == [0, 0, 0]
 
 
 # --- the [[1,5],[9,5]] shared-page regression -------------------------------------------------
@@ -276,7 +323,7 @@ def test_shared_partial_page_keeps_each_request_its_own_rows(backend, monkeypatc
     gen = _gen(9)
     pool = random_rows(capacity * page_size, "bf16", gen)
     errors = new_error_counter("cpu")
-    inverse = ops.build_page_inverse(table, capacity, errors)
+    inverse = ops.build_page_inverse(*flat_slots(table), 2, capacity, errors)
     dense = random_rows(4 * page_size, "bf16", gen)
     ops.copy_pages(
         pool.view(capacity, -1), table.view(-1), dense.view(4, -1), torch.arange(4, dtype=torch.int32), errors
@@ -285,7 +332,7 @@ def test_shared_partial_page_keeps_each_request_its_own_rows(backend, monkeypatc
     cur_locs = torch.tensor([22, 23, 22, 23], dtype=torch.int32)
     cur_req = torch.tensor([0, 0, 1, 1])
     current = random_rows(4, "bf16", gen)
-    dense_locs = ops.remap_locs(cur_locs, cur_req, inverse, capacity, page_size, errors)
+    dense_locs = ops.remap_locs(cur_locs, cur_req, inverse, 2, capacity, page_size, errors)
     assert dense_locs.tolist() == [6, 7, 14, 15]
     ops.scatter_rows(current, dense_locs, dense, errors)
     assert errors.tolist() == [0, 0, 0]
@@ -305,7 +352,9 @@ def test_forced_backend_setting(monkeypatch):
         assert ops.select_backend("cpu") == name
     monkeypatch.setenv(ops.BACKEND_ENV, "cuda")
     with pytest.raises(RuntimeError, match=r"SGLANG_CPKV_OPS_BACKEND=cuda cannot run .* cpu tensors"):
-        ops.build_page_inverse(torch.zeros(1, 1, dtype=torch.int32), 4, new_error_counter("cpu"))
+        ops.build_page_inverse(
+            torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), 1, 4, new_error_counter("cpu")
+        )
     monkeypatch.setenv(ops.BACKEND_ENV, "fastest")
     with pytest.raises(RuntimeError, match="must be one of auto, cuda, triton, torch, got 'fastest'"):
         ops.select_backend("cpu")
@@ -352,20 +401,28 @@ def test_without_interpreter_cpu_ops_use_torch():
 # --- CPU subset of the parity sweep ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("batch_rows", [1, 3])
+@pytest.mark.parametrize("layer_ahead", [False, True])
 @pytest.mark.parametrize("layout", sorted(ROW_LAYOUTS))
-def test_sweep_subset_layer_sequence(batch_rows, layout):
-    """One layer's op sequence (inverse, owned-page materialize per CP rank, CP-split fill with
-    padding, int32 top-k remap) on random sparse batches sharing a page: Triton == torch for
-    every output and counter, and both equal the brute-force truth."""
-    batch = random_batch(batch_rows, 16, 64, 4, _gen(100 + batch_rows), shared_pages=(7,))
-    kwargs = dict(cp_size=2, skip=0.1, seed=batch_rows)
-    ref = run_layer_sequence(reference, batch, layout, **kwargs)
-    tri = run_layer_sequence(triton_ops, batch, layout, **kwargs)
-    for key in ("inverse", "dense", "topk_dense", "errors"):
-        assert same_bytes(ref[key], tri[key]), key
-    assert tri["errors"].tolist() == [0, 0, 0]
-    assert same_bytes(tri["dense"], truth_dense(batch, tri))
+def test_sweep_subset_pipeline(layout, layer_ahead, monkeypatch):
+    """The runtime's layer pipeline at cp 2 (owned-page exchange, CP-split fill with padding, top-k remap)
+    on sparse batches sharing a page: every rank's results are byte-equal on Triton and torch, and equal
+    the brute-force truth."""
+    width = ROW_LAYOUTS[layout][1]
+    base = sparse_case(3, 16, 64, 4, _gen(100 + width), shared_pages=(7,))
+    case = BatchCase(base.page_size, base.capacity, base.page_tables, base.prefix_lens, base.extend_lens, 2)
+    pool, current = random_rows(64 * 16, layout, _gen(1)), random_rows(case.num_tokens, layout, _gen(2))
+    topk, positions = random_topk(case, 6, seed=width)
+    runs = {}
+    for backend in ("torch", "triton"):
+        monkeypatch.setenv(ops.BACKEND_ENV, backend)
+        runs[backend] = run_case_on_ranks(case, pool, current, topk, layer_ahead=layer_ahead)
+        assert check_against_truth(case, pool, current, positions, runs[backend]) == [], backend
+    locs = case.out_cache_loc()
+    # A location two requests write (independent draws may collide) has an unspecified winner in the pool.
+    fields = ("dense", "remapped", "current_full") + (("pool_after",) if len(set(locs)) == len(locs) else ())
+    for ref, tri in zip(runs["torch"], runs["triton"]):
+        for field in fields:
+            assert same_bytes(getattr(ref, field), getattr(tri, field)), field
 
 
 if __name__ == "__main__":

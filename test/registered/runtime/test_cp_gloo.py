@@ -16,15 +16,15 @@ os.environ["SGLANG_CPKV_OPS_BACKEND"] = "torch"
 import pytest
 import torch
 
+from sglang_cpkv.runtime import page_owner
 from sglang_cpkv.testing.batches import (
     BatchCase,
-    RankResult,
     check_against_truth,
     make_pool_and_current,
     random_case,
     random_topk,
-    rows_equal,
-    simulate_cp_ranks,
+    run_case_on_ranks,
+    same_bytes,
 )
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 from sglang_cpkv.testing.cp_dist import spawn_cp_ranks
@@ -65,27 +65,21 @@ def test_gloo_ranks_equal_cp1(cp):
     for i, (case, pool, current, topk, positions) in enumerate(cases):
         strategies.add(case.effective_strategy)
         single = BatchCase(case.page_size, case.capacity, case.page_tables, case.prefix_lens, case.extend_lens, 1)
-        [cp1] = simulate_cp_ranks(single, pool, current, topk)
+        [cp1] = run_case_on_ranks(single, pool, current, topk)
         for rank in range(cp):
             got = results[rank][i]
-            assert rows_equal(got["dense"], cp1.dense), f"case {i} rank {rank}: dense view differs from cp=1 ({case})"
-            assert rows_equal(got["current_full"], current)
-        # Reads, request ids and pool writes against the truth, with each rank's own plan.
-        in_process = simulate_cp_ranks(case, pool, current, topk)
-        rank_results = [
-            RankResult(
-                in_process[k].plan, results[k][i]["dense"], results[k][i]["remapped"], results[k][i]["pool_after"]
-            )
-            for k in range(cp)
-        ]
+            assert same_bytes(got.dense, cp1.dense), f"case {i} rank {rank}: dense view differs from cp=1 ({case})"
+            assert same_bytes(got.current_full, current)
+        # Reads, request ids and pool writes against the truth.
+        rank_results = [results[k][i] for k in range(cp)]
         assert check_against_truth(case, pool, current, positions, rank_results) == [], case
         locs = case.out_cache_loc()
         if len(set(locs)) == len(locs):  # duplicate locations: the pool winner is unspecified
-            owner = torch.arange(case.capacity).repeat_interleave(case.page_size) % cp
+            owner = page_owner(torch.arange(case.capacity), cp).repeat_interleave(case.page_size)
             union = torch.empty_like(pool)
             for rank in range(cp):
-                union[owner == rank] = results[rank][i]["pool_after"][owner == rank]
-            assert rows_equal(union, cp1.pool_after), f"case {i}: owned pools differ from the cp=1 pool"
+                union[owner == rank] = results[rank][i].pool_after[owner == rank]
+            assert same_bytes(union, cp1.pool_after), f"case {i}: owned pools differ from the cp=1 pool"
     assert {"interleave", "zigzag"} <= strategies, strategies
 
 

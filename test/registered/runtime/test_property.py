@@ -2,7 +2,8 @@
 
 Every generated batch (page sharing, shared partially filled pages, colliding page ids, partial
 pages, chunked continuation, bs 1..8, cp 1..8 with interleave/zigzag splits and owner-sharded
-pools, bf16 and byte rows) runs through every CP rank of the runtime in one process; each
+pools, bf16 and byte rows, layer-ahead and synchronous) runs through the runtime's layer pipeline on
+every CP rank in one process (threads in lockstep, :mod:`sglang_cpkv.testing.lockstep`); each
 request's dense view, every top-k read and every pool write must equal the truth
 (:mod:`sglang_cpkv.testing.batches`). Each case is labelled with its contract state class
 (hypothesis ``event``); both classes must be well represented.
@@ -34,7 +35,7 @@ from sglang_cpkv.testing.batches import (
     make_pool_and_current,
     random_case,
     random_topk,
-    simulate_cp_ranks,
+    run_case_on_ranks,
     value_keyed_read_mismatches,
 )
 from sglang_cpkv.testing.ci_register import register_cpu_ci
@@ -54,9 +55,13 @@ CLASS_COUNTS: Counter = Counter()
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(
-    case=batch_cases(), row_kind=st.sampled_from(["bf16", "bytes"]), seed=st.integers(0, 2**16), checked=st.booleans()
+    case=batch_cases(),
+    row_kind=st.sampled_from(["bf16", "bytes"]),
+    seed=st.integers(0, 2**16),
+    checked=st.booleans(),
+    layer_ahead=st.booleans(),
 )
-def _property(case, row_kind, seed, checked):
+def _property(case, row_kind, seed, checked, layer_ahead):
     event(case.state_class)
     CLASS_COUNTS[case.state_class] += 1
     CLASS_COUNTS[f"cp{case.cp_size}"] += 1
@@ -64,7 +69,7 @@ def _property(case, row_kind, seed, checked):
     pool, current = make_pool_and_current(case, dtype, width, seed)
     topk, positions = random_topk(case, 4, seed)
     # checked mode on about one case in eight: it adds host syncs and invariant checks per op.
-    results = simulate_cp_ranks(case, pool, current, topk, checked=checked and seed % 4 == 0)
+    results = run_case_on_ranks(case, pool, current, topk, checked=checked and seed % 4 == 0, layer_ahead=layer_ahead)
     problems = check_against_truth(case, pool, current, positions, results)
     assert problems == [], f"{case.state_class} case {case}: {problems[:5]}"
 
@@ -97,7 +102,7 @@ def test_value_keyed_control_fails_on_the_collision_class():
         topk, positions = random_topk(case, 6, seed=i)
         failing += bool(value_keyed_read_mismatches(case, pool, current, topk, positions))
         # The per-request runtime passes the very same reads.
-        assert check_against_truth(case, pool, current, positions, simulate_cp_ranks(case, pool, current, topk)) == []
+        assert check_against_truth(case, pool, current, positions, run_case_on_ranks(case, pool, current, topk)) == []
     assert failing >= len(cases) // 4, f"the 1-D control failed only {failing} of {len(cases)} collision-class batches"
 
 

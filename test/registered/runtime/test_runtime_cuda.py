@@ -12,15 +12,7 @@ import pytest
 import torch
 
 from sglang_cpkv import ops
-from sglang_cpkv.runtime import (
-    HistoryPrefetcher,
-    SingleRankGroup,
-    build_plan,
-    fill_current,
-    new_dense_buffer,
-    persist_owned_current,
-    remap_topk,
-)
+from sglang_cpkv.runtime import LayerPipeline, SingleRankGroup, build_plan, rows_kind
 from sglang_cpkv.testing.batches import (
     POISON_BYTE,
     BatchCase,
@@ -29,8 +21,8 @@ from sglang_cpkv.testing.batches import (
     make_pool_and_current,
     random_case,
     random_topk,
-    rows_equal,
-    simulate_cp_ranks,
+    run_case_on_ranks,
+    same_bytes,
 )
 from sglang_cpkv.testing.ci_register import register_cuda_ci
 
@@ -53,14 +45,14 @@ def test_gpu_layers_equal_cpu_without_host_sync(index):
     layers = 3
     kv = [make_pool_and_current(case, torch.uint8, 656, seed=10 * index + layer) for layer in range(layers)]
     topk, topk_positions = random_topk(case, 8, seed=index)
-    expected = [simulate_cp_ranks(case, pool, current, topk)[0] for pool, current in kv]
+    expected = [run_case_on_ranks(case, pool, current, topk)[0] for pool, current in kv]
 
     pools = [pool.to(device) for pool, _ in kv]
     currents = [current.to(device) for _, current in kv]
     topk_dev = topk.to(device)
     out_cache_loc = torch.tensor(case.out_cache_loc(), dtype=torch.int64).to(device)
     torch.cuda.synchronize()
-    no_sync = ops.select_backend(device) != "torch"
+    no_sync = ops.warm_up(device) != "torch"  # the CUDA probe synchronizes: at warm-up, never in the layers
     guard = torch.cuda.set_sync_debug_mode
     dense_out, remapped_out = [], []
     try:
@@ -78,20 +70,14 @@ def test_gpu_layers_equal_cpu_without_host_sync(index):
             strategy="interleave",
             checked=False,
         )
-        buffers = (new_dense_buffer(plan, (656,), torch.uint8), new_dense_buffer(plan, (656,), torch.uint8))
-        for b in buffers:
-            b.fill_(POISON_BYTE)
-        prefetcher = HistoryPrefetcher(plan, SingleRankGroup(), buffers)
-        prefetcher.start(0, pools[0])
+        kind = rows_kind("kv", pools, plan, layer_ahead=True, fill_byte=POISON_BYTE)
+        pipe = LayerPipeline(plan, SingleRankGroup(), [kind], layer_ahead=True)
         for layer in range(layers):
-            dense = prefetcher.wait(layer)
-            # Persisting this layer must not race the prefetch of the next layer (another pool).
-            fill_current(plan, currents[layer], dense)
-            remapped_out.append(remap_topk(plan, topk_dev, plan.local_req_id))
-            persist_owned_current(plan, currents[layer], pools[layer])
+            # The next layer's history is prefetched on the side stream while this one persists.
+            dense = pipe.dense_view("kv", layer, currents[layer])
+            remapped_out.append(pipe.remap(topk_dev, plan.local_req_id))
+            pipe.persist_owned("kv", layer, currents[layer])
             dense_out.append(dense.clone())
-            if layer + 1 < layers:
-                prefetcher.start(layer + 1, pools[layer + 1])
     finally:
         guard(0)
     plan.raise_if_errors("gpu test")
@@ -101,13 +87,13 @@ def test_gpu_layers_equal_cpu_without_host_sync(index):
             [i for i in range(ref.dense.shape[0]) if not bool((ref.dense[i] == POISON_BYTE).all())], dtype=torch.int64
         )
         # Rows the CPU run wrote must match; a buffer reused two layers later may hold stale rows elsewhere.
-        assert rows_equal(dense_out[layer].cpu()[rows], ref.dense[rows]), f"layer {layer}: dense view differs from CPU"
+        assert same_bytes(dense_out[layer].cpu()[rows], ref.dense[rows]), f"layer {layer}: dense view differs from CPU"
         assert torch.equal(remapped_out[layer].cpu(), ref.remapped), f"layer {layer}: remapped top-k differs from CPU"
         # Pool rows: collision-class batches write one pool location from two requests, and the
         # contract leaves that scatter's winner unspecified, so the pool is judged against the truth
         # (any writer of a duplicated location may win), not byte-compared with the CPU run.
         pool_before, current = kv[layer]
-        got = RankResult(plan=ref.plan, dense=ref.dense, remapped=ref.remapped, pool_after=pools[layer].cpu())
+        got = RankResult(ref.dense, ref.remapped, ref.local_req_id, ref.current_full, pools[layer].cpu())
         problems = check_against_truth(case, pool_before, current, topk_positions, [got])
         assert not problems, f"layer {layer}: pool after persist: " + "; ".join(problems[:5])
 

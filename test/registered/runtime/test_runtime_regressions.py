@@ -8,28 +8,24 @@ import torch
 from sglang_cpkv.ops.errors import CpSharedKvError
 from sglang_cpkv.runtime import (
     CHECKED_ENV_VAR,
-    HistoryPrefetcher,
+    MAX_ROUNDING,
+    LayerPipeline,
     SingleRankGroup,
-    bucket_pages_per_request,
-    build_dense_view,
     build_plan,
-    fill_current,
-    gather_current,
-    materialize_history,
-    new_dense_buffer,
-    persist_owned_current,
-    remap_topk,
+    round_dense_slots,
+    rows_kind,
 )
 from sglang_cpkv.testing.batches import (
     COLLISION,
+    POISON_BYTE,
     REACHABLE,
     BatchCase,
     check_against_truth,
-    dense_loc,
     make_pool_and_current,
+    padded_page_table,
     random_topk,
-    rows_equal,
-    simulate_cp_ranks,
+    run_case_on_ranks,
+    same_bytes,
     truth_rows,
 )
 from sglang_cpkv.testing.ci_register import register_cpu_ci
@@ -55,11 +51,15 @@ def _plan(case: BatchCase, **kw):
     )
 
 
-def _read(case, plan, dense, r, loc):
+def _pipeline(plan, pool, *, layer_ahead=False, pools=None):
+    """The runtime's pipeline over one layer's pool (or ``pools``, one per layer), cp = 1."""
+    kind = rows_kind("kv", pools or [pool], plan, layer_ahead=layer_ahead, fill_byte=POISON_BYTE)
+    return LayerPipeline(plan, GROUP, [kind], layer_ahead=layer_ahead)
+
+
+def _read(pipe, dense, r, loc):
     """What request r reads at pool location loc through the runtime."""
-    token = sum(case.extend_lens[:r])  # any row of request r
-    d = int(remap_topk(plan, torch.tensor([[loc]]), torch.tensor([r]))[0, 0])
-    assert plan.token_req_id[token] == r
+    d = int(pipe.remap(torch.tensor([[loc]]), torch.tensor([r]))[0, 0])
     return d, (dense[d] if d >= 0 else None)
 
 
@@ -72,30 +72,32 @@ def test_shared_page_5_each_request_keeps_its_own_slot_and_current_write():
     case = SHARED_5
     assert case.state_class == COLLISION
     plan = _plan(case)
-    P, C = plan.pages_per_request, case.capacity
+    C = case.capacity
+    # Ragged layout: request 0's slots are 0, 1 and request 1's 2, 3.
+    assert plan.slot_starts == (0, 2) and plan.slot_pages.tolist() == [1, 5, 9, 5]
     inverse = plan.inverse.tolist()
-    assert inverse[0 * C + 5] == 0 * P + 1 and inverse[1 * C + 5] == 1 * P + 1
-    assert inverse[0 * C + 1] == 0 and inverse[1 * C + 9] == P
+    assert inverse[0 * C + 5] == 1 and inverse[1 * C + 5] == 3
+    assert inverse[0 * C + 1] == 0 and inverse[1 * C + 9] == 2
     # Current tokens: positions 5, 6 of each request, i.e. page 5 offsets 1, 2, in its OWN slot.
-    assert plan.current_dense_locs.tolist() == [5, 6, P * 4 + 5, P * 4 + 6]
+    assert plan.current_dense_locs.tolist() == [5, 6, 3 * 4 + 1, 3 * 4 + 2]
     pool, current = make_pool_and_current(case, torch.bfloat16, 8, seed=1)
-    dense = build_dense_view(plan, pool, current, new_dense_buffer(plan, (8,), torch.bfloat16), GROUP)
+    pipe = _pipeline(plan, pool)
+    dense = pipe.dense_view("kv", 0, current)
     truth = truth_rows(case, pool, current)
     for r in range(2):
         for p in range(7):
-            assert rows_equal(dense[dense_loc(case, P, r, p)], truth[r][p]), (r, p)
-        _, row = _read(case, plan, dense, r, 5 * 4 + 1)  # both requests read "their" loc 21
-        assert rows_equal(row, current[2 * r]), f"request {r} read another request's current KV"
+            assert same_bytes(dense[plan.dense_location(r, p)], truth[r][p]), (r, p)
+        _, row = _read(pipe, dense, r, 5 * 4 + 1)  # both requests read "their" loc 21
+        assert same_bytes(row, current[2 * r]), f"request {r} read another request's current KV"
 
 
 def test_shared_page_5_value_keyed_inverse_contaminates():
     """Negative control on the same batch: request 0 reads request 1's current KV."""
     case = SHARED_5
-    plan = _plan(case)
     pool, current = make_pool_and_current(case, torch.bfloat16, 8, seed=1)
     topk = torch.tensor([[21], [21], [21], [21]])
     dense, remapped = value_keyed_pipeline(
-        plan.page_table,
+        padded_page_table(case, 2),
         case.prefix_lens,
         case.extend_lens,
         torch.tensor(case.out_cache_loc()),
@@ -106,7 +108,7 @@ def test_shared_page_5_value_keyed_inverse_contaminates():
         case.page_size,
     )
     read_by_request_0 = dense[int(remapped[0, 0])]
-    assert rows_equal(read_by_request_0, current[2]) and not rows_equal(read_by_request_0, current[0])
+    assert same_bytes(read_by_request_0, current[2]) and not same_bytes(read_by_request_0, current[0])
 
 
 def test_bs_gt_1_shared_prefix_and_current_reuse_equal_bs_1():
@@ -123,21 +125,19 @@ def test_bs_gt_1_shared_prefix_and_current_reuse_equal_bs_1():
     for dtype, width in ((torch.bfloat16, 576), (torch.uint8, 656)):  # bf16 rows, packed FP8 rows as bytes
         pool, current = make_pool_and_current(case, dtype, width, seed=2)
         plan = _plan(case)
-        dense = build_dense_view(plan, pool, current, new_dense_buffer(plan, (width,), dtype), GROUP)
+        dense = _pipeline(plan, pool).dense_view("kv", 0, current)
         start = 0
         for r in range(3):
             alone = BatchCase(4, 16, (case.page_tables[r],), (case.prefix_lens[r],), (case.extend_lens[r],))
             cur = current[start : start + case.extend_lens[r]]
             start += case.extend_lens[r]
             solo_plan = _plan(alone)
-            solo = build_dense_view(solo_plan, pool, cur, new_dense_buffer(solo_plan, (width,), dtype), GROUP)
+            solo = _pipeline(solo_plan, pool).dense_view("kv", 0, cur)
             for p in range(case.prefix_lens[r] + case.extend_lens[r]):
-                assert rows_equal(
-                    dense[dense_loc(case, plan.pages_per_request, r, p)],
-                    solo[dense_loc(alone, solo_plan.pages_per_request, 0, p)],
-                ), (dtype, r, p)
+                assert same_bytes(dense[plan.dense_location(r, p)], solo[solo_plan.dense_location(0, p)]), (dtype, r, p)
         topk, positions = random_topk(case, 5, seed=3)
-        assert check_against_truth(case, pool, current, positions, simulate_cp_ranks(case, pool, current, topk)) == []
+        results = run_case_on_ranks(case, pool, current, topk)
+        assert check_against_truth(case, pool, current, positions, results) == []
 
 
 def test_c2_valid_history_loc_not_dropped_when_another_request_writes_that_page():
@@ -147,18 +147,17 @@ def test_c2_valid_history_loc_not_dropped_when_another_request_writes_that_page(
     assert case.state_class == COLLISION
     pool, current = make_pool_and_current(case, torch.bfloat16, 8, seed=4)
     plan = _plan(case)
-    dense = new_dense_buffer(plan, (8,), torch.bfloat16)
-    materialize_history(plan, pool, dense, GROUP)
-    fill_current(plan, current, dense)
-    persist_owned_current(plan, current, pool.clone())
+    pipe = _pipeline(plan, pool.clone())
+    dense = pipe.dense_view("kv", 0, current)
+    pipe.persist_owned("kv", 0, current)
     for p in range(3):
-        d, row = _read(case, plan, dense, 0, 6 * 4 + p)
+        d, row = _read(pipe, dense, 0, 6 * 4 + p)
         assert d >= 0, f"request 0's valid history position {p} was dropped"
-        assert rows_equal(row, pool[6 * 4 + p])
+        assert same_bytes(row, pool[6 * 4 + p])
     # The value-keyed control drops or replaces it.
     topk = torch.tensor([[24, 25, 26]] * case.num_tokens)
     dense_1d, remapped_1d = value_keyed_pipeline(
-        plan.page_table,
+        padded_page_table(case, 2),
         case.prefix_lens,
         case.extend_lens,
         torch.tensor(case.out_cache_loc()),
@@ -171,7 +170,7 @@ def test_c2_valid_history_loc_not_dropped_when_another_request_writes_that_page(
     wrong = [
         p
         for p in range(3)
-        if int(remapped_1d[0, p]) < 0 or not rows_equal(dense_1d[int(remapped_1d[0, p])], pool[24 + p])
+        if int(remapped_1d[0, p]) < 0 or not same_bytes(dense_1d[int(remapped_1d[0, p])], pool[24 + p])
     ]
     assert wrong, "the value-keyed control was expected to lose request 0's history"
 
@@ -198,8 +197,8 @@ def test_plan_build_errors_name_the_bad_value():
         _build(case, page_table=[[1, 5], [99, 5]])
     with pytest.raises(CpSharedKvError, match=r"request 0: page ids \[1\] appear twice"):
         _build(case, page_table=[[1, 1], [9, 5]])
-    with pytest.raises(CpSharedKvError, match=r"needs 2 pages .* > pages_per_request=1"):
-        _build(case, pages_per_request=1)
+    with pytest.raises(CpSharedKvError, match=r"more than int32 holds"):
+        _build(case, page_size=1 << 30, prefix_lens=(1 << 31, 5), extend_lens=(2, 2))
     with pytest.raises(CpSharedKvError, match=r"page_table has 1 columns"):
         _build(case, page_table=[[1], [9]])
     with pytest.raises(CpSharedKvError, match="out_cache_loc has 3 entries, sum\\(extend_lens\\) = 4"):
@@ -212,20 +211,32 @@ def test_plan_build_errors_name_the_bad_value():
         _build(case, out_cache_loc=torch.tensor([21, 22, 21, 64]))
 
 
+class _RankOneOfTwo:
+    """A CP group of two whose collectives are never reached (the checks come first)."""
+
+    cp_size, cp_rank = 2, 1
+
+    def all_gather_rows(self, local, out=None):
+        raise AssertionError("no collective expected")
+
+
 def test_mismatched_cp_split_or_group_is_an_error():
     plan = _build(SHARED_5, cp_size=2, cp_rank=1)  # N=4 over 2 ranks: 2 local rows, physical 2
     assert plan.split.physical_rows == 2 and plan.local_req_id.tolist() == [0, 1]
-    with pytest.raises(CpSharedKvError, match="the CP split gives this rank 2"):
-        gather_current(plan, torch.zeros(3, 8), GROUP)
     with pytest.raises(CpSharedKvError, match="does not match the plan"):
-        materialize_history(plan, torch.zeros(64, 8), torch.zeros(plan.dense_rows, 8), GROUP)
+        _pipeline(plan, torch.zeros(64, 8))
+    pipe = LayerPipeline(
+        plan, _RankOneOfTwo(), [rows_kind("kv", [torch.zeros(64, 8)], plan, layer_ahead=False)], layer_ahead=False
+    )
+    with pytest.raises(CpSharedKvError, match="the CP split gives this rank 2"):
+        pipe.gather_current(torch.zeros(3, 8))
     with pytest.raises(CpSharedKvError, match="gathered 3 rows, expected cp_size\\*physical_rows"):
         plan.split.unshard(torch.zeros(3, 8))
 
 
 def test_device_side_errors_are_counted_then_raised_at_sync_point():
     plan = _build(SHARED_5, checked=False)
-    out = remap_topk(plan, torch.tensor([[21, 5]]), torch.tensor([7]))  # request 7 does not exist
+    out = _pipeline(plan, torch.zeros(64, 8)).remap(torch.tensor([[21, 5]]), torch.tensor([7]))  # no request 7
     assert out.tolist() == [[-1, -1]]
     with pytest.raises(CpSharedKvError, match="request id out of range"):
         plan.raise_if_errors()
@@ -236,7 +247,7 @@ def test_checked_mode_raises_at_the_op(monkeypatch):
     plan = _build(SHARED_5)
     assert plan.checked
     with pytest.raises(CpSharedKvError, match="request id out of range"):
-        remap_topk(plan, torch.tensor([[21]]), torch.tensor([7]))
+        _pipeline(plan, torch.zeros(64, 8)).remap(torch.tensor([[21]]), torch.tensor([7]))
     # out_cache_loc that disagrees with the page table (token 0 claims page 9 of request 1).
     with pytest.raises(CpSharedKvError, match="do not land at their own request's position"):
         _build(SHARED_5, out_cache_loc=torch.tensor([37, 22, 21, 22]))
@@ -245,43 +256,45 @@ def test_checked_mode_raises_at_the_op(monkeypatch):
 
 
 def test_required_request_ids_one_per_row():
-    plan = _build(SHARED_5)
+    pipe = _pipeline(_build(SHARED_5), torch.zeros(64, 8))
     with pytest.raises(CpSharedKvError, match="one id per row"):
-        remap_topk(plan, torch.tensor([[21, 22], [21, 22]]), torch.tensor([0]))
+        pipe.remap(torch.tensor([[21, 22], [21, 22]]), torch.tensor([0]))
 
 
-def test_prefetch_double_buffer_matches_direct_materialize():
+def test_layer_ahead_matches_synchronous_and_refuses_early_persist():
+    """Three layers: the layer-ahead pipeline (double buffers) gives every layer the dense view the
+    synchronous one (fused materialize_and_fill) gives; layers 0 and 2 share a buffer; owned rows are
+    refused before their layer's history was taken."""
     case = BatchCase(page_size=2, capacity=12, page_tables=((3, 7, 2), (3, 8)), prefix_lens=(5, 3), extend_lens=(1, 1))
     plan = _plan(case)
     pools = [make_pool_and_current(case, torch.bfloat16, 4, seed=10 + layer)[0] for layer in range(3)]
-    buffers = (new_dense_buffer(plan, (4,), torch.bfloat16), new_dense_buffer(plan, (4,), torch.bfloat16))
-    prefetcher = HistoryPrefetcher(plan, GROUP, buffers)
-    prefetcher.start(0, pools[0])
+    currents = [make_pool_and_current(case, torch.bfloat16, 4, seed=20 + layer)[1] for layer in range(3)]
+    ahead = _pipeline(plan, None, layer_ahead=True, pools=[p.clone() for p in pools])
+    sync = _pipeline(plan, None, pools=[p.clone() for p in pools])
+    with pytest.raises(CpSharedKvError, match="before the layer's history was taken"):
+        ahead.persist_owned("kv", 0, currents[0])
+    views = []
     for layer in range(3):
-        got = prefetcher.wait(layer)
-        if layer + 1 < 3:
-            prefetcher.start(layer + 1, pools[layer + 1])
-        expected = new_dense_buffer(plan, (4,), torch.bfloat16)
-        materialize_history(plan, pools[layer], expected, GROUP)
-        rows = plan.history_slots.to(torch.int64)
-        got_pages, exp_pages = got.view(-1, 2 * 4)[rows], expected.view(-1, 2 * 4)[rows]
-        assert rows_equal(got_pages, exp_pages), layer
-    with pytest.raises(CpSharedKvError, match="before its prefetch was started"):
-        prefetcher.wait(5)
+        got = ahead.dense_view("kv", layer, currents[layer])
+        want = sync.dense_view("kv", layer, currents[layer])
+        for r in range(2):
+            for p in range(case.prefix_lens[r] + case.extend_lens[r]):
+                loc = plan.dense_location(r, p)
+                assert same_bytes(got[loc], want[loc]), (layer, r, p)
+        ahead.persist_owned("kv", layer, currents[layer])
+        sync.persist_owned("kv", layer, currents[layer])
+        views.append(got.data_ptr())
+    assert views[0] == views[2] != views[1]
+    with pytest.raises(CpSharedKvError, match="layer 5 has no kv"):
+        ahead.dense_view("kv", 5)
 
 
-def test_buckets():
-    assert [bucket_pages_per_request(n) for n in (0, 1, 3, 4, 5, 4096, 4097, 9000)] == [
-        1,
-        1,
-        4,
-        4,
-        8,
-        4096,
-        8192,
-        12288,
-    ]
-    assert _plan(SHARED_5).pages_per_request == 2
+def test_dense_rounding_is_bounded():
+    for slots in range(1, 5000):
+        rounded = round_dense_slots(slots)
+        assert slots <= rounded <= slots * (1 + MAX_ROUNDING), slots
+    assert [round_dense_slots(n) for n in (0, 1, 63, 64, 65, 100, 4097)] == [1, 1, 63, 64, 66, 100, 4224]
+    assert _plan(SHARED_5).num_slots == 4  # 2 + 2 pages, nothing to round below 64 slots
 
 
 if __name__ == "__main__":

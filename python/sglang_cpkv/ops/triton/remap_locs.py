@@ -70,6 +70,7 @@ def remap_locs(
     locs: torch.Tensor,
     req_id: torch.Tensor,
     inverse: torch.Tensor,
+    num_requests: int,
     capacity: int,
     page_size: int,
     errors: torch.Tensor,
@@ -84,7 +85,7 @@ def remap_locs(
         locs: int32 or int64 ``[N]`` or ``[N, K]``; ``-1`` is padding.
         req_id: int32/int64 ``[N]`` request row of each row of ``locs`` (``-1``: padding row).
         inverse: int32 ``[R * C]``.
-        capacity: ``C``.
+        num_requests: ``R``. capacity: ``C``.
         page_size: tokens per page.
         errors: int32 counter (request ids outside ``[-1, R)``, pages ``>= C``).
         block_k: locations per tile along a row (power of two). 0 = auto:
@@ -109,8 +110,10 @@ def remap_locs(
         raise ValueError(
             f"inverse must be int32 [R * C] on {device}, got {inverse.dtype}{tuple(inverse.shape)} on {inverse.device}"
         )
-    if capacity <= 0 or inverse.numel() % capacity:
-        raise ValueError(f"capacity must be > 0 and divide inverse.numel() = {inverse.numel()}, got {capacity}")
+    if capacity <= 0 or inverse.numel() != num_requests * capacity:
+        raise ValueError(
+            f"inverse must hold num_requests * capacity = {num_requests} * {capacity} entries, got {inverse.numel()}"
+        )
     if page_size <= 0:
         raise ValueError(f"page_size must be > 0, got {page_size}")
     check_errors(errors, device)
@@ -133,7 +136,7 @@ def remap_locs(
         n_cols,
         loc2d.stride(0),
         capacity,
-        inverse.numel() // capacity,
+        num_requests,
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

@@ -1,0 +1,69 @@
+"""Start-up of ``--enable-cp-shared-kv`` in a model-parallel process: the history exchange's own
+communicator, and the ops' warm-up.
+
+Called from ``patches/core/create-cp-shared-kv-exchange-group.patch``: right after
+``initialize_model_parallel`` builds upstream's attention-CP ``GroupCoordinator``,
+:func:`on_attn_cp_group_created` (every rank, same point of start-up)
+
+* makes a ``torch.distributed`` process group of its own over the same ranks: the layer-ahead history
+  exchange runs on a side stream while the layer computes, and NCCL operations of one communicator must
+  not run concurrently from two streams, so its all-gathers never share upstream's communicators
+  (upstream's kv-shard prefetch has a group of its own for the same reason);
+* warms the CP shared-KV ops up on this rank's device (:func:`sglang_cpkv.ops.warm_up`: the CUDA
+  library is loaded and probed here, a synchronizing step that must never happen inside a forward).
+
+The group is a process-wide resource (one per process, shared by the target's and the draft's
+backends), not batch state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang_cpkv.ops.errors import CpSharedKvError
+from sglang_cpkv.runtime.group import TorchDistCpGroup
+
+_exchange_group: TorchDistCpGroup | None = None
+
+
+def create_exchange_group(ranks: list[int], backend: str) -> TorchDistCpGroup:
+    """A process group over ``ranks`` (this rank's attention-CP group) for the history exchange.
+
+    Only the members call it (``use_local_synchronization``), each at the same point of its start-up,
+    so no other rank has to take part; every member of every CP group makes its own.
+    """
+    global _exchange_group
+    import torch.distributed as dist
+
+    if _exchange_group is not None:
+        raise CpSharedKvError("the CP shared-KV exchange group was already created in this process")
+    group = dist.new_group(ranks=sorted(ranks), backend=backend, use_local_synchronization=True)
+    _exchange_group = TorchDistCpGroup(group)
+    return _exchange_group
+
+
+def exchange_group() -> TorchDistCpGroup:
+    """The group :func:`create_exchange_group` made at start-up."""
+    if _exchange_group is None:
+        raise CpSharedKvError(
+            "--enable-cp-shared-kv: no CP shared-KV exchange group in this process; it is made right after "
+            "upstream's attention-CP group (initialize_model_parallel hook of "
+            "patches/core/create-cp-shared-kv-exchange-group.patch)"
+        )
+    return _exchange_group
+
+
+def on_attn_cp_group_created(attn_cp_group: Any) -> None:
+    """Mode on and ``attn_cp_size > 1``: make the exchange group and warm the ops up (see the module docstring)."""
+    from sglang_cpkv.hooks.dsa_extend import enabled
+
+    if not enabled() or attn_cp_group.world_size <= 1:
+        return
+    import torch
+    import torch.distributed as dist
+
+    from sglang_cpkv import ops
+
+    create_exchange_group(list(attn_cp_group.ranks), dist.get_backend(attn_cp_group.device_group))
+    if torch.cuda.is_available():
+        ops.warm_up(torch.device("cuda", torch.cuda.current_device()))

@@ -1,0 +1,397 @@
+"""The per-layer CP shared-KV pipeline: the one place the mode's layer sequence is written.
+
+Per batch a :class:`LayerPipeline` is begun from the batch's :class:`~.plan.CpSharedKvPlan`; then, for
+each layer and each kind of paged KV the layer has (:class:`PagedKind`: the latent KV, the DSA
+index-K pages), in this order:
+
+1. **history** (:meth:`LayerPipeline.dense_pages`): every request's history pages into its own dense
+   slots. At ``cp_size = 1`` one ``ops.copy_pages`` from the pool; under CP each rank's pool holds only
+   the pages it owns (:mod:`.ownership`), so each rank packs its owned history pages, the group
+   all-gathers them and every rank unpacks the pages of all history slots. With ``layer_ahead`` the
+   history of the kind's next layer is materialized into the other of two buffers on a side CUDA
+   stream while this layer computes (on CPU it runs when started); without it, synchronously.
+2. **current** (:meth:`LayerPipeline.dense_view` with ``current_rows``, or :meth:`current_write_locs`
+   for a caller that writes the rows itself): the all-gathered current rows into each request's own
+   dense slots (CURRENT_REUSE: a history ending mid-page is continued in that slot). Synchronous
+   history and current rows run as one ``ops.materialize_and_fill``.
+3. **remap** (:meth:`LayerPipeline.remap`): top-k pool locations of a request -> dense locations,
+   through the per-request inverse (one request id per row).
+4. **persist** (:meth:`LayerPipeline.persist_owned`, or :meth:`owned_write_locs` for a caller that
+   writes with its own writer): the current rows of owned pages into this rank's pool - only after
+   step 1 of the same layer and kind, so a page id one request reads as history and another writes as
+   current (allocators that reuse page ids, contract "Which states matter") never changes history.
+   :meth:`owned_write_locs` refuses to hand out locations before the history was taken.
+
+:meth:`LayerPipeline.gather_current` all-gathers a rank's local current rows back to token order (what
+upstream's interleave gather does in serving).
+
+Ordering with ``layer_ahead`` on a GPU: a buffer is reused two layers of its kind later; the side
+stream waits for the current stream before it writes one, so it runs after every consumer enqueued
+before the prefetch started (the consumers of the layer that used the buffer before). Every rank
+must take the same kinds' layers in the same order: under CP each history is a collective.
+
+Shapes: a pool is ``[C * page_size, row...]`` viewed as pages ``[C, page_elems]``; a dense buffer is
+``[num_slots, page_elems]`` (:attr:`~.plan.CpSharedKvPlan.num_slots`), viewed as rows
+``[num_slots * page_size, row...]`` by :meth:`dense_view`. Copies are byte-exact (bf16 rows, the
+656-byte packed FP8 rows as ``uint8``, index-K pages alike).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sglang_cpkv import ops
+from sglang_cpkv.ops.errors import CpSharedKvError
+from sglang_cpkv.runtime import checked as checked_mode
+from sglang_cpkv.runtime.group import CpGroup
+from sglang_cpkv.runtime.plan import CpSharedKvPlan
+
+
+def as_pages(rows: torch.Tensor, page_size: int, what: str) -> torch.Tensor:
+    """``[pages * page_size, row...]`` -> ``[pages, page_size * row_elems]`` (a view)."""
+    if rows.shape[0] % page_size:
+        raise CpSharedKvError(f"{what} has {rows.shape[0]} rows, not a multiple of page_size={page_size}")
+    if not rows.is_contiguous():
+        raise CpSharedKvError(f"{what} must be contiguous to be viewed as pages")
+    return rows.view(rows.shape[0] // page_size, -1)
+
+
+@dataclass(frozen=True)
+class PagedKind:
+    """One kind of paged KV the mode materializes per layer.
+
+    Attributes:
+        name: how errors and callers name it (``"latent"``, ``"index_k"``, ...).
+        layers: the layers that have this kind, in forward order (an IndexShare layer that reuses
+            another layer's top-k has no index-K pool and is not listed for index K).
+        pool_pages: layer -> this rank's pool of that layer as pages ``[C, page_elems]``.
+        buffers: dense page buffers ``[>= num_slots, page_elems]``: two with layer-ahead, else one.
+        row_shape, row_dtype: a token row (``page_elems = page_size * prod(row_shape)``) when the page
+            is ``page_size`` rows of one token each (latent KV); ``None`` when the page has its own
+            layout (index-K pages: keys then scales) and only whole pages are copied - the caller then
+            writes current tokens with its own writer at :meth:`LayerPipeline.current_write_locs`.
+    """
+
+    name: str
+    layers: tuple[int, ...]
+    pool_pages: Callable[[int], torch.Tensor]
+    buffers: tuple[torch.Tensor, ...]
+    row_shape: tuple[int, ...] | None = None
+    row_dtype: torch.dtype | None = None
+
+
+def rows_kind(
+    name: str,
+    pools: Sequence[torch.Tensor],
+    plan: CpSharedKvPlan,
+    *,
+    layer_ahead: bool,
+    fill_byte: int | None = None,
+) -> PagedKind:
+    """A token-row kind over per-layer pools ``pools[l] = [C * page_size, row...]`` (layers ``0..L-1``),
+    with fresh dense buffers sized for ``plan`` (bytes set to ``fill_byte`` when given, so unwritten
+    rows are recognizable in tests)."""
+    if not pools:
+        raise CpSharedKvError(f"{name}: no pools")
+    first = pools[0]
+    pages = [as_pages(pool, plan.page_size, f"{name} pool of layer {layer}") for layer, pool in enumerate(pools)]
+    buffers = []
+    for _ in range(2 if layer_ahead else 1):
+        buffer = torch.empty((plan.num_slots, pages[0].shape[1]), dtype=first.dtype, device=first.device)
+        if fill_byte is not None:
+            buffer.view(torch.uint8).fill_(fill_byte)
+        buffers.append(buffer)
+    return PagedKind(
+        name=name,
+        layers=tuple(range(len(pools))),
+        pool_pages=pages.__getitem__,
+        buffers=tuple(buffers),
+        row_shape=tuple(first.shape[1:]),
+        row_dtype=first.dtype,
+    )
+
+
+class _KindState:
+    """Per kind: which layers' histories are started, taken, and the events that order them."""
+
+    def __init__(self, kind: PagedKind, plan: CpSharedKvPlan, layer_ahead: bool) -> None:
+        need = 2 if layer_ahead else 1
+        if len(kind.buffers) < need:
+            raise CpSharedKvError(
+                f"{kind.name}: {'layer-ahead' if layer_ahead else 'synchronous'} history needs {need} dense buffers"
+            )
+        shapes = {(tuple(b.shape[1:]), b.dtype, b.device) for b in kind.buffers[:need]}
+        if len(shapes) != 1:
+            raise CpSharedKvError(f"{kind.name}: dense buffers of different page shapes, dtypes or devices")
+        if need == 2 and kind.buffers[0].data_ptr() == kind.buffers[1].data_ptr():
+            raise CpSharedKvError(f"{kind.name}: the two layer-ahead buffers are one tensor")
+        short = [b.shape[0] for b in kind.buffers[:need] if b.shape[0] < plan.num_slots]
+        if short:
+            raise CpSharedKvError(
+                f"{kind.name}: dense buffer of {short[0]} pages, the batch needs {plan.num_slots} dense slots"
+            )
+        self.kind = kind
+        self.buffers = tuple(b[: plan.num_slots] for b in kind.buffers[:need])
+        self.position = {layer: i for i, layer in enumerate(kind.layers)}
+        if len(self.position) != len(kind.layers):
+            raise CpSharedKvError(f"{kind.name}: a layer is listed twice in {kind.layers}")
+        self.started: dict[int, torch.cuda.Event | None] = {}
+        self.taken: set[int] = set()
+        self.send: torch.Tensor | None = None  # exchange buffers, one pair per batch (stream-ordered reuse)
+        self.gathered: torch.Tensor | None = None
+
+    def buffer(self, layer: int) -> torch.Tensor:
+        return self.buffers[self.position[layer] % len(self.buffers)]
+
+    def next_layer(self, layer: int) -> int | None:
+        i = self.position[layer] + 1
+        return self.kind.layers[i] if i < len(self.kind.layers) else None
+
+
+class LayerPipeline:
+    """One batch's per-layer CP shared-KV work (the module docstring's sequence).
+
+    Args:
+        plan: the batch plan (the same for every layer).
+        group: the CP group of the history exchange (``cp_size`` and rank must match the plan).
+        kinds: the kinds of paged KV the batch's layers materialize.
+        layer_ahead: materialize each kind's next layer while this one computes (two buffers per kind).
+        stream: the side CUDA stream for layer-ahead work (default: a new one on a GPU). Pipelines whose
+            collectives share one communicator must share one stream, so that their all-gathers run in
+            the order they were started on every rank.
+    """
+
+    def __init__(
+        self,
+        plan: CpSharedKvPlan,
+        group: CpGroup,
+        kinds: Sequence[PagedKind],
+        *,
+        layer_ahead: bool,
+        stream: torch.cuda.Stream | None = None,
+    ) -> None:
+        if group.cp_size != plan.cp_size or group.cp_rank != plan.cp_rank:
+            raise CpSharedKvError(
+                f"group (cp_size {group.cp_size}, rank {group.cp_rank}) does not match the plan "
+                f"(cp_size {plan.cp_size}, rank {plan.cp_rank})"
+            )
+        self.plan = plan
+        self.group = group
+        self.layer_ahead = layer_ahead
+        self._kinds: dict[str, _KindState] = {}
+        for kind in kinds:
+            if kind.name in self._kinds:
+                raise CpSharedKvError(f"two kinds named {kind.name!r}")
+            self._kinds[kind.name] = _KindState(kind, plan, layer_ahead)
+        on_cuda = any(state.buffers[0].is_cuda for state in self._kinds.values())
+        if layer_ahead and on_cuda:
+            device = next(iter(self._kinds.values())).buffers[0].device
+            self._stream = stream if stream is not None else torch.cuda.Stream(device=device)
+        else:
+            self._stream = None
+
+    # -- step 1: history ------------------------------------------------------------------------------
+
+    def _state(self, kind: str, layer: int) -> _KindState:
+        state = self._kinds.get(kind)
+        if state is None:
+            raise CpSharedKvError(f"no kind {kind!r} in this batch's pipeline (kinds: {sorted(self._kinds)})")
+        if layer not in state.position:
+            raise CpSharedKvError(f"layer {layer} has no {kind} (its layers: {state.kind.layers})")
+        return state
+
+    def _materialize(self, state: _KindState, layer: int, dense: torch.Tensor) -> None:
+        """History pages of ``layer`` into ``dense`` (a collective under CP when the batch has history)."""
+        plan = self.plan
+        pool = state.kind.pool_pages(layer)
+        self._check_pool(state, pool, layer)
+        if plan.cp_size == 1:
+            ops.copy_pages(pool, plan.history_pages, dense, plan.history_slots, plan.errors)
+        elif plan.exchange_pages_per_rank:
+            gathered = self._exchange(state, pool)
+            ops.copy_pages(gathered, plan.exchange_recv_rows, dense, plan.history_slots, plan.errors)
+        if plan.checked:
+            checked_mode.check_errors(plan, f"{state.kind.name} history of layer {layer}")
+
+    def _exchange(self, state: _KindState, pool: torch.Tensor) -> torch.Tensor:
+        """This rank's owned history pages, all-gathered rank-major: ``[cp_size * M, page_elems]``."""
+        plan = self.plan
+        if state.send is None:
+            pages = plan.exchange_pages_per_rank
+            state.send = pool.new_empty((pages, pool.shape[1]))
+            state.gathered = pool.new_empty((plan.cp_size * pages, pool.shape[1]))
+        dst = torch.arange(plan.exchange_pages_per_rank, dtype=torch.int32, device=pool.device)
+        ops.copy_pages(pool, plan.exchange_send_pages, state.send, dst, plan.errors)
+        return self.group.all_gather_rows(state.send, out=state.gathered)
+
+    def _start(self, state: _KindState, layer: int) -> None:
+        dense = state.buffer(layer)
+        if self._stream is None:
+            self._materialize(state, layer, dense)
+            state.started[layer] = None
+            return
+        # The side stream must not overwrite the buffer before earlier reads on the current stream.
+        self._stream.wait_stream(torch.cuda.current_stream(dense.device))
+        with torch.cuda.stream(self._stream):
+            self._materialize(state, layer, dense)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        dense.record_stream(self._stream)
+        state.started[layer] = event
+
+    def dense_pages(self, kind: str, layer: int) -> torch.Tensor:
+        """The dense pages ``[num_slots, page_elems]`` of ``kind`` holding ``layer``'s history.
+
+        The first call for a layer takes its history (layer-ahead: waits for the prefetch, starting it
+        when it is the kind's first layer of the batch, then starts the kind's next layer; otherwise
+        materializes it now); later calls return the same buffer. A collective under CP.
+        """
+        state = self._state(kind, layer)
+        if layer not in state.taken:
+            if not self.layer_ahead:
+                self._materialize(state, layer, state.buffer(layer))
+            else:
+                if layer not in state.started:
+                    self._start(state, layer)
+                event = state.started.pop(layer)
+                if event is not None:
+                    torch.cuda.current_stream(state.buffer(layer).device).wait_event(event)
+                following = state.next_layer(layer)
+                if following is not None:
+                    self._start(state, following)
+            state.taken = {layer}  # the buffer of an earlier layer is being reused
+        return state.buffer(layer)
+
+    # -- step 2: current rows --------------------------------------------------------------------------
+
+    def dense_view(self, kind: str, layer: int, current_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``kind``'s dense view of ``layer`` as token rows ``[num_slots * page_size, row...]``: history,
+        then (when given) the all-gathered current rows ``[N, row...]`` (token order, pool row format).
+
+        Synchronous history and current rows run as one ``ops.materialize_and_fill``.
+        """
+        state = self._state(kind, layer)
+        if state.kind.row_shape is None:
+            raise CpSharedKvError(f"{kind} pages are not token rows; write current tokens at current_write_locs()")
+        fuse = current_rows is not None and not self.layer_ahead and layer not in state.taken
+        if fuse:
+            dense = state.buffer(layer)
+            self._check_current(state, current_rows)
+            self._materialize_and_fill(state, layer, dense, current_rows)
+            state.taken = {layer}
+        else:
+            dense = self.dense_pages(kind, layer)
+            if current_rows is not None:
+                self._check_current(state, current_rows)
+                ops.scatter_rows(
+                    current_rows.flatten(1), self.plan.current_dense_locs, self._rows(dense), self.plan.errors
+                )
+                if self.plan.checked:
+                    checked_mode.check_errors(self.plan, f"{kind} current rows of layer {layer}")
+        return self._rows(dense).view(-1, *state.kind.row_shape)
+
+    def _materialize_and_fill(self, state: _KindState, layer: int, dense: torch.Tensor, rows: torch.Tensor) -> None:
+        plan = self.plan
+        pool = state.kind.pool_pages(layer)
+        self._check_pool(state, pool, layer)
+        if plan.cp_size > 1 and plan.exchange_pages_per_rank:
+            src, src_page = self._exchange(state, pool), plan.exchange_recv_rows
+        else:  # cp = 1, or no history anywhere in the batch (no slot to copy)
+            src, src_page = pool, plan.history_pages
+        ops.materialize_and_fill(
+            src, src_page, dense, plan.history_slots, rows.flatten(1), plan.current_dense_locs, plan.errors
+        )
+        if plan.checked:
+            checked_mode.check_errors(plan, f"{state.kind.name} history and current rows of layer {layer}")
+
+    def current_write_locs(self, kind: str, layer: int) -> torch.Tensor:
+        """Dense locations ``[N]`` (int64, token order) where a caller writes ``layer``'s current tokens
+        into :meth:`dense_pages` with its own writer (kinds whose pages are not token rows)."""
+        self._require_history(kind, layer, "current tokens")
+        return self.plan.current_dense_locs
+
+    # -- step 3: remap ---------------------------------------------------------------------------------
+
+    def remap(self, locs: torch.Tensor, req_id: torch.Tensor) -> torch.Tensor:
+        """Dense locations of top-k pool locations ``[rows, K]`` (or ``[rows]``); ``req_id`` int64 ``[rows]``
+        is each row's request (``plan.local_req_id`` for this rank's query rows; -1 padding rows).
+        Returns int32 of the shape of ``locs`` (-1: padding, or a page not in the row's request)."""
+        plan = self.plan
+        if req_id.shape != locs.shape[:1]:
+            raise CpSharedKvError(
+                f"remap: req_id {tuple(req_id.shape)} must have one id per row of locs {tuple(locs.shape)}"
+            )
+        dense_locs = ops.remap_locs(
+            locs, req_id, plan.inverse, plan.num_requests, plan.capacity, plan.page_size, plan.errors
+        )
+        if plan.checked:
+            checked_mode.check_remapped(plan, dense_locs, req_id, "remap")
+        return dense_locs
+
+    # -- step 4: persist -------------------------------------------------------------------------------
+
+    def owned_write_locs(self, kind: str, layer: int) -> torch.Tensor:
+        """Pool locations ``[N]`` (token order; -1 where this rank does not own the page) for a caller that
+        persists ``layer``'s current rows with its own writer. Only after the layer's history was taken."""
+        self._require_history(kind, layer, "owned rows")
+        return self.plan.owned_cache_write_locs
+
+    def persist_owned(self, kind: str, layer: int, current_rows: torch.Tensor) -> None:
+        """The current rows ``[N, row...]`` of pages this rank owns into its pool of ``layer``."""
+        state = self._state(kind, layer)
+        self._check_current(state, current_rows)
+        locs = self.owned_write_locs(kind, layer)
+        pool = state.kind.pool_pages(layer)
+        ops.scatter_rows(current_rows.flatten(1), locs, self._rows(pool), self.plan.errors)
+        if self.plan.checked:
+            checked_mode.check_errors(self.plan, f"{kind} owned rows of layer {layer}")
+
+    # -- the current chunk across CP ranks -------------------------------------------------------------
+
+    def gather_current(self, local_rows: torch.Tensor) -> torch.Tensor:
+        """All-gather this rank's local current rows ``[physical_rows, row...]`` to token order ``[N, row...]``.
+
+        A collective when the batch is split (every rank calls it); un-split, the local rows are the batch.
+        """
+        split = self.plan.split
+        if local_rows.shape[0] != split.physical_rows:
+            raise CpSharedKvError(
+                f"local current rows: {local_rows.shape[0]}, the CP split gives this rank {split.physical_rows}"
+            )
+        if split.strategy == "none":
+            return local_rows[: self.plan.num_tokens]
+        return split.unshard(self.group.all_gather_rows(local_rows), self.plan.current_gather_index)
+
+    # -- checks ------------------------------------------------------------------------------------------
+
+    def _require_history(self, kind: str, layer: int, what: str) -> None:
+        state = self._state(kind, layer)
+        if layer not in state.taken:
+            raise CpSharedKvError(
+                f"layer {layer}: {kind} {what} asked for before the layer's history was taken "
+                "(the dense view is built from the pool before this rank writes to it)"
+            )
+
+    def _rows(self, pages: torch.Tensor) -> torch.Tensor:
+        return pages.view(pages.shape[0] * self.plan.page_size, -1)
+
+    def _check_pool(self, state: _KindState, pool: torch.Tensor, layer: int) -> None:
+        if pool.shape[0] != self.plan.capacity or tuple(pool.shape[1:]) != tuple(state.buffers[0].shape[1:]):
+            raise CpSharedKvError(
+                f"{state.kind.name} pool of layer {layer} is {tuple(pool.shape)} pages, expected "
+                f"[capacity={self.plan.capacity}, {state.buffers[0].shape[1]}] like the dense buffers"
+            )
+
+    def _check_current(self, state: _KindState, rows: torch.Tensor) -> None:
+        if rows.shape[0] != self.plan.num_tokens:
+            raise CpSharedKvError(
+                f"{state.kind.name}: {rows.shape[0]} current rows, the batch has {self.plan.num_tokens}"
+            )
+        if tuple(rows.shape[1:]) != state.kind.row_shape or rows.dtype != state.kind.row_dtype:
+            raise CpSharedKvError(
+                f"{state.kind.name}: current rows {tuple(rows.shape[1:])} {rows.dtype}, the pool's rows are "
+                f"{state.kind.row_shape} {state.kind.row_dtype}"
+            )
