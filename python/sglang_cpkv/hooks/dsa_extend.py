@@ -15,8 +15,11 @@ inputs:
 * :func:`extend_dense_kv` - ``forward_extend`` before the cache write: the layer's dense latent view
   (history from the owners, then the current rows in the pool's row format, made by upstream's own
   writer); :func:`cache_write_locs` - the cache write: this rank's owned rows only.
-* :func:`store_index_k` / :func:`index_k_and_scale` - the indexer's index-K store and read: the dense
-  index-K pages (history, then current keys with upstream's store), owned rows persisted.
+* :func:`index_k_write_targets` (upstream's fused index-K stores), :func:`store_index_k` (its fallback) and
+  :func:`index_k_and_scale` (the read) - the indexer's index K: the dense index-K pages (history, then the
+  current keys stored by upstream's own kernels), owned rows persisted.
+* :func:`page_table_capacity` / :func:`current_chunk_locations` - the metadata's capacity check and the
+  no-prefix RAGGED chunk table follow the dense layout.
 * :func:`mtp_seed_pool_locations` - ``prepare_mtp_seed_indices``: a fused top-k seed addresses the
   dense view; the draft decode needs pool locations.
 
@@ -61,22 +64,18 @@ STATE_ATTR = "cp_shared_kv"
 LAYER_AHEAD_ENV = "SGLANG_CPKV_LAYER_AHEAD"
 LATENT, INDEX_K = "latent", "index_k"
 
-_ENABLED: bool | None = None  # the server's --enable-cp-shared-kv, read once it is published
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def enabled() -> bool:
-    """Whether this server runs with ``--enable-cp-shared-kv`` (read once the server args are published)."""
-    global _ENABLED
-    if _ENABLED is None:
-        from sglang.srt.runtime_context import get_server_args
+    """Whether this server runs with ``--enable-cp-shared-kv`` (its published args; off until they are published)."""
+    from sglang.srt.runtime_context import get_server_args
 
-        try:
-            server_args = get_server_args()
-        except ValueError:  # not published in this process (yet): the mode is off, ask again later
-            return False
-        _ENABLED = bool(getattr(server_args, "enable_cp_shared_kv", False))
-    return _ENABLED
+    try:
+        server_args = get_server_args()
+    except ValueError:  # not published in this process (yet)
+        return False
+    return bool(getattr(server_args, "enable_cp_shared_kv", False))
 
 
 def layer_ahead() -> bool:
@@ -350,44 +349,52 @@ def index_k_pages_as_rows(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
     return buffer.view(buffer.shape[0] * page_size, buffer.shape[1] // page_size)
 
 
+def _index_k_targets(batch: ExtendBatch, pool: Any, layer_id: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """``(buffer, locations)`` the layer's current keys go to: its dense index-K pages at the dense locations
+    (after the layer's history was taken), then this rank's pool at the owned locations."""
+    dense_pages = batch.pipeline.dense_pages(INDEX_K, layer_id)
+    dense_locs = batch.pipeline.current_write_locs(INDEX_K, layer_id)
+    batch.pipeline.owned_write_locs(INDEX_K, layer_id)  # the history was taken: persisting is safe now
+    batch.index_k_stored_layer = layer_id
+    return (dense_pages, dense_locs), (pool.get_index_k_with_scale_buffer(layer_id), batch.pool_write_locs)
+
+
+def index_k_write_targets(pool: Any, forward_batch: Any, layer_id: int, loc: torch.Tensor, upstream_targets: Any):
+    """The ``(buffer, locations, rows)`` targets of upstream's fused index-K stores (``fused_store_index_k_cache``
+    and the fused-indexer ``fused_k_indexer_norm_rope_store``): upstream's own ``_index_k_write_targets`` when the
+    mode is off, else the dense index-K pages and the owned pool rows (:func:`_index_k_targets`)."""
+    batch = _indexer_batch(forward_batch)
+    if batch is None:
+        return upstream_targets(pool, layer_id, loc)
+    check_cache_write_rows(batch.plan, loc.shape[0], f"layer {layer_id} index-K store")
+    return tuple((buffer, locs, None) for buffer, locs in _index_k_targets(batch, pool, layer_id))
+
+
 def store_index_k(
     pool: Any, forward_batch: Any, layer_id: int, key: torch.Tensor, act_quant: Any, block_size: int, scale_fmt: Any
 ) -> bool:
-    """Index-K store in the mode: dense pages (history, then the current keys), then owned rows to the pool.
+    """The index-K store where upstream's fused store does not apply (CPU, other devices): ``act_quant`` +
+    ``SetKAndS``, upstream's fallback, into the dense index-K pages and the owned pool rows.
 
-    Uses the store upstream's ``_store_index_k_cache`` would: the fused CUDA store when it applies,
-    else ``act_quant`` + ``SetKAndS`` (its fallback, which also runs on CPU).
-    Returns False (nothing done) when the mode is off, so the indexer runs upstream's store.
+    Returns False (nothing done) when the mode is off, or when the fused store applies: upstream then runs it
+    with :func:`index_k_write_targets`.
     """
     batch = _indexer_batch(forward_batch)
     if batch is None:
         return False
     from sglang.kernels.ops.kvcache import dsa_index_k_cache
-    from sglang.kernels.ops.kvcache.dsa_fused_store_index_cache import (
-        can_use_dsa_fused_store,
-        fused_store_index_k_cache,
-    )
+    from sglang.kernels.ops.kvcache.dsa_fused_store_index_cache import can_use_dsa_fused_store
 
+    if key.is_cuda and can_use_dsa_fused_store(key.dtype, torch.int64, pool.index_page_size):
+        return False
     check_cache_write_rows(batch.plan, key.shape[0], f"layer {layer_id} index-K store")
-    page_size = pool.index_page_size
-    dense_pages = batch.pipeline.dense_pages(INDEX_K, layer_id)
-    dense_locs = batch.pipeline.current_write_locs(INDEX_K, layer_id)
-    batch.pipeline.owned_write_locs(INDEX_K, layer_id)  # the history was taken: persisting is safe now
-    owned_locs = batch.pool_write_locs
-    if key.is_cuda and can_use_dsa_fused_store(key.dtype, torch.int64, page_size):
-        fused_store_index_k_cache(key, dense_pages, dense_locs, page_size)
-        fused_store_index_k_cache(key, pool.get_index_k_with_scale_buffer(layer_id), owned_locs, page_size)
-    else:
-        if act_quant is None:
-            raise CpSharedKvError(
-                f"layer {layer_id}: no fused index-K store here and no act_quant to quantize the keys"
-            )
-        index_k, index_k_scale = act_quant(key, block_size, scale_fmt)
+    if act_quant is None:
+        raise CpSharedKvError(f"layer {layer_id}: no fused index-K store here and no act_quant to quantize the keys")
+    index_k, index_k_scale = act_quant(key, block_size, scale_fmt)
+    for buffer, locs in _index_k_targets(batch, pool, layer_id):
         dsa_index_k_cache.SetKAndS.execute(
-            pool=pool, buf=dense_pages, loc=dense_locs, index_k=index_k, index_k_scale=index_k_scale
+            pool=pool, buf=buffer, loc=locs, index_k=index_k, index_k_scale=index_k_scale
         )
-        pool.set_index_k_scale_buffer(layer_id=layer_id, loc=owned_locs, index_k=index_k, index_k_scale=index_k_scale)
-    batch.index_k_stored_layer = layer_id
     return True
 
 
@@ -418,6 +425,20 @@ def index_k_and_scale(
         seq_len_sum=seq_len_sum,
         max_seq_len=max_seq_len,
     )
+
+
+def page_table_capacity(backend: Any, forward_batch: Any, pool_capacity: int) -> int:
+    """The rows ``page_table_1_flattened`` indexes: the dense view's under the mode (its tables hold dense
+    locations), the pool's (``pool_capacity``) otherwise."""
+    batch = extend_batch(backend, forward_batch)
+    return pool_capacity if batch is None else batch.plan.dense_rows
+
+
+def current_chunk_locations(backend: Any, forward_batch: Any, out_cache_loc: torch.Tensor) -> torch.Tensor:
+    """Where the current chunk's tokens live for readers of the batch's tables: ``out_cache_loc`` (pool locations)
+    when off, their dense-view locations under the mode (the layout every other table of the batch uses)."""
+    batch = extend_batch(backend, forward_batch)
+    return out_cache_loc if batch is None else batch.plan.current_dense_locs
 
 
 def mtp_seed_pool_locations(backend: Any, seed: torch.Tensor, forward_mode: Any) -> torch.Tensor:

@@ -54,3 +54,15 @@ def install_torchvision_stub() -> None:
     if importlib.machinery.PathFinder.find_spec("torchvision") is not None:
         return
     sys.meta_path.insert(0, _TorchvisionStubFinder())
+
+
+def set_cp_shared_kv_flag(on: bool) -> None:
+    """Set ``--enable-cp-shared-kv`` on the server args published in this process (what the hooks read).
+
+    Tests of the hooks at cp = 1 need the flag where a real server would refuse it (start-up validation
+    asks for prefill CP), so it is written onto the published record directly, past its strict setter.
+    """
+    import msgspec
+    from sglang.srt.runtime_context import get_server_args
+
+    msgspec.Struct.__setattr__(get_server_args(), "enable_cp_shared_kv", on)

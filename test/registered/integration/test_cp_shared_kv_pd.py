@@ -43,15 +43,15 @@ def up():
 
 @pytest.fixture
 def mode():
-    from sglang_cpkv.hooks import dsa_extend
+    """Server args published with ``enable_cp_shared_kv`` as each test asks (what the hooks read)."""
+    from sglang.srt.runtime_context import get_context
 
-    saved = dsa_extend._ENABLED
+    from sglang_cpkv.testing.upstream_env import set_cp_shared_kv_flag
 
-    def set_mode(on):
-        dsa_extend._ENABLED = on
-
-    yield set_mode
-    dsa_extend._ENABLED = saved
+    override = get_context().override_server_args()
+    override.install()
+    yield set_cp_shared_kv_flag
+    override.restore()
 
 
 def _sends(up, rank):

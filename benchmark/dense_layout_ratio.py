@@ -1,0 +1,106 @@
+"""Dense view size vs the rows a batch needs, with the real ``build_plan`` (page size 64, cp 8).
+
+For each batch of a sweep of mixed shapes (the issue's four, then random mixes of long and short
+histories), the plan's dense rows (``num_slots * page_size``) are divided by the rows the batch needs
+(``sum over requests of ceil((prefix + extend) / page_size) * page_size``), and the bytes of the mode's four
+per-layer dense buffers (latent and index K, double-buffered) are reported for GLM-5.1-FP8 rows (656-byte
+latent, 132-byte index-K rows). The old layout (``R x P``, ``P`` the longest request's pages rounded to a
+power of two) is computed alongside from the same lengths.
+
+    python benchmark/dense_layout_ratio.py [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import torch
+
+from sglang_cpkv.runtime import build_plan
+
+PAGE = 64
+CP, RANK = 8, 3
+LATENT_ROW, INDEX_K_ROW = 656, 132  # GLM-5.1-FP8: packed FP8 latent, index K (128 fp8 + 4-byte scale) per token
+
+
+def old_layout_rows(prefix: list[int], extend: list[int]) -> int:
+    """``R * P * page_size`` with ``P`` the largest page count rounded up to a power of two (as before)."""
+    longest = max(-(-(p + e) // PAGE) for p, e in zip(prefix, extend))
+    return len(prefix) * (1 << (longest - 1).bit_length()) * PAGE
+
+
+def measure(name: str, prefix: list[int], extend: list[int]) -> dict:
+    pages = [-(-(p + e) // PAGE) for p, e in zip(prefix, extend)]
+    table = [list(range(1 + sum(pages[:r]), 1 + sum(pages[: r + 1]))) for r in range(len(pages))]
+    out_cache_loc = torch.tensor(
+        [table[r][pos // PAGE] * PAGE + pos % PAGE for r in range(len(pages)) for pos in range(prefix[r], prefix[r] + extend[r])]
+    )
+    split = sum(extend) >= CP
+    plan = build_plan(
+        table,
+        prefix,
+        extend,
+        out_cache_loc,
+        capacity=sum(pages) + 1,
+        page_size=PAGE,
+        cp_size=CP if split else 1,
+        cp_rank=RANK if split else 0,
+        strategy="interleave" if split else "none",
+    )
+    needed = sum(pages) * PAGE
+    buffers = 2 * plan.dense_rows * (LATENT_ROW + INDEX_K_ROW)
+    return {
+        "batch": name,
+        "requests": len(prefix),
+        "needed_rows": needed,
+        "dense_rows": plan.dense_rows,
+        "ratio": plan.dense_rows / needed,
+        "old_ratio": old_layout_rows(prefix, extend) / needed,
+        "buffer_gib": buffers / 2**30,
+        "old_buffer_gib": 2 * old_layout_rows(prefix, extend) * (LATENT_ROW + INDEX_K_ROW) / 2**30,
+    }
+
+
+def sweep(seed: int, count: int):
+    rng = random.Random(seed)
+    for i in range(count):
+        bs = rng.randint(1, 32)
+        prefix = [rng.choice([0, rng.randint(1, 4096), rng.randint(4096, 160 * 1024)]) for _ in range(bs)]
+        extend = [rng.randint(1, 8192) for _ in range(bs)]
+        yield f"random-{seed}-{i}", prefix, extend
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write every row here")
+    parser.add_argument("--random", type=int, default=200, help="random mixed batches")
+    args = parser.parse_args(argv)
+    named = [
+        ("8 x 64K distinct history + 2K", [64 * 1024] * 8, [2048] * 8),
+        ("1 x 160K history + 31 new", [160 * 1024] + [0] * 31, [512] * 32),
+        ("3 x 1K + 1 x 100K history, 512 each", [1024] * 3 + [100 * 1024], [512] * 4),
+        ("16 x 60K shared prompt + 1K", [60 * 1024] * 16, [1024] * 16),
+    ]
+    rows = [measure(*b) for b in named] + [measure(*b) for b in sweep(1, args.random)]
+    print(f"{'batch':40s} {'R':>3s} {'needed rows':>12s} {'dense/needed':>12s} {'old':>7s} {'GiB':>7s} {'old GiB':>8s}")
+    for row in rows[: len(named)]:
+        print(
+            f"{row['batch']:40s} {row['requests']:3d} {row['needed_rows']:12d} {row['ratio']:12.4f} "
+            f"{row['old_ratio']:7.2f} {row['buffer_gib']:7.3f} {row['old_buffer_gib']:8.3f}"
+        )
+    randoms = rows[len(named) :]
+    worst = max(randoms, key=lambda r: r["ratio"])
+    print(
+        f"{len(randoms)} random mixed batches (bs 1-32, histories 0-160K, extends 1-8K): worst dense/needed "
+        f"{worst['ratio']:.4f} (old layout's worst {max(r['old_ratio'] for r in randoms):.2f})"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

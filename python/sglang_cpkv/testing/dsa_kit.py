@@ -1,0 +1,533 @@
+"""Upstream's own DSA attention kit driving the patched backend, with the CP shared-KV mode off or on.
+
+The objects are upstream's (the wheel's ``sglang/test/kits/attention_unittest/attention_methods/
+dsa_attention.py``): ``TinyDSAModelConfig``, ``DSAMockModelRunner`` (its ``ReqToTokenPool`` and
+``DSATokenToKVPool``), the ``DeepseekSparseAttnBackend`` that ``ATTENTION_BACKENDS["dsa"]`` builds from
+that runner, the kit's projected sparse attention (``ProjectedDSASparseAttention``: its
+``RadixAttention`` calls the backend's ``forward_extend``), its forward-batch builder (with our page
+layout as its ``loc_fn``) and its pool writer. What differs from the kit's own cases:
+
+* **the layout** is a :class:`~sglang_cpkv.testing.batches.BatchCase`: explicit page tables, so requests
+  share prefix pages (radix hits), a history ends mid-page, pages collide; the KV of a pool location is a
+  function of the location alone, so shared pages hold one request-independent history;
+* **layers**: a pool of several layers, some of them IndexShare layers (``skip_topk_layers``: a 0-row
+  index-K pool, as upstream's KV-cache configurator gives a layer that reuses another's top-k);
+* **CP**: on rank ``r`` of ``cp`` the query rows are upstream's interleave split (``attn_cp_metadata``
+  from upstream's own strategy and padding), the current KV handed to ``forward_extend`` is the
+  all-gathered chunk; with the mode on the rank's pool holds only the pages it owns;
+* **top-k**: the indexer's fused transform is applied to request-local positions exactly as upstream's
+  top-k kernel does (PAGED: ``page_table_1[row's request, position]``; RAGGED: ``position +
+  topk_indices_offset[row]``), so the mode's remapped tables decide what the attention kernel reads;
+* **the kernel** (``flashmla_sparse``, ``flashmla_kv``, ``triton_sparse_mla``): the tensors handed to it are
+  captured; on a GPU ``triton_sparse_mla`` also runs for real. On CPU the RAGGED route's dequantization is
+  replaced by a gather of the raw rows it would read (the kernel-side comparison is then the same rows).
+
+Every captured kernel call is reduced to what it reads (:class:`KernelReads`): for each query row the bytes
+of every KV row it addresses, in top-k order, so a mode-on run (dense view, dense locations) and a mode-off
+run (pool, pool locations) compare byte for byte.
+
+Only tests use this module (it imports upstream lazily and patches ``torch.cuda.get_device_capability``
+only on a CPU-only machine, to build the backend as on Hopper).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from sglang_cpkv.runtime import page_owner
+from sglang_cpkv.testing.batches import POISON_BYTE, BatchCase
+from sglang_cpkv.testing.upstream_env import set_cp_shared_kv_flag
+
+PAGE = 64
+HEADS = 4
+NOPE, ROPE = 512, 64
+INDEX_HEAD_DIM = 128
+TOPK = 128  # top-k width of the kit's sparse cases
+KERNELS = ("_forward_flashmla_sparse", "_forward_flashmla_kv", "_forward_triton_sparse_mla")
+# A DSA model config for server-args resolution under CP (DeepSeek-V3.2 shape; never loaded).
+DSA_CONFIG = {
+    "architectures": ["DeepseekV32ForCausalLM"],
+    "model_type": "deepseek_v32",
+    "index_topk": 2048,
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+    "hidden_size": 7168,
+    "num_attention_heads": 128,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+    "max_position_embeddings": 163840,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "torch_dtype": "bfloat16",
+    "rope_theta": 10000,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+}
+
+
+def kit_capacity(num_requests: int, longest: int) -> int:
+    """Page ids of the pool ``DSAMockModelRunner`` makes for ``num_requests`` requests of up to ``longest``
+    tokens (:class:`KitWorld`'s ``max_requests`` and ``longest``; page 0 is reserved, so a case's pages are
+    drawn from ``[1, capacity)``)."""
+    max_context = -(-longest // PAGE) * PAGE
+    return 3 + num_requests * max_context // PAGE
+
+
+@dataclass(frozen=True)
+class KitRoute:
+    """Where a server's extend batch goes: pool format, prefill backend, top-k fusion, layers."""
+
+    prefill_backend: str = "flashmla_sparse"  # flashmla_sparse | flashmla_kv | triton_sparse_mla
+    fp8: bool = False  # the 656-byte packed FP8 pool (else bf16 576-element rows)
+    fused_topk: bool = True
+    skip_topk_layers: tuple[bool, ...] = (False,)  # one per layer; True: an IndexShare layer
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.skip_topk_layers)
+
+
+@dataclass
+class KernelReads:
+    """One attention-kernel call reduced to what it reads."""
+
+    kernel: str
+    q: torch.Tensor  # [rows, heads, dim], the query rows it was handed
+    rows: torch.Tensor  # uint8 [rows, K, row_bytes]: the KV bytes each query row addresses (zeros for -1)
+    valid: torch.Tensor  # bool [rows, K]
+    output: torch.Tensor | None  # the kernel's output where it ran (GPU triton_sparse_mla), else None
+
+
+def _upstream():
+    if not torch.cuda.is_available():
+        torch.cuda.get_device_capability = lambda *a, **k: (9, 0)  # build the backend as on Hopper
+        # The top-k v2 plan is a CUDA JIT kernel of the top-k step, which these runs replace by its transform.
+        os.environ.setdefault("SGLANG_OPT_USE_TOPK_V2", "0")
+    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+
+    install_torchvision_stub()
+    import sglang.srt.layers.attention.dsa_backend as dsa_backend_module
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.layers.attention.dsa.dsa_indexer import Indexer
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.test.kits.attention_unittest.attention_methods import dense_attention as dense_kit
+    from sglang.test.kits.attention_unittest.attention_methods import dsa_attention as kit
+
+    return dict(
+        kit=kit,
+        dense_kit=dense_kit,
+        backends=ATTENTION_BACKENDS,
+        pool_cls=DSATokenToKVPool,
+        extend=ForwardMode.EXTEND,
+        context=lambda backend: forward_context(ForwardContext(attn_backend=backend)),
+        dsa_backend_module=dsa_backend_module,
+        indexer_cls=Indexer,
+    )
+
+
+def _values(loc: torch.Tensor, salt: int, width: int, capacity: int, device) -> torch.Tensor:
+    """bf16 rows that are a function of (pool location, salt) only: one history per pool location, whoever
+    reads it, and the same rows for a request at bs = 1 as in a batch."""
+    gen = torch.Generator().manual_seed(salt)
+    table = torch.randn(capacity * PAGE, width, generator=gen)
+    return table[loc.cpu()].to(torch.bfloat16).to(device)
+
+
+class _Capture:
+    """Replaces the backend's kernels (and, on CPU, the RAGGED dequantization) with recorders."""
+
+    def __init__(self, up: dict, backend: Any, run_triton: bool) -> None:
+        self.calls: list[KernelReads] = []
+        self._up, self._backend = up, backend
+        self._saved_dequant = up["dsa_backend_module"].dequantize_k_cache_paged_dsa
+        for name in KERNELS:
+            setattr(backend, name, self._kernel(name, getattr(backend, name), run_triton and "triton" in name))
+        if not torch.cuda.is_available():
+            up["dsa_backend_module"].dequantize_k_cache_paged_dsa = _gather_rows
+        if importlib.util.find_spec("flash_mla") is None:
+            # flashmla_kv's scheduling metadata comes from the flash_mla library, absent here with its kernel.
+            backend._compute_flashmla_metadata = lambda cache_seqlens, seq_len_q: SimpleNamespace(
+                flashmla_metadata=None, num_splits=None
+            )
+
+    def restore(self) -> None:
+        self._up["dsa_backend_module"].dequantize_k_cache_paged_dsa = self._saved_dequant
+        for name in (*KERNELS, "_compute_flashmla_metadata"):
+            self._backend.__dict__.pop(name, None)
+
+    def _kernel(self, name: str, real: Callable, run: bool) -> Callable:
+        def record(*args, **kwargs):
+            q, kv, indices = kwargs["q_all"], kwargs["kv_cache"], kwargs["page_table_1"]
+            output = real(*args, **kwargs) if run else None
+            self.calls.append(_reads(name, q, kv, indices, output))
+            if output is not None:
+                return output
+            return q.new_zeros(q.shape[0], q.shape[1], NOPE)
+
+        return record
+
+
+def _gather_rows(quant_k_cache: torch.Tensor, page_table_1_flattened: torch.Tensor, group_size: int = 128):
+    """CPU stand-in for upstream's ``dequantize_k_cache_paged_dsa``: the raw rows it would dequantize, in order."""
+    rows = quant_k_cache.reshape(quant_k_cache.shape[0] * quant_k_cache.shape[1], -1)
+    return rows[page_table_1_flattened.to(torch.int64)].unsqueeze(1)
+
+
+def _reads(name: str, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, output) -> KernelReads:
+    rows = kv.reshape(-1, kv.shape[-1]).contiguous().view(torch.uint8)
+    idx = indices.reshape(q.shape[0], -1).to(torch.int64).cpu()
+    valid = idx >= 0
+    gathered = rows.cpu()[idx.clamp(min=0)] * valid.unsqueeze(-1).to(torch.uint8)
+    return KernelReads(name, q.detach().cpu().clone(), gathered, valid, None if output is None else output.cpu())
+
+
+@dataclass
+class KitRun:
+    """One rank's forward of a batch: what every layer's kernel read, the index K it read, its pool after."""
+
+    kernel: list[KernelReads]  # one per layer
+    index_k: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (keys, scales) as the indexer read them
+    local_tokens: torch.Tensor  # global token of each real local query row
+    pool_after: list[torch.Tensor]  # per layer, this rank's KV pool rows as bytes
+
+
+def _kit_case(up: dict, case: BatchCase):
+    return up["kit"].DSAAttentionCase(
+        name="cpkv",
+        backend="dsa",
+        forward_mode=up["extend"],
+        num_heads=HEADS,
+        num_kv_heads=1,
+        page_size=PAGE,
+        prefix_lens=tuple(case.prefix_lens),
+        extend_lens=tuple(case.extend_lens),
+    )
+
+
+class KitWorld:
+    """One CP rank's upstream objects, built by the kit, kept across the forwards of a test (so a chunked
+    continuation reads the history its first chunk persisted).
+
+    Args:
+        route: pool format, prefill backend, top-k fusion and layers.
+        max_requests, longest: the kit runner's shape (``DSAMockModelRunner``'s ``ReqToTokenPool`` rows and
+            its pool of ``kit_capacity(max_requests, longest)`` pages).
+        mode_on: ``--enable-cp-shared-kv`` as published in this process.
+        cp_size, cp_rank: the attention-CP rank (cp > 1: the caller published the server's args and made the
+            exchange group, :func:`publish_prefill_cp_server_args`).
+        run_triton: also run the real ``triton_sparse_mla`` kernel (GPU).
+    """
+
+    def __init__(
+        self,
+        route: KitRoute,
+        *,
+        max_requests: int,
+        longest: int,
+        mode_on: bool,
+        device: torch.device | str,
+        cp_size: int = 1,
+        cp_rank: int = 0,
+        run_triton: bool = False,
+        seed: int = 0,
+    ) -> None:
+        up = _upstream()
+        self.up, self.route, self.mode_on, self.seed = up, route, mode_on, seed
+        self.device = torch.device(device)
+        self.cp_size, self.cp_rank, self.run_triton = cp_size, cp_rank, run_triton
+        kit, dense_kit = up["kit"], up["dense_kit"]
+        self.max_context = -(-longest // PAGE) * PAGE
+        shape = BatchCase(PAGE, 1, ((1,),) * max_requests, (0,) * max_requests, (longest,) * max_requests)
+        model_config = kit.TinyDSAModelConfig(
+            num_heads=HEADS,
+            num_kv_heads=1,
+            head_dim=NOPE + ROPE,
+            hidden_size=dense_kit.DEFAULT_HIDDEN_SIZE,
+            context_len=self.max_context,
+            qk_nope_head_dim=NOPE,
+            qk_rope_head_dim=ROPE,
+            kv_lora_rank=NOPE,
+            index_topk=TOPK,
+        )
+        from sglang.srt.runtime_context import get_context, get_parallel
+
+        published = get_context()._server_args  # the server's args (CP runs), put back after the kit's own
+        runner = kit.DSAMockModelRunner(
+            case=_kit_case(up, shape),
+            model_config=model_config,
+            dtype=torch.bfloat16,
+            device=str(self.device),
+            max_context_len=self.max_context,
+            head_dim=NOPE + ROPE,
+            dsa_prefill_backend=route.prefill_backend,
+            dsa_decode_backend="flashmla_kv",
+            fp8_kv_cache=route.fp8,
+        )
+        kit_pool = runner.token_to_kv_pool
+        self.capacity = (kit_pool.size + PAGE) // PAGE
+        runner.token_to_kv_pool = up["pool_cls"](
+            size=kit_pool.size,
+            page_size=PAGE,
+            kv_lora_rank=NOPE,
+            dtype=kit_pool.dtype,
+            qk_rope_head_dim=ROPE,
+            layer_num=route.num_layers,
+            device=str(self.device),
+            index_head_dim=INDEX_HEAD_DIM,
+            enable_memory_saver=False,
+            kv_cache_dim=kit_pool.kv_buffer[0].shape[-1],
+            skip_topk_layers=list(route.skip_topk_layers),
+        )
+        self.runner, self.pool = runner, runner.token_to_kv_pool
+        self.backend = up["backends"]["dsa"](runner)
+        self.backend.use_fused_topk = route.fused_topk
+        if published is not None and cp_size > 1:
+            runner._server_args_override.restore()  # the forward sees the server's published args
+        set_cp_shared_kv_flag(mode_on)
+        get_parallel().override_permanently(
+            attn_cp_size=cp_size, attn_cp_rank=cp_rank, attn_dcp_size=1, attn_dcp_rank=0
+        )
+        torch.manual_seed(seed)
+        self.modules = []
+        for layer in range(route.num_layers):
+            module = kit.ProjectedDSASparseAttention(
+                hidden_size=dense_kit.DEFAULT_HIDDEN_SIZE,
+                num_heads=HEADS,
+                qk_nope_head_dim=NOPE,
+                qk_rope_head_dim=ROPE,
+                dtype=torch.bfloat16,
+                device=str(self.device),
+            )
+            module.attn.layer_id = layer
+            self.modules.append(module)
+        self.act_quant = _act_quant()
+
+    def _check(self, case: BatchCase) -> None:
+        if case.capacity != self.capacity or case.cp_size != self.cp_size:
+            raise ValueError(
+                f"the case must be laid out on this world's pool: capacity {self.capacity}, cp {self.cp_size}; "
+                f"got {case.capacity}, {case.cp_size}"
+            )
+
+    def _hidden(self, locs: torch.Tensor, layer: int) -> torch.Tensor:
+        return _values(
+            locs, 1000 * self.seed + layer, self.up["dense_kit"].DEFAULT_HIDDEN_SIZE, self.capacity, self.device
+        )
+
+    def _keys(self, locs: torch.Tensor, layer: int) -> torch.Tensor:
+        return _values(locs, 5000 * self.seed + layer, INDEX_HEAD_DIM, self.capacity, self.device)
+
+    def write_history(self, case: BatchCase) -> None:
+        """The pool rows of every request's prefix positions, as an earlier prefill wrote them (a radix hit's
+        history): every row with the mode off, under the mode each rank's owned pages only."""
+        self._check(case)
+        locs = torch.tensor(
+            sorted({case.pool_loc(r, p) for r in range(case.num_requests) for p in range(case.prefix_lens[r])}),
+            dtype=torch.int64,
+        )
+        if not locs.numel():
+            return
+        for layer, module in enumerate(self.modules):
+            k_nope, k_rope = module.project_k(self._hidden(locs, layer))
+            self.pool.set_mla_kv_buffer(module.attn, locs.to(self.device), k_nope.view(-1, 1, NOPE), k_rope)
+            if not self.route.skip_topk_layers[layer]:
+                index_k, index_k_scale = self.act_quant(self._keys(locs, layer), 128, None)
+                self.pool.set_index_k_scale_buffer(layer, locs.to(self.device), index_k, index_k_scale)
+        if self.mode_on and self.cp_size > 1:
+            _keep_owned_pages(self.pool, case, self.cp_rank, self.route)
+
+    def forward(self, case: BatchCase) -> KitRun:
+        """One extend forward of ``case`` through the patched backend (this rank's share under CP)."""
+        self._check(case)
+        up, route, device, backend = self.up, self.route, self.device, self.backend
+        forward_batch = up["dense_kit"]._make_forward_batch(
+            _kit_case(up, case), self.runner, max_context_len=self.max_context, device=str(device), loc_fn=case.pool_loc
+        )
+        cur_locs = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
+        local_tokens, metadata_cp = _cp_split(case, forward_batch, self.cp_rank)
+        capture = _Capture(up, backend, self.run_triton)
+        kernel_reads, index_reads = [], {}
+        try:
+            with torch.no_grad(), up["context"](backend):
+                backend.init_forward_metadata(forward_batch)
+                metadata = backend.forward_metadata
+                for layer, module in enumerate(self.modules):
+                    if not route.skip_topk_layers[layer]:
+                        index_reads[layer] = _index_k_store_and_read(
+                            up, backend, forward_batch, layer, self._keys(cur_locs, layer), self.act_quant
+                        )
+                    hidden = self._hidden(cur_locs, layer)
+                    q_nope, q_rope = module.project_q(hidden[local_tokens.to(device)])
+                    q_nope, q_rope = _pad_rows(q_nope, metadata_cp), _pad_rows(q_rope, metadata_cp)
+                    k_nope, k_rope = module.project_k(hidden)
+                    topk = _fused_topk(
+                        backend, metadata, case, local_tokens, q_nope.shape[0], route, device, up["extend"]
+                    )
+                    module.attn(q_nope, k_nope, k_nope, forward_batch, k_rope=k_rope, q_rope=q_rope, topk_indices=topk)
+                    kernel_reads.append(capture.calls.pop())
+        finally:
+            capture.restore()
+        pool_after = [
+            self.pool.kv_buffer[layer].contiguous().view(torch.uint8).cpu().clone() for layer in range(route.num_layers)
+        ]
+        self.forward_batch = forward_batch
+        return KitRun(kernel_reads, index_reads, local_tokens, pool_after)
+
+
+def _act_quant():
+    from sglang.kernels.ops.quantization.act_quant_triton import act_quant
+
+    return act_quant
+
+
+def _keep_owned_pages(pool: Any, case: BatchCase, cp_rank: int, route: KitRoute) -> None:
+    """What the mode leaves in a rank's pool: the pages it owns (others poisoned, so a stray read shows)."""
+    owner = page_owner(torch.arange(case.capacity), case.cp_size)
+    foreign = (owner != cp_rank).to(pool.kv_buffer[0].device)
+    for layer in range(route.num_layers):
+        pool.kv_buffer[layer].view(torch.uint8).view(case.capacity, -1)[foreign] = POISON_BYTE
+        if not route.skip_topk_layers[layer]:
+            pool.get_index_k_with_scale_buffer(layer)[foreign] = POISON_BYTE
+
+
+def _cp_split(case: BatchCase, forward_batch: Any, cp_rank: int) -> tuple[torch.Tensor, Any]:
+    """This rank's real local tokens; under CP also upstream's ``attn_cp_metadata`` on the batch."""
+    n = case.num_tokens
+    if case.cp_size == 1 or n < case.cp_size:
+        forward_batch.attn_cp_metadata = None
+        return torch.arange(n), None
+    from sglang.srt.layers.cp.base import get_cp_strategy
+    from sglang.srt.layers.cp.padding import pad_logical_token_to_physical
+
+    seq = [p + e for p, e in zip(case.prefix_lens, case.extend_lens)]
+    metadata = get_cp_strategy().build_metadata(num_tokens=n, seqs_len=seq, extend_seqs_len=list(case.extend_lens))
+    pad_logical_token_to_physical(metadata)
+    forward_batch.attn_cp_metadata = metadata
+    forward_batch.global_num_tokens_cpu = None
+    return torch.arange(cp_rank, n, case.cp_size), metadata
+
+
+def _pad_rows(x: torch.Tensor, metadata: Any) -> torch.Tensor:
+    """Upstream pads a rank's local rows with zero rows to the physical length."""
+    if metadata is None:
+        return x
+    from sglang.srt.runtime_context import get_parallel
+
+    physical = metadata.per_rank_actual_token[get_parallel().attn_cp_rank]
+    return torch.cat([x, x.new_zeros(physical - x.shape[0], *x.shape[1:])])
+
+
+def _fused_topk(
+    backend: Any,
+    metadata: Any,
+    case: BatchCase,
+    local_tokens: torch.Tensor,
+    rows: int,
+    route: KitRoute,
+    device: torch.device,
+    forward_mode: Any,
+) -> torch.Tensor:
+    """What the indexer's top-k hands attention for each local query row: the trailing ``TOPK`` causal
+    positions of its request (the kit's pattern), transformed as upstream's fused top-k kernel does (or
+    left as positions when top-k is unfused: ``forward_extend`` transforms them)."""
+    from sglang.srt.layers.attention.dsa.dsa_topk_backend import TopkTransformMethod
+
+    token_req = torch.tensor([r for r in range(case.num_requests) for _ in range(case.extend_lens[r])])
+    token_pos = torch.tensor(
+        [
+            p
+            for r in range(case.num_requests)
+            for p in range(case.prefix_lens[r], case.prefix_lens[r] + case.extend_lens[r])
+        ]
+    )
+    positions = torch.full((rows, TOPK), -1, dtype=torch.int64)
+    for i, t in enumerate(local_tokens.tolist()):
+        visible = int(token_pos[t]) + 1
+        window = torch.arange(max(0, visible - TOPK), visible)
+        positions[i, : window.numel()] = window
+    if not route.fused_topk:
+        return positions.to(torch.int32).to(device)
+    method = backend.get_topk_transform_method(forward_mode)
+    valid = positions >= 0
+    if method == TopkTransformMethod.RAGGED:
+        offset = metadata.topk_indices_offset.to(torch.int64).cpu()
+        out = torch.where(valid, positions + offset[:rows, None] if offset.dim() == 1 else positions + offset, -1)
+        return out.to(torch.int32).to(device)
+    # PAGED: the row's request's row of page_table_1 (the selected requests of this rank, in order).
+    local_reqs = token_req[local_tokens]
+    selected = sorted(set(local_reqs.tolist()))
+    table_row = torch.tensor([selected.index(int(r)) for r in local_reqs] + [0] * (rows - local_reqs.numel()))
+    table = metadata.page_table_1.to(torch.int64).cpu()
+    out = torch.where(valid, table[table_row[:, None], positions.clamp(min=0)], -1)
+    return out.to(torch.int32).to(device)
+
+
+def _index_k_store_and_read(up: dict, backend: Any, forward_batch: Any, layer: int, keys: torch.Tensor, act_quant):
+    """The indexer's index-K store (upstream's ``Indexer._store_index_k_cache``, patched) of the chunk's keys,
+    then its read with the metadata's block table (the patched call of ``_get_topk_ragged``)."""
+    from sglang_cpkv.hooks import dsa_extend
+
+    indexer = SimpleNamespace(block_size=128, scale_fmt=None)  # the attributes the store reads of its Indexer
+    up["indexer_cls"]._store_index_k_cache(indexer, forward_batch, layer, keys, act_quant=act_quant)
+    metadata = backend.get_indexer_metadata(layer, forward_batch)
+    seq_lens = metadata.get_indexer_seq_len_cpu()
+    block_tables = metadata.get_logical_page_table()
+    k, s = dsa_extend.index_k_and_scale(
+        backend.token_to_kv_pool,
+        forward_batch,
+        layer,
+        metadata.get_indexer_seq_len(),
+        block_tables,
+        int(seq_lens.sum()),
+        int(seq_lens.max()),
+    )
+    return k.cpu(), s.cpu()
+
+
+def publish_prefill_cp_server_args(model_dir: str, cp_size: int, mode_on: bool) -> None:
+    """Resolve and publish a P/D prefill server's args with DSA prefill CP (what a prefill scheduler does)."""
+    import os
+
+    from sglang.srt.layers.cp.base import init_cp_strategy
+    from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
+
+    os.environ["SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"] = "1"
+    argv = [
+        "--model-path",
+        model_dir,
+        "--skip-tokenizer-init",
+        "--device",
+        "cuda",
+        "--tp",
+        str(cp_size),
+        "--enable-prefill-cp",
+        "--cp-strategy",
+        "interleave",
+        "--disaggregation-mode",
+        "prefill",
+        "--random-seed",
+        "1",
+    ] + (["--enable-cp-shared-kv"] if mode_on else [])
+    server_args = prepare_server_args(argv)
+    server_args.resolve_once()
+    set_global_server_args_for_scheduler(server_args)
+    init_cp_strategy(enable_prefill_cp=True, cp_size=cp_size, cp_strategy="interleave")

@@ -1,0 +1,368 @@
+"""Upstream's DSA attention kit drives the patched backend with ``--enable-cp-shared-kv`` on, on CPU.
+
+The objects are upstream's: the kit's ``DSAMockModelRunner`` and pools, the ``DeepseekSparseAttnBackend``
+``ATTENTION_BACKENDS["dsa"]`` builds from it, the kit's sparse attention module (its ``RadixAttention``
+calls ``forward_extend``), upstream's ``Indexer._store_index_k_cache``, upstream's CP split
+(:mod:`sglang_cpkv.testing.dsa_kit`). The attention kernels need a GPU (``flash_mla``; ``triton_sparse_mla``
+computes bf16 products the interpreter gets wrong): what each is handed is captured and reduced to the
+bytes every query row reads.
+
+For every route a server can take - bf16 and 656-byte FP8 pools; ``flashmla_sparse``, ``flashmla_kv``,
+``triton_sparse_mla``; PAGED and RAGGED top-k; fused and unfused top-k; IndexShare layers - and every case
+(the kit's own sparse-prefill cases, bs > 1 with shared prefix pages and radix hits, a request one CP rank
+drops, a chunked continuation whose history the mode itself persisted owner-sharded), at cp 1 in this
+process and cp 2 over gloo: the kernel reads the same KV rows with the mode on as with it off, the indexer
+reads the same index K, and each request of a bs > 1 batch reads what it reads alone (bs = 1).
+
+Regressions (each failed before its fix): a) IndexShare layers crashed the mode at layer 0; b) the RAGGED
+route with a radix hit asserted on the pool capacity; c) the fused-indexer store bypassed the mode; d) the
+MTP seed export of a no-prefix RAGGED CP cut mapped dense top-k through pool locations.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from sglang_cpkv.testing.batches import BatchCase, same_bytes
+from sglang_cpkv.testing.ci_register import register_cpu_ci
+from sglang_cpkv.testing.dsa_kit import DSA_CONFIG, PAGE, KitRoute, KitWorld, kit_capacity
+
+register_cpu_ci(est_time=150, suite="cpkv-cpu")
+
+PAGED_BF16 = KitRoute("flashmla_sparse")
+RAGGED_FP8 = KitRoute("flashmla_sparse", fp8=True)
+ROUTES = {
+    "flashmla_sparse-bf16-paged": PAGED_BF16,
+    "flashmla_sparse-fp8-ragged": RAGGED_FP8,
+    "flashmla_kv-fp8-paged": KitRoute("flashmla_kv", fp8=True),
+    "triton_sparse_mla-bf16-paged": KitRoute("triton_sparse_mla"),
+    "triton_sparse_mla-fp8-ragged": KitRoute("triton_sparse_mla", fp8=True),
+    "flashmla_sparse-bf16-unfused": KitRoute("flashmla_sparse", fused_topk=False),
+}
+INDEX_SHARE = (False, True, False)  # layer 1 reuses layer 0's top-k: no index-K pool
+
+
+def _world(route, case_or_shape, mode_on, **kw):
+    max_requests, longest = case_or_shape
+    return KitWorld(route, max_requests=max_requests, longest=longest, mode_on=mode_on, device="cpu", **kw)
+
+
+def _distinct_pages(lengths, capacity, seed):
+    """Each request its own pages (drawn across the pool, so requests interleave in it)."""
+    pages = torch.randperm(capacity - 1, generator=torch.Generator().manual_seed(seed)).add(1).tolist()
+    tables = []
+    for n in lengths:
+        count = -(-n // PAGE)
+        tables.append(tuple(pages[:count]))
+        pages = pages[count:]
+    return tuple(tables)
+
+
+def _assert_same_reads(off, on, what):
+    for layer, (a, b) in enumerate(zip(off.kernel, on.kernel)):
+        assert a.kernel == b.kernel, (what, layer)
+        assert same_bytes(a.q, b.q), f"{what} layer {layer}: query rows differ"
+        assert torch.equal(a.valid, b.valid), f"{what} layer {layer}: top-k padding differs"
+        assert same_bytes(a.rows, b.rows), f"{what} layer {layer}: the kernel reads other KV rows with the mode on"
+        assert int(a.valid.sum()) > 0
+    assert off.index_k.keys() == on.index_k.keys()
+    for layer in off.index_k:
+        for x, y in zip(off.index_k[layer], on.index_k[layer]):
+            assert same_bytes(x, y), f"{what} layer {layer}: the indexer reads other index K with the mode on"
+
+
+def _run_pair(route, case, shape, **kw):
+    runs = []
+    for mode_on in (False, True):
+        world = _world(route, shape, mode_on, **kw)
+        world.write_history(case)
+        runs.append(world.forward(case))
+    return runs
+
+
+def _kit_sparse_prefill_cases():
+    from sglang_cpkv.testing.dsa_kit import _upstream
+
+    kit = _upstream()["kit"]
+    return [c for c in kit.make_dsa_sparse_cases("dsa") if c.forward_mode.is_extend()]
+
+
+# The kit's cases hold 2048-token histories, and on CPU upstream's cache writers run in the Triton
+# interpreter (seconds per 2048 rows), so CI runs all three on one route and one on a second; every route
+# runs them in the GPU suite (test_cp_shared_kv_kit_cuda.py).
+@pytest.mark.parametrize(
+    "route_name, which", [("flashmla_sparse-bf16-paged", slice(None)), ("triton_sparse_mla-bf16-paged", slice(2, 3))]
+)
+def test_kit_sparse_prefill_cases_read_the_same_kv_with_the_mode_on(route_name, which):
+    route = ROUTES[route_name]
+    cases = _kit_sparse_prefill_cases()
+    assert [c.name for c in cases] == [
+        "dsa_sparse_prefill_flashmla_sparse_topk",
+        "dsa_sparse_prefill_long_extend",
+        "dsa_sparse_prefill_multi_request",
+    ]
+    for i, kit_case in list(enumerate(cases))[which]:
+        seq = [p + e for p, e in zip(kit_case.prefix_lens, kit_case.extend_lens)]
+        shape = (len(seq), max(seq))
+        capacity = kit_capacity(*shape)
+        tables = _distinct_pages(seq, capacity, seed=i)
+        case = BatchCase(PAGE, capacity, tables, kit_case.prefix_lens, kit_case.extend_lens)
+        off, on = _run_pair(route, case, shape)
+        assert off.kernel[0].kernel == "_forward_" + route.prefill_backend
+        _assert_same_reads(off, on, kit_case.name)
+
+
+# Three requests: A and B share two full prefix pages (a radix hit), A's history ends mid-page and its chunk
+# continues that page (CURRENT_REUSE), C has no history; page ids interleave across the pool.
+SHARED_SHAPE = (3, 300)
+
+
+def _shared_prefix_case():
+    capacity = kit_capacity(*SHARED_SHAPE)
+    return BatchCase(PAGE, capacity, ((4, 9, 2, 7), (4, 9, 5), (11, 3)), (170, 128, 0), (50, 40, 100))
+
+
+def _alone(case, r):
+    return BatchCase(PAGE, case.capacity, (case.page_tables[r],), (case.prefix_lens[r],), (case.extend_lens[r],))
+
+
+def _rows_of_request(run, case, r, layer=0):
+    start = sum(case.extend_lens[:r])
+    mine = [i for i, t in enumerate(run.local_tokens.tolist()) if start <= t < start + case.extend_lens[r]]
+    reads = run.kernel[layer]
+    return reads.rows[mine], reads.valid[mine]
+
+
+@pytest.mark.parametrize(
+    "route_name", ["flashmla_sparse-bf16-paged", "flashmla_kv-fp8-paged", "flashmla_sparse-fp8-ragged"]
+)
+def test_bs_gt_1_shared_prefix_reads_what_each_request_reads_alone(route_name):
+    """On the RAGGED route upstream itself reads a request without history differently in a batch where another
+    request has one (the FP8 cache dequantized) than alone (its bf16 rows): there each request of the batch has
+    a history (C's is one page), so the comparison with bs = 1 holds for upstream too."""
+    route = ROUTES[route_name]
+    case = _shared_prefix_case()
+    if route.fp8 and route.prefill_backend != "flashmla_kv":
+        case = BatchCase(PAGE, case.capacity, case.page_tables, (170, 128, 64), (50, 40, 36))
+    off, on = _run_pair(route, case, SHARED_SHAPE)
+    _assert_same_reads(off, on, "bs 3")
+    for r in range(case.num_requests):
+        alone = _alone(case, r)
+        world = _world(route, SHARED_SHAPE, True)
+        world.write_history(alone)
+        solo = world.forward(alone)
+        rows, valid = _rows_of_request(on, case, r)
+        assert torch.equal(valid, solo.kernel[0].valid)
+        assert same_bytes(rows, solo.kernel[0].rows), f"request {r} reads other rows in the batch than alone"
+
+
+def test_index_share_layers():
+    """Regression a: layers that reuse another layer's top-k have a 0-row index-K pool; the mode must neither
+    prefetch nor materialize index K for them (it crashed at layer 0: 'pool has 0 rows'). The RAGGED route with
+    IndexShare layers runs at cp 2 below."""
+    route = KitRoute("flashmla_sparse", skip_topk_layers=INDEX_SHARE)
+    case = _shared_prefix_case()
+    off, on = _run_pair(route, case, SHARED_SHAPE)
+    assert len(on.kernel) == 3 and sorted(on.index_k) == [0, 2]
+    _assert_same_reads(off, on, "IndexShare")
+
+
+def test_ragged_radix_hit_beyond_pool_capacity():
+    """Regression b: on the RAGGED route with a radix hit, a batch whose tokens exceed the pool (three requests
+    on one shared prefix, a pool sized for one) asserted 'Invalid page table index: max=..., kv_cache_capacity=...':
+    upstream's check compared the dense-view locations with the pool size."""
+    shape = (1, 256)
+    capacity = kit_capacity(*shape)  # 7 pages: 448 token rows
+    case = BatchCase(PAGE, capacity, ((1, 2, 3, 4), (1, 2, 3, 5), (1, 2, 3, 6)), (192, 192, 192), (30, 30, 30))
+    assert sum(p + e for p, e in zip(case.prefix_lens, case.extend_lens)) > capacity * PAGE
+    off, on = _run_pair(RAGGED_FP8, case, (3, 256))
+    _assert_same_reads(off, on, "radix hit beyond the pool")
+
+
+def test_fused_indexer_store_goes_through_the_mode(monkeypatch):
+    """Regression c: the fused-indexer route (use_dsa_indexer_fusion, an un-split batch) stores index K with
+    fused_k_indexer_norm_rope_store into _index_k_write_targets, bypassing the mode, so the layer's dense
+    index-K read found no current keys. On CPU the CUDA kernel and its availability check are stood in for
+    (quantize + upstream's SetKAndS into each target the patched method hands it)."""
+    from types import SimpleNamespace
+
+    import sglang.srt.layers.attention.dsa.dsa_indexer as indexer_module
+    from sglang.kernels.ops.kvcache import dsa_index_k_cache
+
+    from sglang_cpkv.hooks import dsa_extend
+
+    case = _shared_prefix_case()
+    reads = []
+    for mode_on in (False, True):
+        world = _world(PAGED_BF16, SHARED_SHAPE, mode_on)
+        world.write_history(case)
+        world.forward(case)  # begins the batch; the indexer's own store is redone below through the fused route
+        act_quant, pool, forward_batch = world.act_quant, world.pool, world.forward_batch
+
+        def fused_store(key_raw, buf, loc, weight, bias, eps, cos_sin, positions, page_size, pool=pool, aq=act_quant):
+            index_k, scale = aq(key_raw, 128, None)
+            dsa_index_k_cache.SetKAndS.execute(pool=pool, buf=buf, loc=loc, index_k=index_k, index_k_scale=scale)
+
+        monkeypatch.setattr(indexer_module, "can_use_dsa_fused_store", lambda *a: True)
+        monkeypatch.setattr(indexer_module, "fused_k_indexer_norm_rope_store", fused_store)
+        indexer = SimpleNamespace(
+            k_norm=SimpleNamespace(weight=None, bias=None, variance_epsilon=1e-6), _indexer_cos_sin_cache=None
+        )
+        keys = world._keys(torch.tensor(case.out_cache_loc()), 0)
+        positions = torch.zeros(case.num_tokens, dtype=torch.int64)
+        with world.up["context"](world.backend):
+            batch = dsa_extend.extend_batch(world.backend, forward_batch)
+            if batch is not None:
+                batch.index_k_stored_layer = None  # the read below needs this store's keys
+            indexer_module.Indexer._fused_k_prepare_and_store(indexer, keys, positions, forward_batch, 0, act_quant)
+            metadata = world.backend.get_indexer_metadata(0, forward_batch)
+            seq_lens = metadata.get_indexer_seq_len_cpu()
+            reads.append(
+                dsa_extend.index_k_and_scale(
+                    pool,
+                    forward_batch,
+                    0,
+                    metadata.get_indexer_seq_len(),
+                    metadata.get_logical_page_table(),
+                    int(seq_lens.sum()),
+                    int(seq_lens.max()),
+                )
+            )
+        monkeypatch.undo()
+    for x, y in zip(*reads):
+        assert same_bytes(x, y)
+
+
+# --- cp = 2 over gloo ------------------------------------------------------------------------------------------
+
+CP = 2
+
+
+def _gloo_rank(rank, model_dir, init_method, out_dir):
+    """One CP rank: upstream's distributed init and (patched) model-parallel groups, then every scenario with
+    the mode off and on; writes what each forward read."""
+    from sglang_cpkv.testing.dsa_kit import _upstream, publish_prefill_cp_server_args
+
+    _upstream()
+    torch.set_num_threads(1)
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.runtime_context import get_parallel
+
+    from sglang_cpkv.hooks import exchange_group
+
+    results = {}
+    publish_prefill_cp_server_args(model_dir, CP, mode_on=True)
+    get_parallel().override_permanently(tp_rank=rank, attn_cp_rank=rank, attn_dcp_size=1, attn_dcp_rank=0)
+    parallel_state.init_distributed_environment(
+        world_size=CP, rank=rank, distributed_init_method=init_method, local_rank=0, backend="gloo"
+    )
+    parallel_state.initialize_model_parallel()  # patched: makes the mode's exchange group
+    attn_cp = parallel_state.get_attn_cp_group()
+    group = exchange_group.exchange_group()
+    results["group"] = (group.cp_size, group.cp_rank, group.group is not attn_cp.device_group)
+    for name, route, cases, shape in _cp2_scenarios():
+        for mode_on in (False, True):
+            publish_prefill_cp_server_args(model_dir, CP, mode_on=mode_on)
+            world = KitWorld(
+                route, max_requests=shape[0], longest=shape[1], mode_on=mode_on, device="cpu", cp_size=CP, cp_rank=rank
+            )
+            runs = []
+            for i, case in enumerate(cases):
+                if i == 0:
+                    world.write_history(case)
+                runs.append(world.forward(case))
+            seed = None
+            if name == "ragged-no-prefix-cut":
+                seed = _mtp_seed(world)
+            results[(name, mode_on)] = (runs, seed)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _mtp_seed(world):
+    """The MTP IndexShare seed export of the last forward (a fused RAGGED top-k of every local row)."""
+    backend = world.backend
+    metadata = backend.forward_metadata
+    rows = metadata.topk_indices_offset.shape[0]
+    seq = metadata.dsa_cache_seqlens_int32.to(torch.int64)[:rows]
+    positions = torch.arange(8).expand(rows, 8)
+    topk = torch.where(positions < seq[:, None], positions + metadata.topk_indices_offset[:, None], -1).to(torch.int32)
+    with world.up["context"](backend):
+        return backend.prepare_mtp_seed_indices(topk, world.up["extend"]).clone()
+
+
+def _cp2_scenarios():
+    shared = _shared_prefix_case()
+    shared2 = BatchCase(
+        shared.page_size, shared.capacity, shared.page_tables, shared.prefix_lens, shared.extend_lens, CP
+    )
+    # A request with one token: one rank holds none of it and drops it from its metadata (bs_idx).
+    dropped = BatchCase(PAGE, shared.capacity, ((4, 9, 2, 7), (6,), (4, 9, 5)), (170, 0, 128), (50, 1, 40), CP)
+    # Chunked continuation: chunk 1 prefills 200 tokens of two requests; chunk 2 reads them as history (persisted
+    # by chunk 1, owner-sharded under the mode) and continues mid-page.
+    chunk1 = BatchCase(PAGE, shared.capacity, ((4, 9, 2, 7), (11, 3, 8)), (0, 0), (200, 150), CP)
+    chunk2 = BatchCase(PAGE, shared.capacity, ((4, 9, 2, 7), (11, 3, 8)), (200, 150), (50, 30), CP)
+    no_prefix = BatchCase(PAGE, shared.capacity, ((4, 9), (6,), (11,)), (0, 0, 0), (100, 1, 40), CP)
+    index_share = KitRoute("flashmla_sparse", skip_topk_layers=INDEX_SHARE)
+    return [
+        ("shared-ragged", RAGGED_FP8, [shared2], SHARED_SHAPE),
+        ("dropped-paged", PAGED_BF16, [dropped], SHARED_SHAPE),
+        (
+            "dropped-ragged-indexshare",
+            KitRoute("flashmla_sparse", fp8=True, skip_topk_layers=INDEX_SHARE),
+            [dropped],
+            SHARED_SHAPE,
+        ),
+        ("chunked-paged-indexshare", index_share, [chunk1, chunk2], SHARED_SHAPE),
+        ("ragged-no-prefix-cut", RAGGED_FP8, [no_prefix], SHARED_SHAPE),
+    ]
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("kit_cp2")
+    (tmp / "config.json").write_text(json.dumps(DSA_CONFIG))
+    mp.spawn(_gloo_rank, args=(str(tmp), f"file://{tmp / 'dist_init'}", str(tmp)), nprocs=CP, join=True)
+    return [torch.load(tmp / f"rank{rank}.pt", weights_only=False) for rank in range(CP)]
+
+
+def test_cp2_exchange_group_made_by_the_patched_model_parallel_init(gloo_results):
+    for rank, results in enumerate(gloo_results):
+        assert results["group"] == (CP, rank, True)
+
+
+@pytest.mark.parametrize("name", [s[0] for s in _cp2_scenarios()])
+def test_cp2_each_rank_reads_the_same_kv_with_the_mode_on(gloo_results, name):
+    for rank, results in enumerate(gloo_results):
+        off, on = results[(name, False)][0], results[(name, True)][0]
+        for forward, (a, b) in enumerate(zip(off, on)):
+            _assert_same_reads(a, b, f"{name} rank {rank} forward {forward}")
+
+
+def test_cp2_the_dropped_request_is_on_one_rank_only(gloo_results):
+    """The scenario is what it claims: request 1's one token is on one rank, the other drops request 1."""
+    case = next(cases for name, _, cases, _ in _cp2_scenarios() if name == "dropped-paged")[0]
+    ends = torch.tensor(case.extend_lens).cumsum(0)
+    holders = []
+    for rank, results in enumerate(gloo_results):
+        run = results[("dropped-paged", True)][0][0]
+        if 1 in {int((ends <= t).sum()) for t in run.local_tokens.tolist()}:
+            holders.append(rank)
+    assert len(holders) == 1
+
+
+def test_cp2_mtp_seed_export_maps_to_pool_locations(gloo_results):
+    """Regression d: the seed of a no-prefix RAGGED CP-cut batch holds the same pool locations with the mode
+    on as off (it mapped dense top-k through out_cache_loc, pool locations, and counted them as bad)."""
+    for results in gloo_results:
+        off, on = results[("ragged-no-prefix-cut", False)][1], results[("ragged-no-prefix-cut", True)][1]
+        assert torch.equal(off, on) and bool((on >= 0).any())
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
