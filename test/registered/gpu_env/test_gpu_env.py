@@ -248,6 +248,22 @@ def test_closure_satisfies_upstream_metadata_and_itself(wheel_dir):
                 )
 
 
+def test_unmet_requirements_names_what_is_missing_and_skips_what_stays_behind_on_purpose(tmp_path):
+    closure = {e.name for e in gpu_env.read_closure(REPO / gpu_env.CLOSURE_FILE)}
+    assert not gpu_env.NOT_CARRIED & closure
+    wheel = tmp_path / "demo-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(
+            "demo-1.0.dist-info/METADATA",
+            "Metadata-Version: 2.1\nName: demo\nVersion: 1.0\nRequires-Dist: jedi>=0.18\n"
+            "Requires-Dist: no-such-package-cpkv>=1\nRequires-Dist: pytest<1\n"
+            'Requires-Dist: colorama; sys_platform == "win32"\nRequires-Dist: rich; extra == "fancy"\n',
+        )
+    unmet = gpu_env.unmet_requirements(tmp_path)
+    assert len(unmet) == 2, unmet
+    assert "needs no-such-package-cpkv>=1, not installed" in unmet[0] and "needs pytest<1, found pytest" in unmet[1]
+
+
 def test_verify_wheels_catches_missing_extra_and_altered_wheels(wheel_dir, tmp_path):
     copy = tmp_path / "whl"
     shutil.copytree(wheel_dir, copy)
