@@ -30,7 +30,7 @@ while [ $# -gt 0 ]; do
     --target) target="${2:?--target needs a value}"; shift 2 ;;
     --wheels) wheels="${2:?--wheels needs a value}"; shift 2 ;;
     --python) python="${2:?--python needs a value}"; shift 2 ;;
-    -h | --help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;
     *) die "unknown argument: $1 (see --help)" ;;
   esac
 done

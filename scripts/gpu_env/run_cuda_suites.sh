@@ -22,7 +22,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --python) python="${2:?--python needs a value}"; shift 2 ;;
     --target) target="${2:?--target needs a value}"; shift 2 ;;
-    -h | --help) sed -n '2,11p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,/^[^#]/{/^#/p}' "$0"; exit 0 ;;
     *) die "unknown argument: $1 (see --help)" ;;
   esac
 done
