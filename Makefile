@@ -24,10 +24,14 @@ test: setup lint
 demo: setup
 	$(PY) -m sglang_cpkv.demo
 
-# On a GPU host (registered CUDA suites; the 2-GPU suite needs two GPUs of one host).
-test-cuda: setup
-	$(PY) test/run_suite.py --hw cuda --suite cpkv-test-1-gpu
-	$(PY) test/run_suite.py --hw cuda --suite cpkv-test-2-gpu
+# On a GPU host, with its own python3 (no .venv: that one is the CPU build): the registered CUDA suites, the
+# 2-GPU suite only where two GPUs exist. With .whl/ from scripts/gpu_env/prepare_wheels.sh (run on a CPU
+# machine) it first installs the TEST-ONLY GPU test environment (scripts/gpu_env/install.sh); upstream-backed
+# tests fail rather than skip either way.
+GPU_PY ?= python3
+GPU_SITE ?= /tmp/cpkv-site
+test-cuda:
+	scripts/gpu_env/run_cuda_suites.sh --python $(GPU_PY) --target $(GPU_SITE)
 
 clean:
 	rm -rf $(VENV) .cache

@@ -3,7 +3,11 @@
 # (the image's archs), the registered CUDA suites (1 GPU; 2 GPUs when present), the multi-GPU
 # bs>1-vs-bs=1 harness on both kernel backends, the op benchmark against the measured copy
 # roofline, a SASS check of the copy loop and a compute-sanitizer memcheck of a slice of the ops
-# tests. Needs torch+triton+pytest on the machine, not sglang (upstream-only tests skip).
+# tests. Needs torch+triton+pytest on the machine. Upstream-backed tests must run (a skip fails them,
+# SGLANG_CPKV_REQUIRE_UPSTREAM=1): with wheels in .whl/ (scripts/gpu_env/prepare_wheels.sh, run on a CPU
+# machine) the TEST-ONLY GPU test environment is installed first (scripts/gpu_env/install.sh: the pinned
+# upstream from those wheels, the patch queue, the import-only sgl_kernel stand-in), and upstream's own DSA
+# attention kit runs there (scripts/gpu_env/dsa_kit_smoke.py); without them the machine's own sglang is used.
 #
 #   OUT=/some/dir benchmark/gpu_validation.sh   # repo root; env.txt, bench.{json,log}, harness_*.json and
 #                                                # logs.tar.gz (every log) under $OUT; exit 0 only when all passed
@@ -27,6 +31,19 @@ step environment
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'gpus', torch.cuda.device_count())"
   nvcc --version | tail -1; git log -1 --format='commit %H' 2>/dev/null || true; } | tee "$OUT/env.txt"
 
+export SGLANG_CPKV_REQUIRE_UPSTREAM=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+  step "GPU test environment (TEST-ONLY: carried upstream wheels, patch queue, sgl_kernel stand-in)"
+  if env_file="$(scripts/gpu_env/install.sh --target /tmp/cpkv-site 2>"$OUT/gpu_env.log")"; then
+    # shellcheck disable=SC1090
+    . "$env_file"
+    grep -vE '^\[(gpu_env|overlay)\]' "$OUT/gpu_env.log" | tee -a "$OUT/env.txt"
+  else
+    status=1
+    tail -n 30 "$OUT/gpu_env.log"
+  fi
+fi
+
 step "AOT build of the CUDA ops (sm_90a, sm_100a, sm_103a)"
 python3 -m sglang_cpkv.ops.cuda_build --aot --arch 90a,100a,103a --out /tmp/cpkv_aot 2>&1 | tee "$OUT/aot.log" | tail -3
 export SGLANG_CPKV_CUDA_LIB=/tmp/cpkv_aot
@@ -35,6 +52,9 @@ python3 -c "from sglang_cpkv.ops import cuda; assert cuda.is_available(), cuda.u
 step "CUDA suite, 1 GPU"
 python3 test/run_suite.py --hw cuda --suite cpkv-test-1-gpu > "$OUT/suite_1gpu.log" 2>&1 || status=1
 grep -E '^(=== |files:|FAILED)|passed|failed|skipped' "$OUT/suite_1gpu.log"
+step "upstream's DSA attention kit: sparse prefill, triton_sparse_mla, bf16 and FP8 pools (mode off)"
+python3 -m pytest scripts/gpu_env/dsa_kit_smoke.py -v -rs -p no:cacheprovider > "$OUT/kit_smoke.log" 2>&1 || status=1
+grep -E 'PASSED|FAILED|SKIPPED|ERROR|[0-9]+ (passed|failed)' "$OUT/kit_smoke.log"
 if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   step "CUDA suite, 2 GPUs"
   python3 test/run_suite.py --hw cuda --suite cpkv-test-2-gpu > "$OUT/suite_2gpu.log" 2>&1 || status=1

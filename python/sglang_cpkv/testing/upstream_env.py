@@ -8,6 +8,11 @@ so tests install :func:`install_torchvision_stub` first: a meta-path finder that
 ``torchvision*`` as empty modules whose attributes are inert placeholders, with a version string
 (transformers probes it). Nothing we test calls into torchvision.
 
+Upstream-backed tests skip, saying why, where upstream cannot be imported (a bare GPU box, say). In the
+GPU test environment (``scripts/gpu_env/install.sh``), which exports ``SGLANG_CPKV_REQUIRE_UPSTREAM=1``,
+such a test must run: :func:`skip_or_fail` turns the skip into a failure there, and :func:`kit_testcase`
+gives upstream's test kits (which call ``testcase.skipTest``) a test case that does the same.
+
 Only tests use this module; it never imports sglang itself.
 """
 
@@ -17,9 +22,14 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
+import unittest
+from typing import NoReturn
 from unittest import mock
 
+from sglang_cpkv.env import env_flag
+
 TORCHVISION_STUB_VERSION = "0.29.1"  # the release paired with upstream's torch pin
+REQUIRE_UPSTREAM_ENV = "SGLANG_CPKV_REQUIRE_UPSTREAM"
 
 
 class _TorchvisionStubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -66,3 +76,36 @@ def set_cp_shared_kv_flag(on: bool) -> None:
     from sglang.srt.runtime_context import get_server_args
 
     msgspec.Struct.__setattr__(get_server_args(), "enable_cp_shared_kv", on)
+
+
+def upstream_required() -> bool:
+    """Whether upstream-backed tests must run here (``SGLANG_CPKV_REQUIRE_UPSTREAM``, set by the GPU test env)."""
+    return env_flag(REQUIRE_UPSTREAM_ENV)
+
+
+def skip_or_fail(reason: str) -> NoReturn:
+    """Skip an upstream-backed test for ``reason``; fail it instead where upstream is required."""
+    import pytest
+
+    if upstream_required():
+        pytest.fail(
+            f"{reason} [{REQUIRE_UPSTREAM_ENV}=1: in the GPU test environment (scripts/gpu_env/install.sh) an "
+            "upstream-backed test that cannot run is a failure, not a skip]",
+            pytrace=False,
+        )
+    pytest.skip(reason)
+
+
+class _KitTestCase(unittest.TestCase):
+    """The ``testcase`` upstream's kits take: unittest assertions, and ``skipTest`` through :func:`skip_or_fail`."""
+
+    def runTest(self) -> None:  # unittest needs a method to bind; the kit calls the assertions directly
+        pass
+
+    def skipTest(self, reason) -> NoReturn:
+        skip_or_fail(f"upstream's kit skipped: {reason}")
+
+
+def kit_testcase() -> unittest.TestCase:
+    """A test case for ``sglang.test.kits`` helpers (``run_dsa_sparse_attention_case(testcase, ...)``)."""
+    return _KitTestCase()

@@ -10,7 +10,10 @@ off on the same batch (a full replica pool that upstream's own store/read paths 
 * the index K and scales read from the dense view with the dense page table equal upstream's read
   from the pool with the pool page table, request by request.
 
-Skips (saying why) without a GPU or without upstream's CUDA stack.
+Skips (saying why) without a GPU or without upstream's CUDA stack; fails instead under
+``SGLANG_CPKV_REQUIRE_UPSTREAM=1``, which the GPU test environment exports (``scripts/gpu_env/install.sh``:
+the pinned upstream from carried wheels, the patch queue applied, ``sgl_kernel`` served by the import-only
+stand-in).
 """
 
 import sys
@@ -20,6 +23,7 @@ import pytest
 import torch
 
 from sglang_cpkv.testing.ci_register import register_cuda_ci
+from sglang_cpkv.testing.upstream_env import install_torchvision_stub, skip_or_fail
 
 register_cuda_ci(est_time=120, stage="cpkv", runner_config="1-gpu")
 
@@ -33,10 +37,8 @@ REQ_POOL_INDICES = [3, 1, 2]
 
 def _upstream():
     if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
+        skip_or_fail("needs a CUDA device")
     try:
-        from sglang_cpkv.testing.upstream_env import install_torchvision_stub
-
         install_torchvision_stub()
         from sglang.kernels.ops.kvcache.dsa_fused_store_index_cache import (
             can_use_dsa_fused_store,
@@ -45,9 +47,9 @@ def _upstream():
         from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
         from sglang.srt.runtime_context import get_parallel
     except ImportError as exc:
-        pytest.skip(f"needs the pinned upstream sglang with its CUDA kernels: {exc}")
+        skip_or_fail(f"needs the pinned upstream sglang with its CUDA kernels: {exc}")
     if not can_use_dsa_fused_store(torch.bfloat16, torch.int64, PAGE):
-        pytest.skip("upstream's fused index-K store is not available on this device")
+        skip_or_fail("upstream's fused index-K store is not available on this device")
     get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0, attn_cp_size=1, attn_cp_rank=0)
     return SimpleNamespace(pool_cls=DSATokenToKVPool, req_pool_cls=ReqToTokenPool, store=fused_store_index_k_cache)
 

@@ -1,0 +1,54 @@
+"""TEST-ONLY smoke of the GPU test environment: upstream's own DSA attention kit on the patched upstream.
+
+Runs the sparse-prefill (EXTEND) cases of ``make_dsa_sparse_cases("dsa")`` from the kit shipped in the
+pinned wheel (``sglang/test/kits/attention_unittest/attention_methods/dsa_attention.py``) through
+``run_dsa_sparse_attention_case`` with the real ``triton_sparse_mla`` prefill kernel, on a bf16 pool and on
+the FP8 656-byte pool (``fp8_kv_cache=True``), with the CP shared-KV mode off (the kit's server args do not
+enable it). Each case compares the backend's output with the kit's own reference.
+
+Not a registered suite test (the kit tests of the mode belong in test/registered/); this checks that the
+environment runs upstream's real code. Needs a CUDA device and the environment of scripts/gpu_env/install.sh:
+
+    . /tmp/cpkv-site/cpkv-env.sh && python3 -m pytest scripts/gpu_env/dsa_kit_smoke.py -v
+
+Under SGLANG_CPKV_REQUIRE_UPSTREAM=1 (that environment) nothing here skips: a skip is a failure.
+"""
+
+import sys
+
+import pytest
+import torch
+
+from sglang_cpkv.testing.upstream_env import install_torchvision_stub, kit_testcase, skip_or_fail
+
+install_torchvision_stub()
+try:
+    from sglang.test.kits.attention_unittest.attention_methods import dsa_attention as kit
+
+    CASES = [c for c in kit.make_dsa_sparse_cases("dsa") if c.forward_mode.is_extend_without_speculative()]
+    IMPORT_ERROR = None
+except ImportError as exc:  # reported by test_kit_imports (a failure in the GPU test environment)
+    kit, CASES, IMPORT_ERROR = None, [], exc
+
+
+def test_kit_imports_and_has_extend_cases():
+    if IMPORT_ERROR is not None:
+        skip_or_fail(f"upstream's DSA attention kit does not import: {IMPORT_ERROR}")
+    assert len(CASES) >= 3, [c.name for c in CASES]
+
+
+@pytest.mark.parametrize("fp8_kv_cache", [False, True], ids=["bf16_pool", "fp8_pool"])
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_sparse_prefill_triton_sparse_mla(case, fp8_kv_cache):
+    if not torch.cuda.is_available():
+        skip_or_fail("needs a CUDA device")
+    kit.run_dsa_sparse_attention_case(
+        kit_testcase(), case, dsa_prefill_backend="triton_sparse_mla", fp8_kv_cache=fp8_kv_cache
+    )
+    from sglang_cpkv.hooks import dsa_extend
+
+    assert not dsa_extend.enabled(), "the CP shared-KV mode was on: this smoke runs upstream's path with it off"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v", "-rs"]))
