@@ -35,7 +35,11 @@ def measure(name: str, prefix: list[int], extend: list[int]) -> dict:
     pages = [-(-(p + e) // PAGE) for p, e in zip(prefix, extend)]
     table = [list(range(1 + sum(pages[:r]), 1 + sum(pages[: r + 1]))) for r in range(len(pages))]
     out_cache_loc = torch.tensor(
-        [table[r][pos // PAGE] * PAGE + pos % PAGE for r in range(len(pages)) for pos in range(prefix[r], prefix[r] + extend[r])]
+        [
+            table[r][pos // PAGE] * PAGE + pos % PAGE
+            for r in range(len(pages))
+            for pos in range(prefix[r], prefix[r] + extend[r])
+        ]
     )
     split = sum(extend) >= CP
     plan = build_plan(

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -235,6 +236,8 @@ class KitWorld:
         cp_size, cp_rank: the attention-CP rank (cp > 1: the caller published the server's args and made the
             exchange group, :func:`publish_prefill_cp_server_args`).
         run_triton: also run the real ``triton_sparse_mla`` kernel (GPU).
+        pool_requests: size the KV pool for this many requests of ``longest`` tokens instead of ``max_requests``
+            (the kit's formula; a smaller pool than the batch's tokens needs prefix sharing).
     """
 
     def __init__(
@@ -249,6 +252,7 @@ class KitWorld:
         cp_rank: int = 0,
         run_triton: bool = False,
         seed: int = 0,
+        pool_requests: int | None = None,
     ) -> None:
         up = _upstream()
         self.up, self.route, self.mode_on, self.seed = up, route, mode_on, seed
@@ -283,9 +287,10 @@ class KitWorld:
             fp8_kv_cache=route.fp8,
         )
         kit_pool = runner.token_to_kv_pool
-        self.capacity = (kit_pool.size + PAGE) // PAGE
+        size = kit_pool.size if pool_requests is None else (kit_capacity(pool_requests, longest) - 1) * PAGE
+        self.capacity = (size + PAGE) // PAGE
         runner.token_to_kv_pool = up["pool_cls"](
-            size=kit_pool.size,
+            size=size,
             page_size=PAGE,
             kv_lora_rank=NOPE,
             dtype=kit_pool.dtype,
@@ -391,6 +396,43 @@ class KitWorld:
         ]
         self.forward_batch = forward_batch
         return KitRun(kernel_reads, index_reads, local_tokens, pool_after)
+
+    def time_layers(self, case: BatchCase, reps: int) -> tuple[float, float]:
+        """``(plan ms, ms per layer)`` of ``reps`` forwards of ``case`` with the real kernel and no capture
+        (``triton_sparse_mla``, on a GPU): CUDA events around ``init_forward_metadata`` and around the layer loop
+        (attention only; inputs prepared before the clock starts), medians."""
+        up, route, device, backend = self.up, self.route, self.device, self.backend
+        if route.prefill_backend != "triton_sparse_mla" or device.type != "cuda":
+            raise ValueError("time_layers runs the real triton_sparse_mla kernel on a GPU")
+        forward_batch = up["dense_kit"]._make_forward_batch(
+            _kit_case(up, case), self.runner, max_context_len=self.max_context, device=str(device), loc_fn=case.pool_loc
+        )
+        cur_locs = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
+        local_tokens, metadata_cp = _cp_split(case, forward_batch, self.cp_rank)
+        inputs = []
+        for module in self.modules:
+            hidden = self._hidden(cur_locs, module.attn.layer_id)
+            q_nope, q_rope = module.project_q(hidden[local_tokens.to(device)])
+            k_nope, k_rope = module.project_k(hidden)
+            inputs.append((_pad_rows(q_nope, metadata_cp), _pad_rows(q_rope, metadata_cp), k_nope, k_rope))
+        plan_ms, layer_ms = [], []
+        with torch.no_grad(), up["context"](backend):
+            backend.init_forward_metadata(forward_batch)  # the top-k below depends on the batch's tables only
+            rows = inputs[0][0].shape[0]
+            topk = _fused_topk(backend, backend.forward_metadata, case, local_tokens, rows, route, device, up["extend"])
+            for _ in range(reps + 1):  # the first forward warms every kernel and buffer
+                torch.cuda.synchronize()
+                start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+                start.record()
+                backend.init_forward_metadata(forward_batch)
+                mid.record()
+                for module, (q_nope, q_rope, k_nope, k_rope) in zip(self.modules, inputs):
+                    module.attn(q_nope, k_nope, k_nope, forward_batch, k_rope=k_rope, q_rope=q_rope, topk_indices=topk)
+                end.record()
+                torch.cuda.synchronize()
+                plan_ms.append(start.elapsed_time(mid))
+                layer_ms.append(mid.elapsed_time(end) / len(self.modules))
+        return statistics.median(plan_ms[1:]), statistics.median(layer_ms[1:])
 
 
 def _act_quant():

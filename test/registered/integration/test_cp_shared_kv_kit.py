@@ -181,7 +181,7 @@ def test_ragged_radix_hit_beyond_pool_capacity():
     capacity = kit_capacity(*shape)  # 7 pages: 448 token rows
     case = BatchCase(PAGE, capacity, ((1, 2, 3, 4), (1, 2, 3, 5), (1, 2, 3, 6)), (192, 192, 192), (30, 30, 30))
     assert sum(p + e for p, e in zip(case.prefix_lens, case.extend_lens)) > capacity * PAGE
-    off, on = _run_pair(RAGGED_FP8, case, (3, 256))
+    off, on = _run_pair(RAGGED_FP8, case, (3, 256), pool_requests=1)
     _assert_same_reads(off, on, "radix hit beyond the pool")
 
 
@@ -192,6 +192,9 @@ def test_fused_indexer_store_goes_through_the_mode(monkeypatch):
     (quantize + upstream's SetKAndS into each target the patched method hands it)."""
     from types import SimpleNamespace
 
+    from sglang_cpkv.testing.dsa_kit import _upstream
+
+    _upstream()  # upstream's import closure on CPU (the torchvision stub) before its indexer module
     import sglang.srt.layers.attention.dsa.dsa_indexer as indexer_module
     from sglang.kernels.ops.kvcache import dsa_index_k_cache
 
@@ -210,7 +213,8 @@ def test_fused_indexer_store_goes_through_the_mode(monkeypatch):
             dsa_index_k_cache.SetKAndS.execute(pool=pool, buf=buf, loc=loc, index_k=index_k, index_k_scale=scale)
 
         monkeypatch.setattr(indexer_module, "can_use_dsa_fused_store", lambda *a: True)
-        monkeypatch.setattr(indexer_module, "fused_k_indexer_norm_rope_store", fused_store)
+        # Defined only where CUDA is (imported under _is_cuda): set it either way.
+        monkeypatch.setattr(indexer_module, "fused_k_indexer_norm_rope_store", fused_store, raising=False)
         indexer = SimpleNamespace(
             k_norm=SimpleNamespace(weight=None, bias=None, variance_epsilon=1e-6), _indexer_cos_sin_cache=None
         )
@@ -249,7 +253,9 @@ def _gloo_rank(rank, model_dir, init_method, out_dir):
     the mode off and on; writes what each forward read."""
     from sglang_cpkv.testing.dsa_kit import _upstream, publish_prefill_cp_server_args
 
-    _upstream()
+    # The kit pins a single-rank CP topology when imported (its unit tests run without distributed init); this
+    # process is a CP rank of two, so that pin is lifted before the server's args are published.
+    _upstream()["kit"]._parallel_override.__exit__(None, None, None)
     torch.set_num_threads(1)
     from sglang.srt.distributed import parallel_state
     from sglang.srt.runtime_context import get_parallel

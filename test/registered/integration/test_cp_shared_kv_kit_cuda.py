@@ -123,7 +123,7 @@ def test_index_share_and_ragged_radix_hit_beyond_the_pool():
     route = KitRoute("triton_sparse_mla", fp8=True, skip_topk_layers=(False, True, False))
     capacity = kit_capacity(1, 256)
     case = BatchCase(PAGE, capacity, ((1, 2, 3, 4), (1, 2, 3, 5), (1, 2, 3, 6)), (192, 192, 192), (30, 30, 30))
-    off, on = _pair(route, case, (3, 256))
+    off, on = _pair(route, case, (3, 256), pool_requests=1)
     assert sorted(on.index_k) == [0, 2]
     _assert_same(off, on, "IndexShare RAGGED radix hit")
 
