@@ -21,11 +21,14 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from sglang_cpkv import overlay
+from sglang_cpkv.overlay.patches import DIFF_CONTEXT, make_diff, split_lines
+from sglang_cpkv.overlay.pin import WheelPin, find_queue_root, load_pin
+from sglang_cpkv.overlay.queue import pin_hashes
+from sglang_cpkv.overlay.wheels import cache_dir, fetch_pinned, fetch_release, read_wheel_files, wheel_requirements
 
 OLD_VERSION = "0.5.22"
 NEW_VERSION = "0.5.23"
-OLD_WHEEL = overlay.WheelPin(
+OLD_WHEEL = WheelPin(
     "cp311",
     "sglang-0.5.22-cp311-cp311-manylinux_2_34_x86_64.whl",
     "cc9a0f15bd8f877a0584fdb7a1702240177a1f1cc8d17c978715161717b9037b",  # PyPI, measured 2026-11-29
@@ -36,7 +39,7 @@ CLEAN_FILE = "srt/layers/deep_gemm_wrapper/compile_utils.py"
 OFFSET_FILE = "srt/server_args.py"
 CONTAINED_FILE = "srt/mem_cache/page_interleave_pool.py"
 CONFLICT_FILE = "srt/mem_cache/memory_pool.py"
-CONTEXT = overlay.DIFF_CONTEXT
+CONTEXT = DIFF_CONTEXT
 KERNEL_PACKAGES = ("sglang-kernel", "flashinfer-python", "sgl-deep-gemm", "torch")
 
 
@@ -92,16 +95,16 @@ def build_demo_queue(dest: Path, cache: Path, conflict: bool = False) -> Path:
         '# Demonstration pin (sglang_cpkv.testing.overlay_demo).\n\n[upstream]\npackage = "sglang"\n'
         f'version = "{OLD_VERSION}"\n\n[upstream.wheels.cp311]\nfilename = "{OLD_WHEEL.filename}"\nsha256 = "{OLD_WHEEL.sha256}"\n'
     )
-    old_wheel = overlay.fetch_pinned(overlay.load_pin(dest), "cp311", cache)
-    requirements = overlay.wheel_requirements(old_wheel)
+    old_wheel = fetch_pinned(load_pin(dest), "cp311", cache)
+    requirements = wheel_requirements(old_wheel, "cp311", OLD_WHEEL.platform)
     with (dest / "UPSTREAM.toml").open("a") as pin:
         pin.write("\n[kernels]\n" + "".join(f'{name} = "{requirements[name]}"\n' for name in KERNEL_PACKAGES))
-    new_wheel = overlay.fetch_unpinned("sglang", NEW_VERSION, "cp311", OLD_WHEEL.platform, cache)
+    new_wheel = fetch_release("sglang", NEW_VERSION, "cp311", OLD_WHEEL.platform, cache)
     files = [CLEAN_FILE, OFFSET_FILE, CONTAINED_FILE, CONFLICT_FILE]
-    old_text = {k: v.decode() for k, v in overlay.read_wheel_files(old_wheel, files).items() if v is not None}
-    new_text = {k: v.decode() for k, v in overlay.read_wheel_files(new_wheel, files).items() if v is not None}
-    old = {k: overlay.split_lines(v) for k, v in old_text.items()}
-    new = {k: overlay.split_lines(v) for k, v in new_text.items()}
+    old_text = {k: v.decode() for k, v in read_wheel_files(old_wheel, files).items() if v is not None}
+    new_text = {k: v.decode() for k, v in read_wheel_files(new_wheel, files).items() if v is not None}
+    old = {k: split_lines(v) for k, v in old_text.items()}
+    new = {k: split_lines(v) for k, v in new_text.items()}
 
     edits: list[tuple[str, str, list[str], dict]] = [
         (
@@ -168,13 +171,13 @@ def build_demo_queue(dest: Path, cache: Path, conflict: bool = False) -> Path:
     for name, rel, edited, entry in edits:
         (dest / "patches" / name).parent.mkdir(parents=True, exist_ok=True)
         header = f"# {entry['description']}\n"
-        (dest / "patches" / name).write_text(header + overlay.make_diff(rel, old_text[rel], "".join(edited)))
+        (dest / "patches" / name).write_text(header + make_diff(rel, old_text[rel], "".join(edited)))
         series.append(name + "\n")
         entries.append(entry)
     (dest / "patches" / "series").write_text("".join(series))
     manifest = {"patches": entries, "pristine_sha256": {}, "history": []}
     (dest / "patches" / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    overlay.pin_hashes(dest, old_wheel)
+    pin_hashes(dest, old_wheel)
     return dest
 
 
@@ -184,7 +187,7 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, help="wheel cache (default: $SGLANG_CPKV_CACHE or the repo's)")
     parser.add_argument("--conflict", action="store_true", help="add the conflicting patch")
     args = parser.parse_args()
-    cache = args.cache or overlay.cache_dir(overlay.find_queue_root())
+    cache = args.cache or cache_dir(find_queue_root())
     print(build_demo_queue(args.out, cache, args.conflict))
 
 

@@ -14,13 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from sglang_cpkv import overlay
+from sglang_cpkv.overlay.pin import WheelPin, find_queue_root, load_pin
+from sglang_cpkv.overlay.queue import dump_manifest, load_queue, validate_queue
+from sglang_cpkv.overlay.rebase import rebase
+from sglang_cpkv.overlay.tree import check_queue
+from sglang_cpkv.overlay.wheels import cache_dir
 from sglang_cpkv.testing import overlay_demo
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=20, suite="cpkv-cpu")
 
-CACHE = overlay.cache_dir(overlay.find_queue_root())
+CACHE = cache_dir(find_queue_root())
 NEW_WHEEL_SHA = "00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937"  # PyPI sglang 0.5.23 cp311
 
 
@@ -60,7 +64,7 @@ def _verdicts(report: str) -> dict[str, str]:
 
 def test_rebase_0_5_22_to_0_5_23_reports_each_verdict_and_moves_the_pin(tmp_path: Path) -> None:
     root = overlay_demo.build_demo_queue(tmp_path / "queue", CACHE)
-    assert overlay.check_queue(root).startswith("ok: 3 patches"), "the demo queue must apply to its 0.5.22 pin"
+    assert check_queue(root).startswith("ok: 3 patches"), "the demo queue must apply to its 0.5.22 pin"
     offset_patch_before = (root / "patches" / "core" / "demo-offset.patch").read_text()
 
     proc = _rebase_cli(root, tmp_path / "report.md")
@@ -73,15 +77,15 @@ def test_rebase_0_5_22_to_0_5_23_reports_each_verdict_and_moves_the_pin(tmp_path
         "upstream-fixes/demo-contained.patch": "already contained upstream (reverse-applies): retirement candidate; retired: moved to the manifest's history",
     }
 
-    pin = overlay.load_pin(root)
+    pin = load_pin(root)
     assert pin.version == "0.5.23"
-    assert pin.wheels["cp311"] == overlay.WheelPin(
+    assert pin.wheels["cp311"] == WheelPin(
         "cp311", "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl", NEW_WHEEL_SHA
     )
     kernels = (root / "UPSTREAM.toml").read_text()
     assert 'sglang-kernel = "0.4.10"' in kernels and 'sgl-deep-gemm = "0.2.3.post2"' in kernels
 
-    queue = overlay.load_queue(root)
+    queue = load_queue(root)
     assert queue.series == ["core/demo-clean.patch", "core/demo-offset.patch"]
     assert not (root / "patches" / "upstream-fixes" / "demo-contained.patch").exists()
     assert [e["last_refreshed"] for e in queue.manifest["patches"]] == ["0.5.23", "0.5.23"]
@@ -94,7 +98,7 @@ def test_rebase_0_5_22_to_0_5_23_reports_each_verdict_and_moves_the_pin(tmp_path
         "the patch's header comment survives a refresh"
     )
     # The rebased queue is a valid queue on the new pin: strict, no offsets.
-    assert overlay.check_queue(root).startswith("ok: 2 patches")
+    assert check_queue(root).startswith("ok: 2 patches")
 
 
 def test_rebase_with_a_conflict_exits_non_zero_and_changes_nothing(tmp_path: Path) -> None:
@@ -135,17 +139,17 @@ def test_a_conflicting_patch_redone_against_the_new_release_lets_the_rebase_thro
     proc = _rebase_cli(root, tmp_path / "report.md")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _verdicts(proc.stdout)["core/demo-conflict.patch"] == "applies cleanly"
-    assert overlay.check_queue(root).startswith("ok: 3 patches")
+    assert check_queue(root).startswith("ok: 3 patches")
 
 
 def test_rebase_keeps_the_manifest_format_valid(tmp_path: Path) -> None:
     """The manifest a rebase writes passes the same validation as a hand-written one."""
     root = overlay_demo.build_demo_queue(tmp_path / "queue", CACHE)
-    ok, _ = overlay.rebase(root, overlay_demo.NEW_VERSION)
+    ok, _ = rebase(root, overlay_demo.NEW_VERSION)
     assert ok
-    assert overlay.validate_queue(overlay.load_queue(root), overlay.load_pin(root)) == []
+    assert validate_queue(load_queue(root), load_pin(root)) == []
     manifest_text = (root / "patches" / "manifest.json").read_text()
-    assert manifest_text == overlay.dump_manifest(json.loads(manifest_text))
+    assert manifest_text == dump_manifest(json.loads(manifest_text))
 
 
 if __name__ == "__main__":
