@@ -4,8 +4,8 @@ The base is the pinned file with the whole series applied (a new patch stacks on
 pristine file (``--pristine``), or the file just before one patch of the series (``--patch NAME``, to
 redo that patch; ``diff --patch`` then rewrites it in place, keeping its header comment and the
 sections of the files it is not given). ``--upstream VERSION`` takes the files from another release
-instead, to redo a patch that conflicted in a rebase; the patches before ``--patch`` then apply with
-offsets allowed, as the rebase applies them.
+instead, to redo a patch that conflicted in a rebase; the patches before ``--patch`` then meet it as
+the rebase meets them (with offsets allowed; one already contained upstream leaves the files alone).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from sglang_cpkv.overlay.common import OverlayError
-from sglang_cpkv.overlay.patches import apply_patch, make_diff, parse_patch, split_lines
+from sglang_cpkv.overlay.patches import apply_patch, classify, make_diff, parse_patch, split_lines
 from sglang_cpkv.overlay.pin import load_pin
 from sglang_cpkv.overlay.queue import load_queue
 from sglang_cpkv.overlay.wheels import cache_dir, default_tag, fetch_release, pinned_wheel, read_wheel_files
@@ -53,12 +53,15 @@ def base_texts(
         raise OverlayError(f"not in {source} wheel: {', '.join(missing)}")
     files = {rel: split_lines(blob.decode()) for rel, blob in data.items() if blob is not None}
     for patch in patches:
-        try:
-            apply_patch(files, patch, allow_offset=other_release)
-        except OverlayError as exc:
+        if not other_release:
+            apply_patch(files, patch)  # the queue applies strictly to its pin (`overlay check`)
+            continue
+        verdict = classify(files, patch)  # as the rebase meets it: a contained patch leaves the files as they are
+        if verdict.kind == "conflict":
             raise OverlayError(
-                f"{patch.name} comes before {before_patch} in the series and does not apply to {source} ({exc}): redo it first"
-            ) from exc
+                f"{patch.name} comes before {before_patch} in the series and conflicts with {source} "
+                f"({verdict.detail}): redo it first"
+            )
     return {rel: "".join(files[rel]) for rel in rel_paths}
 
 

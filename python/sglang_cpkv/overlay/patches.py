@@ -253,3 +253,47 @@ def make_diff(rel_path: str, before: str, after: str) -> str:
     ):
         out.append(line if line.endswith("\n") else line + "\n\\ No newline at end of file\n")
     return "".join(out)
+
+
+@dataclasses.dataclass
+class Verdict:
+    """How a patch meets another release's files (:func:`classify`)."""
+
+    patch: str
+    kind: str  # clean | offsets | contained | conflict
+    detail: str = ""
+    failures: list[HunkFailure] = dataclasses.field(default_factory=list)  # every failing hunk of a conflict
+
+
+def classify(files: dict[str, list[str]], patch: Patch) -> Verdict:
+    """Try ``patch`` on another release's ``files``: strictly, then with offsets (``files`` updated in place when
+    either applies), then reversed (already contained: ``files`` unchanged); else it conflicts, with every
+    failing hunk."""
+    trial = dict(files)
+    try:
+        apply_patch(trial, patch)
+        files.update(trial)
+        return Verdict(patch.name, "clean")
+    except HunkFailure:
+        pass
+    except OverlayError as exc:  # a file the patch touches is not in the release
+        return Verdict(patch.name, "conflict", str(exc))
+    trial = dict(files)
+    try:
+        offsets = apply_patch(trial, patch, allow_offset=True)
+        files.update(trial)
+        moved = "; ".join(
+            f"{path} hunk {i + 1}: {o:+d} lines" for path, offs in offsets.items() for i, o in enumerate(offs) if o
+        )
+        return Verdict(patch.name, "offsets", moved)
+    except HunkFailure:
+        pass
+    try:
+        apply_patch(dict(files), patch, allow_offset=True, reverse=True)
+        return Verdict(patch.name, "contained", "every hunk reverse-applies to the new release")
+    except HunkFailure:
+        pass
+    failures = failing_hunks(files, patch)
+    names = ", ".join(f"{f.path} hunk {f.index + 1}" for f in failures)
+    detail = f"{len(failures)} hunks fail with offsets allowed: {names}; the patch does not reverse-apply"
+    return Verdict(patch.name, "conflict", detail, failures)

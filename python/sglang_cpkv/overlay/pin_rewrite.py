@@ -25,9 +25,9 @@ VERSION_REFERENCE_FILES = ("README.md", "python/pyproject.toml")
 VERSION_REFERENCE_DIRS = ("docker",)
 _VERSION = r"\d+(?:\.\d+)+(?:(?:a|b|rc)\d+)?(?:\.post\d+)?(?:\.dev\d+)?"
 VERSION_REFERENCES = (
-    re.compile(rf"(?<![\w.-])(sglang==)({_VERSION})"),  # a pip requirement (pyproject's extra, the README, the label)
+    re.compile(rf"\b(sglang==)({_VERSION})"),  # a pip requirement (pyproject's extra, the README, the label)
     re.compile(rf"(\bsglang:v)({_VERSION})"),  # upstream's release image, lmsysorg/sglang:vX.Y.Z-cu130
-    re.compile(rf"(?<![\w.-])(sglang-cpkv:)({_VERSION})"),  # our image, tagged with the upstream version
+    re.compile(rf"\b(sglang-cpkv:)({_VERSION})"),  # our image, tagged with the upstream version
 )
 
 

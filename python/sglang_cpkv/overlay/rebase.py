@@ -10,7 +10,6 @@ version itself changes nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import re
 import shutil
@@ -22,7 +21,7 @@ from pathlib import Path
 from packaging.utils import canonicalize_name
 
 from sglang_cpkv.overlay.common import OverlayError, log, sha256_bytes, sha256_file, write_if_changed
-from sglang_cpkv.overlay.patches import HunkFailure, Patch, apply_patch, failing_hunks, make_diff, split_lines
+from sglang_cpkv.overlay.patches import Verdict, classify, make_diff, split_lines
 from sglang_cpkv.overlay.pin import PIN_FILE, WheelPin, load_pin
 from sglang_cpkv.overlay.pin_rewrite import rewrite_pin_toml, rewrite_version_references
 from sglang_cpkv.overlay.queue import dump_manifest, load_queue, require_valid
@@ -41,15 +40,6 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 
-@dataclasses.dataclass
-class Verdict:
-    patch: str
-    kind: str  # clean | offsets | contained | conflict
-    detail: str = ""
-    failures: list[HunkFailure] = dataclasses.field(default_factory=list)
-    cross_check: str = ""  # what GNU patch says where it disagrees; empty when it agrees or did not run
-
-
 VERDICT_TEXT = {
     "clean": "applies cleanly",
     "offsets": "applies with offsets",
@@ -61,38 +51,6 @@ VERDICT_ACTION = {"offsets": "refreshed", "contained": "retired: moved to the ma
 
 def _hunk_names(hunks: set[tuple[str, int]]) -> str:
     return ", ".join(f"{path} hunk {number}" for path, number in sorted(hunks)) or "none"
-
-
-def classify(files: dict[str, list[str]], patch: Patch) -> Verdict:
-    """Try ``patch`` on ``files`` (updated in place when it applies, strictly or with offsets)."""
-    trial = dict(files)
-    try:
-        apply_patch(trial, patch)
-        files.update(trial)
-        return Verdict(patch.name, "clean")
-    except HunkFailure:
-        pass
-    except OverlayError as exc:  # a file the patch touches is not in the release
-        return Verdict(patch.name, "conflict", str(exc))
-    trial = dict(files)
-    try:
-        offsets = apply_patch(trial, patch, allow_offset=True)
-        files.update(trial)
-        moved = "; ".join(
-            f"{path} hunk {i + 1}: {o:+d} lines" for path, offs in offsets.items() for i, o in enumerate(offs) if o
-        )
-        return Verdict(patch.name, "offsets", moved)
-    except HunkFailure:
-        pass
-    try:
-        apply_patch(dict(files), patch, allow_offset=True, reverse=True)
-        return Verdict(patch.name, "contained", "every hunk reverse-applies to the new release")
-    except HunkFailure:
-        pass
-    failures = failing_hunks(files, patch)
-    names = _hunk_names({(f.path, f.index + 1) for f in failures})
-    detail = f"{len(failures)} hunks fail with offsets allowed: {names}; the patch does not reverse-apply"
-    return Verdict(patch.name, "conflict", detail, failures)
 
 
 def gnu_patch_rejects(files: dict[str, list[str]], patch_text: str) -> set[tuple[str, int]] | None:
@@ -121,12 +79,12 @@ def gnu_patch_rejects(files: dict[str, list[str]], patch_text: str) -> set[tuple
     return rejects
 
 
-def _cross_check(verdict: Verdict, rejects: set[tuple[str, int]] | None) -> None:
-    if rejects is None or verdict.kind == "contained" or (verdict.kind == "conflict" and not verdict.failures):
-        return
+def cross_check(verdict: Verdict, rejects: set[tuple[str, int]]) -> str:
+    """Where GNU patch's rejects disagree with ``verdict`` (empty when they agree or do not apply to it)."""
+    if verdict.kind == "contained" or (verdict.kind == "conflict" and not verdict.failures):
+        return ""  # a contained patch fails forward by definition; a missing file has no hunks to compare
     ours = {(f.path, f.index + 1) for f in verdict.failures}
-    if rejects != ours:
-        verdict.cross_check = f"`patch --dry-run -F0` disagrees: it rejects {_hunk_names(rejects)}"
+    return "" if rejects == ours else f"`patch --dry-run -F0` disagrees: it rejects {_hunk_names(rejects)}"
 
 
 def _diff(before: str, after: str, name: str) -> str:
@@ -140,17 +98,17 @@ def render_report(
     wheels: dict[str, WheelPin],
     verdicts: list[Verdict],
     ok: bool,
-    cross_checked: bool,
+    disagreements: dict[str, str] | None,
     unpinned_kernels: list[str],
     changes_diff: str,
 ) -> str:
-    disagreements = [v for v in verdicts if v.cross_check]
-    if not cross_checked:
-        cross_check = "not run: GNU patch is not installed"
+    """The markdown report; ``disagreements`` is ``None`` when GNU patch did not run."""
+    if disagreements is None:
+        checked = "not run: GNU patch is not installed"
     elif disagreements:
-        cross_check = f"`patch --dry-run -F0` DISAGREES on {len(disagreements)} patches (see their details)"
+        checked = f"`patch --dry-run -F0` DISAGREES on {len(disagreements)} patches (see their details)"
     else:
-        cross_check = "`patch --dry-run -F0` agrees with every verdict"
+        checked = "`patch --dry-run -F0` agrees with every verdict"
     result = (
         "SUCCESS: UPSTREAM.toml, manifest, refreshed patches and version references updated"
         if ok
@@ -165,7 +123,7 @@ def render_report(
             for tag, w in sorted(wheels.items())
         ],
         f"- result: {result}",
-        f"- cross-check: {cross_check}",
+        f"- cross-check: {checked}",
         *(
             [
                 f"- [kernels] not pinned by the {new} wheel's metadata, left as they were (check them): {', '.join(unpinned_kernels)}"
@@ -179,12 +137,13 @@ def render_report(
     ]
     for i, v in enumerate(verdicts, 1):
         action = f"; {VERDICT_ACTION[v.kind]}" if ok and v.kind in VERDICT_ACTION else ""
-        detail = "; ".join(part for part in (v.detail, v.cross_check) if part)
+        detail = "; ".join(part for part in (v.detail, (disagreements or {}).get(v.patch)) if part)
         lines.append(f"| {i} | `{v.patch}` | {VERDICT_TEXT[v.kind]}{action} | {detail} |")
     for v in verdicts:
         if not v.failures:
             continue
-        confirmed = "" if v.cross_check or not cross_checked else " `patch --dry-run -F0` rejects the same hunks."
+        agreed = disagreements is not None and v.patch not in disagreements
+        confirmed = " `patch --dry-run -F0` rejects the same hunks." if agreed else ""
         lines += ["", f"## Conflict: `{v.patch}`: {len(v.failures)} failing hunks", ""]
         lines += [f"Each hunk's old lines are nowhere in the file, offsets allowed.{confirmed}"]
         for failure in v.failures:
@@ -229,13 +188,24 @@ def rebase(root: Path, version: str, report_path: Path | None = None) -> tuple[b
     files = {rel: split_lines(blob.decode()) for rel, blob in base.items() if blob is not None}
     verdicts: list[Verdict] = []
     refreshed: dict[str, str] = {}
-    cross_checked = True
+    disagreements: dict[str, str] | None = {}
+    conflicted: dict[str, str] = {}  # file -> the first conflicting patch that touches it
     for patch in patches:
         before = {rel: list(files[rel]) for rel in dict.fromkeys(patch.touches) if rel in files}
         verdict = classify(files, patch)
+        if verdict.kind == "conflict":
+            earlier = sorted({conflicted[f.path] for f in verdict.failures if f.path in conflicted})
+            if earlier:  # that patch's lines are missing from the file this one was tried on
+                verdict.detail += f"; the earlier conflicting {', '.join(earlier)} touches the same file: redo it first"
+            for rel in patch.touches:
+                conflicted.setdefault(rel, patch.name)
         rejects = gnu_patch_rejects(before, queue.patch_text(patch.name))
-        cross_checked = cross_checked and rejects is not None
-        _cross_check(verdict, rejects)
+        if rejects is None:
+            disagreements = None
+        elif disagreements is not None:
+            disagreement = cross_check(verdict, rejects)
+            if disagreement:
+                disagreements[patch.name] = disagreement
         verdicts.append(verdict)
         if verdict.kind == "offsets":
             refreshed[patch.name] = patch.header + "".join(
@@ -254,7 +224,7 @@ def rebase(root: Path, version: str, report_path: Path | None = None) -> tuple[b
     rewrites.update(rewrite_version_references(root, pin.version, version))
     changes_diff = "".join(_diff(a, b, path.relative_to(root).as_posix()) for path, (a, b) in rewrites.items())
     report = render_report(
-        pin.version, version, root, new_wheels, verdicts, ok, cross_checked, unpinned_kernels, changes_diff
+        pin.version, version, root, new_wheels, verdicts, ok, disagreements, unpinned_kernels, changes_diff
     )
     if report_path is not None:
         report_path.parent.mkdir(parents=True, exist_ok=True)
