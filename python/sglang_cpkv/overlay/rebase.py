@@ -196,7 +196,8 @@ def rebase(root: Path, version: str, report_path: Path | None = None) -> tuple[b
         if verdict.kind == "conflict":
             earlier = sorted({conflicted[f.path] for f in verdict.failures if f.path in conflicted})
             if earlier:  # that patch's lines are missing from the file this one was tried on
-                verdict.detail += f"; the earlier conflicting {', '.join(earlier)} touches the same file: redo it first"
+                names = ", ".join(earlier)
+                verdict.detail += f"; the earlier conflicting {names} also touches that file (redo it first where this one stacks on it)"
             for rel in patch.touches:
                 conflicted.setdefault(rel, patch.name)
         rejects = gnu_patch_rejects(before, queue.patch_text(patch.name))
