@@ -1,9 +1,10 @@
 """The patch format and the applier: ``-p1`` unified diffs of files of the ``sglang`` package.
 
 Patches apply strictly: every hunk's old lines must sit exactly at the stated line numbers (no fuzz,
-no offsets), and a run changes files only once every hunk of every patch has applied. Only ``rebase``
-allows offsets, to refresh the patches onto a new release, and then reports every hunk that fails
-even so (:func:`failing_hunks`). The applier is pure Python because the Docker image may lack
+no offsets), and a run changes files only once every hunk of every patch has applied. Only on another
+release are offsets allowed (:func:`classify`: how a patch meets it, for ``rebase`` and ``show|diff
+--upstream``), and a patch that conflicts there is reported with every hunk that fails even so
+(:func:`failing_hunks`). The applier is pure Python because the Docker image may lack
 ``patch``; its offset search follows GNU patch's, so ``patch --dry-run -F0`` can cross-check it.
 """
 

@@ -21,10 +21,10 @@ from pathlib import Path
 from packaging.utils import canonicalize_name
 
 from sglang_cpkv.overlay.common import OverlayError, log, sha256_bytes, sha256_file, write_if_changed
-from sglang_cpkv.overlay.patches import Verdict, classify, make_diff, split_lines
+from sglang_cpkv.overlay.patches import Patch, Verdict, classify, make_diff, split_lines
 from sglang_cpkv.overlay.pin import PIN_FILE, WheelPin, load_pin
 from sglang_cpkv.overlay.pin_rewrite import rewrite_pin_toml, rewrite_version_references
-from sglang_cpkv.overlay.queue import dump_manifest, load_queue, require_valid
+from sglang_cpkv.overlay.queue import Queue, dump_manifest, load_queue, require_valid
 from sglang_cpkv.overlay.wheels import (
     cache_dir,
     fetch_release,
@@ -160,17 +160,79 @@ def render_report(
     return "\n".join(lines) + "\n"
 
 
+def _try_queue(
+    patches: list[Patch], files: dict[str, list[str]], patch_texts: dict[str, str]
+) -> tuple[list[Verdict], dict[str, str], dict[str, str] | None]:
+    """Every patch in order on the new release's ``files``: the verdicts, the refreshed texts of the
+    patches that moved, and GNU patch's disagreements (``None`` when it is not installed)."""
+    verdicts: list[Verdict] = []
+    refreshed: dict[str, str] = {}
+    disagreements: dict[str, str] | None = {}
+    conflicted: dict[str, str] = {}  # file -> the first conflicting patch that touches it
+    for patch in patches:
+        before = {rel: list(files[rel]) for rel in dict.fromkeys(patch.touches) if rel in files}
+        verdict = classify(files, patch)
+        if verdict.kind == "conflict":
+            earlier = sorted({conflicted[f.path] for f in verdict.failures if f.path in conflicted})
+            if earlier:  # that patch's lines are missing from the file this one was tried on
+                names = ", ".join(earlier)
+                verdict.detail += f"; the earlier conflicting {names} also touches that file (redo it first where this one stacks on it)"
+            for rel in patch.touches:
+                conflicted.setdefault(rel, patch.name)
+        rejects = gnu_patch_rejects(before, patch_texts[patch.name])
+        if rejects is None:
+            disagreements = None
+        elif disagreements is not None:
+            disagreement = cross_check(verdict, rejects)
+            if disagreement:
+                disagreements[patch.name] = disagreement
+        verdicts.append(verdict)
+        if verdict.kind == "offsets":
+            refreshed[patch.name] = patch.header + "".join(
+                make_diff(rel, "".join(before[rel]), "".join(files[rel])) for rel in before
+            )
+    return verdicts, refreshed, disagreements
+
+
+def _moved_manifest(
+    queue: Queue, patches: list[Patch], retired: set[str], package: str, version: str, base: dict[str, bytes | None]
+) -> dict:
+    """The manifest on ``version``, its own order of entries and keys kept."""
+    entries = {e["patch"]: e for e in queue.manifest["patches"]}
+    manifest = dict(queue.manifest)
+    manifest["patches"] = [
+        {**e, "last_refreshed": version} for e in queue.manifest["patches"] if e["patch"] not in retired
+    ]
+    manifest["history"] = [
+        *queue.manifest["history"],
+        *[
+            {
+                "patch": name,
+                "description": entries[name]["description"],
+                "retired_in": version,
+                "reason": f"contained upstream in {package} {version} (reverse-applies); retire_when was: {entries[name]['retire_when']}",
+            }
+            for name in queue.series
+            if name in retired
+        ],
+    ]
+    still_touched = {p for patch in patches if patch.name not in retired for p in patch.touches}
+    manifest["pristine_sha256"] = {
+        rel: sha256_bytes(blob) for rel, blob in sorted(base.items()) if rel in still_touched and blob is not None
+    }
+    return manifest
+
+
 def rebase(root: Path, version: str, report_path: Path | None = None) -> tuple[bool, str]:
     """Move the queue onto upstream ``version``; change files only when every patch survives."""
     pin = load_pin(root)
     queue = load_queue(root)
     require_valid(queue, pin)
     patches = queue.parsed()
-    new_wheels: dict[str, WheelPin] = {}
-    paths: dict[str, Path] = {}
-    for tag, old_wheel in pin.wheels.items():
-        paths[tag] = fetch_release(pin.package, version, tag, old_wheel.platform, cache_dir(root))
-        new_wheels[tag] = WheelPin(tag, paths[tag].name, sha256_file(paths[tag]))
+    paths = {
+        tag: fetch_release(pin.package, version, tag, old.platform, cache_dir(root)) for tag, old in pin.wheels.items()
+    }
+    new_wheels = {tag: WheelPin(tag, path.name, sha256_file(path)) for tag, path in paths.items()}
     first_tag = next(iter(paths))
     first = paths[first_tag]
     touched = sorted({p for patch in patches for p in patch.touches})
@@ -186,32 +248,8 @@ def rebase(root: Path, version: str, report_path: Path | None = None) -> tuple[b
         raise OverlayError(f"{first.name} reports version {found}, expected {version}")
     base = blobs[first_tag]
     files = {rel: split_lines(blob.decode()) for rel, blob in base.items() if blob is not None}
-    verdicts: list[Verdict] = []
-    refreshed: dict[str, str] = {}
-    disagreements: dict[str, str] | None = {}
-    conflicted: dict[str, str] = {}  # file -> the first conflicting patch that touches it
-    for patch in patches:
-        before = {rel: list(files[rel]) for rel in dict.fromkeys(patch.touches) if rel in files}
-        verdict = classify(files, patch)
-        if verdict.kind == "conflict":
-            earlier = sorted({conflicted[f.path] for f in verdict.failures if f.path in conflicted})
-            if earlier:  # that patch's lines are missing from the file this one was tried on
-                names = ", ".join(earlier)
-                verdict.detail += f"; the earlier conflicting {names} also touches that file (redo it first where this one stacks on it)"
-            for rel in patch.touches:
-                conflicted.setdefault(rel, patch.name)
-        rejects = gnu_patch_rejects(before, queue.patch_text(patch.name))
-        if rejects is None:
-            disagreements = None
-        elif disagreements is not None:
-            disagreement = cross_check(verdict, rejects)
-            if disagreement:
-                disagreements[patch.name] = disagreement
-        verdicts.append(verdict)
-        if verdict.kind == "offsets":
-            refreshed[patch.name] = patch.header + "".join(
-                make_diff(rel, "".join(before[rel]), "".join(files[rel])) for rel in before
-            )
+    patch_texts = {name: queue.patch_text(name) for name in queue.series}
+    verdicts, refreshed, disagreements = _try_queue(patches, files, patch_texts)
     ok = all(v.kind != "conflict" for v in verdicts)
 
     pin_text = (root / PIN_FILE).read_text(encoding="utf-8")
@@ -234,28 +272,7 @@ def rebase(root: Path, version: str, report_path: Path | None = None) -> tuple[b
         return False, report
 
     retired = {v.patch for v in verdicts if v.kind == "contained"}
-    entries = {e["patch"]: e for e in queue.manifest["patches"]}
-    manifest = dict(queue.manifest)  # the manifest's own order of entries and keys is kept
-    manifest["patches"] = [
-        {**e, "last_refreshed": version} for e in queue.manifest["patches"] if e["patch"] not in retired
-    ]
-    manifest["history"] = [
-        *queue.manifest["history"],
-        *[
-            {
-                "patch": name,
-                "description": entries[name]["description"],
-                "retired_in": version,
-                "reason": f"contained upstream in {pin.package} {version} (reverse-applies); retire_when was: {entries[name]['retire_when']}",
-            }
-            for name in queue.series
-            if name in retired
-        ],
-    ]
-    still_touched = {p for patch in patches if patch.name not in retired for p in patch.touches}
-    manifest["pristine_sha256"] = {
-        rel: sha256_bytes(blob) for rel, blob in sorted(base.items()) if rel in still_touched and blob is not None
-    }
+    manifest = _moved_manifest(queue, patches, retired, pin.package, version, base)
     series_text = "".join(
         line
         for line in (queue.patches_dir / "series").read_text(encoding="utf-8").splitlines(keepends=True)
