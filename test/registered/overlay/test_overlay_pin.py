@@ -23,7 +23,7 @@ from sglang_cpkv.overlay.wheels import cache_dir, fetch_pinned, wheel_requiremen
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 from sglang_cpkv.testing.version_copies import SCANNED_DIRS, SCANNED_FILES, version_copies
 
-register_cpu_ci(est_time=15, suite="cpkv-cpu")
+register_cpu_ci(est_time=10, suite="cpkv-cpu")
 
 REPO = find_queue_root()
 PIN = load_pin(REPO)

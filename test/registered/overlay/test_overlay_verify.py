@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from sglang_cpkv.overlay.common import OverlayError, sha256_file
 from sglang_cpkv.overlay.pin import find_queue_root, load_pin
@@ -149,6 +150,20 @@ def test_apply_and_verify_run_without_tomlkit(pristine: Path) -> None:
         assert proc.returncode == 0, proc.stderr
     rebase = _cli("rebase", "--to", load_pin(REPO).version, python=no_tomlkit)
     assert rebase.returncode == 1 and "`rebase` needs the tomlkit package" in rebase.stderr
+
+
+def test_the_console_script_runs_the_same_cli(pristine: Path) -> None:
+    """``sglang-cpkv-overlay`` (python/pyproject.toml) is the entry point ``python -m sglang_cpkv.overlay`` runs."""
+    target = tomllib.loads((REPO / "python" / "pyproject.toml").read_text())["project"]["scripts"][
+        "sglang-cpkv-overlay"
+    ]
+    module, function = target.split(":")
+    script = [sys.executable, "-c", f"import sys; from {module} import {function}; sys.exit({function}())"]
+    apply_queue(pristine, REPO)
+    via_script = _cli("--queue-root", str(REPO), "verify", "--sglang-root", str(pristine), python=script)
+    via_module = _cli("verify", "--sglang-root", str(pristine))
+    assert via_script.returncode == via_module.returncode == 0
+    assert via_script.stderr == via_module.stderr
 
 
 def test_user_errors_are_messages_not_tracebacks(tmp_path: Path) -> None:
