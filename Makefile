@@ -15,8 +15,10 @@ lint: setup
 	$(PY) -m ruff format --check .
 
 # Lint, then the registered CPU suite: exactly what .ci/run runs. Triton kernels run in the interpreter.
+# `overlay verify` checks that .venv's sglang carries the queue as setup applied it.
 test: setup lint
 	$(PY) -m sglang_cpkv.overlay check
+	$(PY) -m sglang_cpkv.overlay verify
 	TRITON_INTERPRET=1 $(PY) test/run_suite.py --hw cpu --jobs 2
 
 # The seed's scenario: a bs>1 batch sharing a prefix page with current reuse, per request

@@ -5,9 +5,9 @@
 #   2. apply the patch queue in-tree to that interpreter's sglang (or --sglang-root) with our overlay tool;
 #   3. build our CUDA ops ahead of time for sm_90a/sm_100a/sm_103a into the installed package
 #      (sglang_cpkv/ops/prebuilt/, where serving loads them; no compile at serving time);
-#   4. verify: a second apply is a no-op (the tool's applied-state check), the patched files compile, our
-#      package imports from outside the checkout, the prebuilt library matches its sources and torch, and
-#      the patched upstream imports when it is the interpreter's own sglang.
+#   4. verify: the tree carries exactly this checkout's queue as its record says (`overlay verify`), the
+#      patched files compile, our package imports from outside the checkout, the prebuilt library matches
+#      its sources and torch, and the patched upstream imports when it is the interpreter's own sglang.
 #
 #   docker/install.sh [--python PY] [--sglang-root DIR] [--arch 90a,100a,103a] [--no-kernels]
 #     --python PY        the target interpreter (default: python3)
@@ -113,11 +113,8 @@ else
 fi
 
 # 4. Verification.
-again="$(py -m sglang_cpkv.overlay --queue-root "$repo" apply --sglang-root "$sglang_root" 2>&1)"
-case "$again" in
-  *"already applied"*) log "overlay verified: ${again##*] }" ;;
-  *) die "a second overlay apply was not a no-op: $again" ;;
-esac
+py -m sglang_cpkv.overlay --queue-root "$repo" verify --sglang-root "$sglang_root" \
+  || die "the installed sglang does not carry the patch queue (overlay verify, above)"
 py - "$sglang_root" <<'PY'
 import json, py_compile, sys
 from pathlib import Path

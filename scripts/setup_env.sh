@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Create (or refresh) the CPU development environment in .venv: the pinned CPU torch, triton
-# (interpreter), test tools, the pinned upstream sglang installed --no-deps with our patch queue
-# applied in-tree, and our package installed editable.
+# Create (or refresh) the CPU development environment in .venv: the pinned torch (the CPU build
+# where the PyTorch CPU wheel index is reachable, else the default index's), triton (interpreter),
+# test tools, the pinned upstream sglang installed --no-deps with our patch queue applied in-tree,
+# and our package installed editable. It needs only the default package index (PyPI).
 #
 # CI (.ci/run via `make test`), `make demo` and a newcomer all use exactly this script; the
 # Docker image runs the same overlay steps against the image's own sglang (docker/install.sh).
 #
-#   scripts/setup_env.sh            # idempotent: reinstalls only what changed
-#   VENV=/path scripts/setup_env.sh # another location
+#   scripts/setup_env.sh                     # idempotent: reinstalls only what changed
+#   VENV=/path scripts/setup_env.sh          # another location
+#   TORCH_CPU_INDEX=URL scripts/setup_env.sh # a mirror of https://download.pytorch.org/whl/cpu
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,8 +33,19 @@ req_hash="$(cat requirements/dev-cpu.txt requirements/constraints-cpu.txt | sha2
 if [ "$(cat "$req_stamp" 2>/dev/null)" != "$req_hash" ]; then
   log "installing requirements/dev-cpu.txt (torch CPU build, triton, test tools, upstream import closure)"
   "${pip[@]}" install --upgrade pip
-  # torch first, alone: with the CPU wheel in place every later resolution keeps it.
-  "${pip[@]}" install -c requirements/constraints-cpu.txt "torch==2.13.0"
+  # torch first, alone, so that every later resolution keeps it: the CPU build (no CUDA libraries,
+  # no triton of its own) where the PyTorch CPU index answers, else the default index's build, which
+  # on PyPI is the CUDA one with the triton that requirements/dev-cpu.txt pins too.
+  torch_req="$(grep -E '^torch==' requirements/dev-cpu.txt)"
+  torch_index="${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}"
+  if "$py" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/torch/", timeout=15).close()' \
+    "$torch_index" 2>/dev/null; then
+    log "torch: ${torch_req}+cpu from $torch_index"
+    "${pip[@]}" install -c requirements/constraints-cpu.txt --extra-index-url "$torch_index" "${torch_req}+cpu"
+  else
+    log "torch: $torch_index is not reachable; $torch_req from the default index"
+    "${pip[@]}" install -c requirements/constraints-cpu.txt "$torch_req"
+  fi
   "${pip[@]}" install -c requirements/constraints-cpu.txt -r requirements/dev-cpu.txt
   echo "$req_hash" > "$req_stamp"
 else

@@ -7,7 +7,9 @@ one inserts a comment line (or takes over an upstream change) at a spot chosen b
 - ``core/demo-clean.patch``: a spot whose line numbers did not move  -> applies cleanly;
 - ``core/demo-offset.patch``: a spot below an upstream insertion     -> applies with offsets;
 - ``upstream-fixes/demo-contained.patch``: an upstream 0.5.23 change -> already contained;
-- ``core/demo-conflict.patch`` (only with ``conflict=True``): a line upstream then rewrote -> conflict.
+- ``core/demo-conflict.patch`` (only with ``conflict=True``): in ``memory_pool.py`` a spot below an upstream
+  insertion (hunk 1, which applies with offsets) and two lines upstream then rewrote (hunks 2 and 3), in
+  ``radix_cache.py`` one more rewritten line (hunk 1) -> conflict, with three failing hunks in two files.
 
     python -m sglang_cpkv.testing.overlay_demo --out /tmp/demo-queue [--conflict]
     python -m sglang_cpkv.overlay --queue-root /tmp/demo-queue rebase --to 0.5.23
@@ -21,11 +23,14 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from sglang_cpkv import overlay
+from sglang_cpkv.overlay.patches import DIFF_CONTEXT, make_diff, split_lines
+from sglang_cpkv.overlay.pin import WheelPin, find_queue_root, load_pin
+from sglang_cpkv.overlay.queue import pin_hashes
+from sglang_cpkv.overlay.wheels import cache_dir, fetch_pinned, fetch_release, read_wheel_files, wheel_requirements
 
 OLD_VERSION = "0.5.22"
 NEW_VERSION = "0.5.23"
-OLD_WHEEL = overlay.WheelPin(
+OLD_WHEEL = WheelPin(
     "cp311",
     "sglang-0.5.22-cp311-cp311-manylinux_2_34_x86_64.whl",
     "cc9a0f15bd8f877a0584fdb7a1702240177a1f1cc8d17c978715161717b9037b",  # PyPI, measured 2026-11-29
@@ -36,7 +41,9 @@ CLEAN_FILE = "srt/layers/deep_gemm_wrapper/compile_utils.py"
 OFFSET_FILE = "srt/server_args.py"
 CONTAINED_FILE = "srt/mem_cache/page_interleave_pool.py"
 CONFLICT_FILE = "srt/mem_cache/memory_pool.py"
-CONTEXT = overlay.DIFF_CONTEXT
+CONFLICT_FILE_2 = "srt/mem_cache/radix_cache.py"
+CONFLICT_FAILING_HUNKS = {(CONFLICT_FILE, 2), (CONFLICT_FILE, 3), (CONFLICT_FILE_2, 1)}
+CONTEXT = DIFF_CONTEXT
 KERNEL_PACKAGES = ("sglang-kernel", "flashinfer-python", "sgl-deep-gemm", "torch")
 
 
@@ -44,20 +51,25 @@ def _opcodes(old: list[str], new: list[str]) -> Sequence[tuple[str, int, int, in
     return difflib.SequenceMatcher(None, old, new, autojunk=False).get_opcodes()
 
 
-def _insert_at_equal(old: list[str], new: list[str], shifted: bool, label: str) -> list[str]:
-    """Insert a marker in the middle of the first long unchanged block that moved (or did not)."""
+def _unchanged_spot(old: list[str], new: list[str], shifted: bool) -> int:
+    """A line in the middle of the first long unchanged block that moved (or did not)."""
     for tag, i1, i2, j1, _ in _opcodes(old, new):
         if tag == "equal" and i2 - i1 > 4 * CONTEXT and (i1 != j1) == shifted:
             # A top-level line after a blank one keeps the demo hook readable; else the middle.
             tops = [k for k in range(i1 + CONTEXT, i2 - CONTEXT) if not old[k - 1].strip() and old[k][:1].isalpha()]
-            at = tops[0] if tops else (i1 + i2) // 2
-            return old[:at] + [MARKER.format(label)] + old[at:]
+            return tops[0] if tops else (i1 + i2) // 2
     raise RuntimeError(f"no {'shifted' if shifted else 'unshifted'} unchanged block found")
 
 
-def _small_change(old: list[str], new: list[str]) -> tuple[int, int, int, int]:
-    """The first small upstream replacement framed by unchanged context on both sides."""
+def _insert_at_equal(old: list[str], new: list[str], shifted: bool, label: str) -> list[str]:
+    at = _unchanged_spot(old, new, shifted)
+    return old[:at] + [MARKER.format(label)] + old[at:]
+
+
+def _small_changes(old: list[str], new: list[str]) -> list[tuple[int, int, int, int]]:
+    """Small upstream replacements framed by unchanged context on both sides, in file order."""
     ops = _opcodes(old, new)
+    found = []
     for k in range(1, len(ops) - 1):
         tag, i1, i2, j1, j2 = ops[k]
         framed = ops[k - 1][0] == "equal" and ops[k + 1][0] == "equal"
@@ -68,16 +80,26 @@ def _small_change(old: list[str], new: list[str]) -> tuple[int, int, int, int]:
             and i2 - i1 <= 3
             and j2 - j1 <= 3
         ):
-            return i1, i2, j1, j2
-    raise RuntimeError("no small framed upstream change found")
+            found.append((i1, i2, j1, j2))
+    if not found:
+        raise RuntimeError("no small framed upstream change found")
+    return found
 
 
-def _entry(name: str, touches: str, description: str, retire_when: str) -> dict:
+def _annotate(lines: list[str], at: list[int]) -> list[str]:
+    """``lines`` with the demo conflict marker appended to each line at ``at`` (a line upstream rewrites)."""
+    out = list(lines)
+    for index in at:
+        out[index] = out[index].rstrip("\n") + "  " + MARKER.format("conflict")
+    return out
+
+
+def _entry(name: str, touches: list[str], description: str, retire_when: str) -> dict:
     return {
         "patch": name,
         "description": description,
         "why": "demonstration queue for the rebase tool (not shipped)",
-        "touches": [touches],
+        "touches": touches,
         "origin": "sglang-cpkv (generated by sglang_cpkv.testing.overlay_demo)",
         "forwarded": "not-needed",
         "retire_when": retire_when,
@@ -92,72 +114,71 @@ def build_demo_queue(dest: Path, cache: Path, conflict: bool = False) -> Path:
         '# Demonstration pin (sglang_cpkv.testing.overlay_demo).\n\n[upstream]\npackage = "sglang"\n'
         f'version = "{OLD_VERSION}"\n\n[upstream.wheels.cp311]\nfilename = "{OLD_WHEEL.filename}"\nsha256 = "{OLD_WHEEL.sha256}"\n'
     )
-    old_wheel = overlay.fetch_pinned(overlay.load_pin(dest), "cp311", cache)
-    requirements = overlay.wheel_requirements(old_wheel)
+    old_wheel = fetch_pinned(load_pin(dest), "cp311", cache)
+    requirements = wheel_requirements(old_wheel, "cp311", OLD_WHEEL.platform)
     with (dest / "UPSTREAM.toml").open("a") as pin:
         pin.write("\n[kernels]\n" + "".join(f'{name} = "{requirements[name]}"\n' for name in KERNEL_PACKAGES))
-    new_wheel = overlay.fetch_unpinned("sglang", NEW_VERSION, "cp311", OLD_WHEEL.platform, cache)
-    files = [CLEAN_FILE, OFFSET_FILE, CONTAINED_FILE, CONFLICT_FILE]
-    old_text = {k: v.decode() for k, v in overlay.read_wheel_files(old_wheel, files).items() if v is not None}
-    new_text = {k: v.decode() for k, v in overlay.read_wheel_files(new_wheel, files).items() if v is not None}
-    old = {k: overlay.split_lines(v) for k, v in old_text.items()}
-    new = {k: overlay.split_lines(v) for k, v in new_text.items()}
+    new_wheel = fetch_release("sglang", NEW_VERSION, "cp311", OLD_WHEEL.platform, cache)
+    files = [CLEAN_FILE, OFFSET_FILE, CONTAINED_FILE, CONFLICT_FILE, CONFLICT_FILE_2]
+    old_text = {k: v.decode() for k, v in read_wheel_files(old_wheel, files).items() if v is not None}
+    new_text = {k: v.decode() for k, v in read_wheel_files(new_wheel, files).items() if v is not None}
+    old = {k: split_lines(v) for k, v in old_text.items()}
+    new = {k: split_lines(v) for k, v in new_text.items()}
 
-    edits: list[tuple[str, str, list[str], dict]] = [
+    edits: list[tuple[str, dict[str, list[str]], dict]] = [  # (patch, {file: edited lines}, manifest entry)
         (
             "core/demo-clean.patch",
-            CLEAN_FILE,
-            _insert_at_equal(old[CLEAN_FILE], new[CLEAN_FILE], False, "clean"),
+            {CLEAN_FILE: _insert_at_equal(old[CLEAN_FILE], new[CLEAN_FILE], False, "clean")},
             _entry(
                 "core/demo-clean.patch",
-                CLEAN_FILE,
+                [CLEAN_FILE],
                 "Insert a comment where 0.5.23 keeps the same line numbers.",
                 "never (demo)",
             ),
         ),
         (
             "core/demo-offset.patch",
-            OFFSET_FILE,
-            _insert_at_equal(old[OFFSET_FILE], new[OFFSET_FILE], True, "offset"),
+            {OFFSET_FILE: _insert_at_equal(old[OFFSET_FILE], new[OFFSET_FILE], True, "offset")},
             _entry(
                 "core/demo-offset.patch",
-                OFFSET_FILE,
+                [OFFSET_FILE],
                 "Insert a comment below a spot where 0.5.23 adds lines.",
                 "never (demo)",
             ),
         ),
     ]
-    i1, i2, j1, j2 = _small_change(old[CONTAINED_FILE], new[CONTAINED_FILE])
+    i1, i2, j1, j2 = _small_changes(old[CONTAINED_FILE], new[CONTAINED_FILE])[0]
     taken_over = old[CONTAINED_FILE][:i1] + new[CONTAINED_FILE][j1:j2] + old[CONTAINED_FILE][i2:]
     edits.append(
         (
             "upstream-fixes/demo-contained.patch",
-            CONTAINED_FILE,
-            taken_over,
+            {CONTAINED_FILE: taken_over},
             _entry(
                 "upstream-fixes/demo-contained.patch",
-                CONTAINED_FILE,
+                [CONTAINED_FILE],
                 "Backport a small change that sglang 0.5.23 ships.",
                 "sglang >= 0.5.23 ships it",
             ),
         )
     )
     if conflict:
-        i1, _, _, _ = _small_change(old[CONFLICT_FILE], new[CONFLICT_FILE])
-        rewritten = (
-            old[CONFLICT_FILE][:i1]
-            + [old[CONFLICT_FILE][i1].rstrip("\n") + "  " + MARKER.format("conflict")]
-            + old[CONFLICT_FILE][i1 + 1 :]
-        )
+        # Hunk 1 moves but applies; hunks 2 and 3 (and radix_cache.py's hunk 1) annotate rewritten lines.
+        spot = _unchanged_spot(old[CONFLICT_FILE], new[CONFLICT_FILE], True)
+        rewritten = [i1 for i1, *_ in _small_changes(old[CONFLICT_FILE], new[CONFLICT_FILE]) if i1 > spot + 4 * CONTEXT]
+        annotated = _annotate(old[CONFLICT_FILE], rewritten[:2])
+        first_rewritten = _small_changes(old[CONFLICT_FILE_2], new[CONFLICT_FILE_2])[0][0]
+        conflict_edits = {
+            CONFLICT_FILE: annotated[:spot] + [MARKER.format("conflict, moved")] + annotated[spot:],
+            CONFLICT_FILE_2: _annotate(old[CONFLICT_FILE_2], [first_rewritten]),
+        }
         edits.append(
             (
                 "core/demo-conflict.patch",
-                CONFLICT_FILE,
-                rewritten,
+                conflict_edits,
                 _entry(
                     "core/demo-conflict.patch",
-                    CONFLICT_FILE,
-                    "Annotate a line that sglang 0.5.23 rewrites.",
+                    list(conflict_edits),
+                    "Annotate lines that sglang 0.5.23 rewrites, and one that it only moves.",
                     "never (demo)",
                 ),
             )
@@ -165,16 +186,17 @@ def build_demo_queue(dest: Path, cache: Path, conflict: bool = False) -> Path:
 
     series = ["# Demonstration queue on sglang 0.5.22 (sglang_cpkv.testing.overlay_demo).\n"]
     entries = []
-    for name, rel, edited, entry in edits:
+    for name, edited, entry in edits:
         (dest / "patches" / name).parent.mkdir(parents=True, exist_ok=True)
         header = f"# {entry['description']}\n"
-        (dest / "patches" / name).write_text(header + overlay.make_diff(rel, old_text[rel], "".join(edited)))
+        diff = "".join(make_diff(rel, old_text[rel], "".join(lines)) for rel, lines in edited.items())
+        (dest / "patches" / name).write_text(header + diff)
         series.append(name + "\n")
         entries.append(entry)
     (dest / "patches" / "series").write_text("".join(series))
     manifest = {"patches": entries, "pristine_sha256": {}, "history": []}
     (dest / "patches" / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    overlay.pin_hashes(dest, old_wheel)
+    pin_hashes(dest, old_wheel)
     return dest
 
 
@@ -184,7 +206,7 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, help="wheel cache (default: $SGLANG_CPKV_CACHE or the repo's)")
     parser.add_argument("--conflict", action="store_true", help="add the conflicting patch")
     args = parser.parse_args()
-    cache = args.cache or overlay.cache_dir(overlay.find_queue_root())
+    cache = args.cache or cache_dir(find_queue_root())
     print(build_demo_queue(args.out, cache, args.conflict))
 
 

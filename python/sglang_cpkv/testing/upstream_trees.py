@@ -15,19 +15,14 @@ package writes the same files); a directory with a touched file keeps its own.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
-from sglang_cpkv import overlay
-
-
-def installed_sglang_root() -> Path:
-    """The installed ``sglang`` package directory, found without importing it."""
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or spec.origin is None:
-        raise RuntimeError("sglang is not installed in this environment (run scripts/setup_env.sh)")
-    return Path(spec.origin).parent
+from sglang_cpkv.overlay.common import PACKAGE_DIR
+from sglang_cpkv.overlay.pin import find_queue_root, load_pin
+from sglang_cpkv.overlay.queue import load_queue
+from sglang_cpkv.overlay.tree import RECORD_NAME, apply_queue, installed_sglang_root
+from sglang_cpkv.overlay.wheels import pinned_wheel, read_wheel_files
 
 
 def pristine_tree(dest: Path) -> Path:
@@ -35,20 +30,19 @@ def pristine_tree(dest: Path) -> Path:
 
     Returns ``dest`` (the directory to put on ``PYTHONPATH``).
     """
-    root = overlay.find_queue_root()
-    pin = overlay.load_pin(root)
-    queue = overlay.load_queue(root)
-    wheel = overlay.pinned_wheel(root, pin)
-    package = dest / overlay.PACKAGE_DIR
+    root = find_queue_root()
+    queue = load_queue(root)
+    wheel = pinned_wheel(root, load_pin(root))
+    package = dest / PACKAGE_DIR
     touched = sorted(set(queue.manifest.get("pristine_sha256", {})) | set(queue.touched()))
     _symlink_tree(installed_sglang_root(), package, {str(Path(rel).parent) for rel in touched})
-    for rel, data in overlay.read_wheel_files(wheel, touched).items():
+    for rel, data in read_wheel_files(wheel, touched).items():
         if data is None:
             raise RuntimeError(f"the pinned wheel {wheel.name} has no sglang/{rel}, which the queue touches")
         target = package / rel
         target.unlink()
         target.write_bytes(data)
-    record = package / overlay.RECORD_NAME
+    record = package / RECORD_NAME
     if record.is_symlink() or record.exists():
         record.unlink()
     return dest
@@ -57,7 +51,7 @@ def pristine_tree(dest: Path) -> Path:
 def patched_tree(dest: Path) -> Path:
     """``dest/sglang``: :func:`pristine_tree` with the whole queue applied. Returns ``dest``."""
     pristine_tree(dest)
-    overlay.apply_queue(dest / overlay.PACKAGE_DIR, overlay.find_queue_root())
+    apply_queue(dest / PACKAGE_DIR, find_queue_root())
     return dest
 
 

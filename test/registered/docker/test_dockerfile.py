@@ -119,7 +119,7 @@ def test_install_script_patches_installs_and_verifies(tmp_path, pinned_wheel):
     result = run_install(python)
     assert result.returncode == 0, result.stderr
     assert f"sglang at {sglang_root}" in result.stderr  # found the interpreter's own sglang, like the image
-    assert "overlay verified: already applied" in result.stderr
+    assert f"[overlay] verified {sglang_root}: sglang==" in result.stderr  # overlay verify, after the install
     assert "patched sglang.srt.server_args imports" in result.stderr
 
     record = json.loads((sglang_root / ".sglang_cpkv_overlay.json").read_text())

@@ -15,13 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from sglang_cpkv import overlay
+from sglang_cpkv.overlay.common import OverlayError, sha256_bytes, sha256_file
+from sglang_cpkv.overlay.patches import HunkFailure, apply_patch, make_diff, parse_patch, split_lines
+from sglang_cpkv.overlay.pin import Pin, WheelPin, find_queue_root, load_pin
+from sglang_cpkv.overlay.queue import dump_manifest, load_queue, pin_hashes, validate_queue
+from sglang_cpkv.overlay.tree import RECORD_NAME, apply_queue, check_queue
+from sglang_cpkv.overlay.wheels import cache_dir, fetch_pinned, fetch_release, read_wheel_files, unpack_subset
 from sglang_cpkv.testing import overlay_demo
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=25, suite="cpkv-cpu")
 
-REAL_ROOT = overlay.find_queue_root()
+REAL_ROOT = find_queue_root()
 SERVER_ARGS = "srt/server_args.py"
 COMPILE_UTILS = "srt/layers/deep_gemm_wrapper/compile_utils.py"
 
@@ -29,26 +34,26 @@ COMPILE_UTILS = "srt/layers/deep_gemm_wrapper/compile_utils.py"
 @pytest.fixture(autouse=True)
 def _shared_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """Temporary queue roots share the repo's wheel cache instead of downloading into their own."""
-    monkeypatch.setenv("SGLANG_CPKV_CACHE", str(overlay.cache_dir(REAL_ROOT)))
+    monkeypatch.setenv("SGLANG_CPKV_CACHE", str(cache_dir(REAL_ROOT)))
 
 
 @pytest.fixture(scope="module")
 def cache() -> Path:
-    return overlay.cache_dir(REAL_ROOT)
+    return cache_dir(REAL_ROOT)
 
 
 @pytest.fixture(scope="module")
-def pin() -> overlay.Pin:
-    return overlay.load_pin(REAL_ROOT)
+def pin() -> Pin:
+    return load_pin(REAL_ROOT)
 
 
 @pytest.fixture(scope="module")
-def wheel(pin: overlay.Pin, cache: Path) -> Path:
-    return overlay.fetch_pinned(pin, "cp311", cache)
+def wheel(pin: Pin, cache: Path) -> Path:
+    return fetch_pinned(pin, "cp311", cache)
 
 
 def _pristine(wheel: Path, rel: str) -> str:
-    data = overlay.read_wheel_files(wheel, [rel])[rel]
+    data = read_wheel_files(wheel, [rel])[rel]
     assert data is not None, f"{rel} missing from {wheel.name}"
     return data.decode()
 
@@ -64,7 +69,7 @@ def _empty_queue_root(dest: Path) -> Path:
     shutil.copy(REAL_ROOT / "UPSTREAM.toml", dest / "UPSTREAM.toml")
     (dest / "patches" / "series").write_text("# test queue\n")
     (dest / "patches" / "manifest.json").write_text(
-        overlay.dump_manifest({"patches": [], "pristine_sha256": {}, "history": []})
+        dump_manifest({"patches": [], "pristine_sha256": {}, "history": []})
     )
     return dest
 
@@ -88,36 +93,32 @@ def _add_patch(root: Path, name: str, text: str, touches: list[str], version: st
             "last_refreshed": version,
         }
     )
-    (root / "patches" / "manifest.json").write_text(overlay.dump_manifest(manifest))
+    (root / "patches" / "manifest.json").write_text(dump_manifest(manifest))
 
 
 @pytest.fixture()
-def test_queue(tmp_path: Path, wheel: Path, pin: overlay.Pin) -> Path:
-    """Three patches on the pinned 0.5.23: two stacked on server_args.py, one on compile_utils.py."""
+def test_queue(tmp_path: Path, wheel: Path, pin: Pin) -> Path:
+    """Three patches on the pinned release: two stacked on server_args.py, one on compile_utils.py."""
     root = _empty_queue_root(tmp_path / "queue")
     server_args = _pristine(wheel, SERVER_ARGS)
     first = _insert_after(server_args, 40, "# cpkv test hook one\n")
     second = _insert_after(first, 80, "# cpkv test hook two\n")
     compile_utils = _pristine(wheel, COMPILE_UTILS)
-    _add_patch(
-        root, "core/add-hook-one.patch", overlay.make_diff(SERVER_ARGS, server_args, first), [SERVER_ARGS], pin.version
-    )
-    _add_patch(
-        root, "core/add-hook-two.patch", overlay.make_diff(SERVER_ARGS, first, second), [SERVER_ARGS], pin.version
-    )
+    _add_patch(root, "core/add-hook-one.patch", make_diff(SERVER_ARGS, server_args, first), [SERVER_ARGS], pin.version)
+    _add_patch(root, "core/add-hook-two.patch", make_diff(SERVER_ARGS, first, second), [SERVER_ARGS], pin.version)
     _add_patch(
         root,
         "upstream-fixes/fix-compile-utils.patch",
-        overlay.make_diff(COMPILE_UTILS, compile_utils, _insert_after(compile_utils, 10, "# cpkv test fix\n")),
+        make_diff(COMPILE_UTILS, compile_utils, _insert_after(compile_utils, 10, "# cpkv test fix\n")),
         [COMPILE_UTILS],
         pin.version,
     )
-    overlay.pin_hashes(root, wheel)
+    pin_hashes(root, wheel)
     return root
 
 
 def _tree(wheel: Path, dest: Path, rel_paths: list[str]) -> Path:
-    return overlay.unpack_subset(wheel, rel_paths, dest)
+    return unpack_subset(wheel, rel_paths, dest)
 
 
 def test_fetch_cli_prints_only_the_verified_wheel_path(wheel: Path) -> None:
@@ -139,50 +140,48 @@ def _offline_pip(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, wheel: Path) -
 
 
 def test_fetch_rejects_a_wheel_whose_sha256_does_not_match_the_pin(
-    tmp_path: Path, wheel: Path, pin: overlay.Pin, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, wheel: Path, pin: Pin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _offline_pip(monkeypatch, tmp_path, wheel)
     good = pin.wheels["cp311"]
     bad_sha = "0" * 64
-    bad_pin = overlay.Pin(pin.package, pin.version, {"cp311": overlay.WheelPin("cp311", good.filename, bad_sha)})
+    bad_pin = Pin(pin.package, pin.version, {"cp311": WheelPin("cp311", good.filename, bad_sha)})
     dest = tmp_path / "cache"
-    with pytest.raises(overlay.OverlayError) as info:
-        overlay.fetch_pinned(bad_pin, "cp311", dest)
+    with pytest.raises(OverlayError) as info:
+        fetch_pinned(bad_pin, "cp311", dest)
     assert f"expected {bad_sha}" in str(info.value) and f"found {good.sha256}" in str(info.value)
     assert not (dest / good.filename).exists(), "a rejected wheel must not stay in the cache"
 
 
 def test_fetch_replaces_a_corrupt_cached_wheel(
-    tmp_path: Path, wheel: Path, pin: overlay.Pin, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, wheel: Path, pin: Pin, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _offline_pip(monkeypatch, tmp_path, wheel)
     dest = tmp_path / "cache"
     dest.mkdir()
     (dest / wheel.name).write_bytes(b"truncated download")
-    got = overlay.fetch_pinned(pin, "cp311", dest)
-    assert overlay.sha256_file(got) == pin.wheels["cp311"].sha256
+    got = fetch_pinned(pin, "cp311", dest)
+    assert sha256_file(got) == pin.wheels["cp311"].sha256
 
 
 def test_apply_patches_in_order_records_and_is_idempotent(tmp_path: Path, test_queue: Path, wheel: Path) -> None:
     tree = _tree(wheel, tmp_path / "site", [SERVER_ARGS, COMPILE_UTILS, "README.md"])
     untouched = (tree / "README.md").read_bytes()
-    message = overlay.apply_queue(tree, test_queue)
+    message = apply_queue(tree, test_queue)
     assert message.startswith("applied 3 patches")
     server_args = (tree / SERVER_ARGS).read_text().splitlines()
     assert server_args[40] == "# cpkv test hook one" and server_args[80] == "# cpkv test hook two"
     assert (tree / COMPILE_UTILS).read_text().splitlines()[10] == "# cpkv test fix"
     assert (tree / "README.md").read_bytes() == untouched
 
-    record = json.loads((tree / overlay.RECORD_NAME).read_text())
-    queue = overlay.load_queue(test_queue)
+    record = json.loads((tree / RECORD_NAME).read_text())
+    queue = load_queue(test_queue)
     assert record["queue_sha256"] == queue.sha256()
     assert [p["patch"] for p in record["patches"]] == queue.series
-    assert record["files"][SERVER_ARGS]["patched_sha256"] == overlay.sha256_file(tree / SERVER_ARGS)
-    assert record["files"][SERVER_ARGS]["pristine_sha256"] == overlay.sha256_bytes(
-        _pristine(wheel, SERVER_ARGS).encode()
-    )
+    assert record["files"][SERVER_ARGS]["patched_sha256"] == sha256_file(tree / SERVER_ARGS)
+    assert record["files"][SERVER_ARGS]["pristine_sha256"] == sha256_bytes(_pristine(wheel, SERVER_ARGS).encode())
 
-    before = {rel: (tree / rel).read_bytes() for rel in (SERVER_ARGS, COMPILE_UTILS, overlay.RECORD_NAME)}
+    before = {rel: (tree / rel).read_bytes() for rel in (SERVER_ARGS, COMPILE_UTILS, RECORD_NAME)}
     proc = subprocess.run(
         [
             sys.executable,
@@ -202,11 +201,11 @@ def test_apply_patches_in_order_records_and_is_idempotent(tmp_path: Path, test_q
     assert {rel: (tree / rel).read_bytes() for rel in before} == before
 
 
-def test_apply_refuses_another_upstream_version(tmp_path: Path, cache: Path) -> None:
-    """The real queue on an 0.5.22 tree: refused, naming the expected and the found version."""
-    old_pin = overlay.Pin("sglang", overlay_demo.OLD_VERSION, {"cp311": overlay_demo.OLD_WHEEL})
-    old_wheel = overlay.fetch_pinned(old_pin, "cp311", cache)
-    tree = _tree(old_wheel, tmp_path / "site", [SERVER_ARGS])
+def test_apply_refuses_another_upstream_version(tmp_path: Path, cache: Path, pin: Pin) -> None:
+    """The real queue on a tree of another release: refused, naming the expected and the found version."""
+    other = overlay_demo.OLD_VERSION if pin.version != overlay_demo.OLD_VERSION else overlay_demo.NEW_VERSION
+    other_wheel = fetch_release("sglang", other, "cp311", pin.wheels["cp311"].platform, cache)
+    tree = _tree(other_wheel, tmp_path / "site", [SERVER_ARGS])
     before = (tree / SERVER_ARGS).read_bytes()
     proc = subprocess.run(
         [
@@ -223,8 +222,8 @@ def test_apply_refuses_another_upstream_version(tmp_path: Path, cache: Path) -> 
         text=True,
     )
     assert proc.returncode == 1
-    assert "expected sglang 0.5.23" in proc.stderr and "found 0.5.22" in proc.stderr, proc.stderr
-    assert (tree / SERVER_ARGS).read_bytes() == before and not (tree / overlay.RECORD_NAME).exists()
+    assert f"expected sglang {pin.version}" in proc.stderr and f"found {other}" in proc.stderr, proc.stderr
+    assert (tree / SERVER_ARGS).read_bytes() == before and not (tree / RECORD_NAME).exists()
 
 
 def test_apply_refuses_a_tampered_touched_file(tmp_path: Path, test_queue: Path, wheel: Path) -> None:
@@ -232,12 +231,12 @@ def test_apply_refuses_a_tampered_touched_file(tmp_path: Path, test_queue: Path,
     with (tree / COMPILE_UTILS).open("a") as handle:
         handle.write("# local edit\n")
     server_args = (tree / SERVER_ARGS).read_bytes()
-    with pytest.raises(overlay.OverlayError) as info:
-        overlay.apply_queue(tree, test_queue)
+    with pytest.raises(OverlayError) as info:
+        apply_queue(tree, test_queue)
     message = str(info.value)
-    expected = overlay.load_queue(test_queue).manifest["pristine_sha256"][COMPILE_UTILS]
+    expected = load_queue(test_queue).manifest["pristine_sha256"][COMPILE_UTILS]
     assert COMPILE_UTILS in message and f"expected pristine sha256 {expected}" in message
-    assert f"found {overlay.sha256_file(tree / COMPILE_UTILS)}" in message
+    assert f"found {sha256_file(tree / COMPILE_UTILS)}" in message
     assert SERVER_ARGS not in message
     assert (tree / SERVER_ARGS).read_bytes() == server_args, "nothing may be written when a file is refused"
 
@@ -250,24 +249,24 @@ def test_apply_writes_nothing_when_a_later_hunk_fails(tmp_path: Path, test_queue
     fix.write_text("".join(lines))
     tree = _tree(wheel, tmp_path / "site", [SERVER_ARGS, COMPILE_UTILS])
     before = {rel: (tree / rel).read_bytes() for rel in (SERVER_ARGS, COMPILE_UTILS)}
-    with pytest.raises(overlay.HunkFailure, match=r"fix-compile-utils\.patch.*hunk 1.*does not match"):
-        overlay.apply_queue(tree, test_queue)
+    with pytest.raises(HunkFailure, match=r"fix-compile-utils\.patch.*hunk 1.*does not match"):
+        apply_queue(tree, test_queue)
     assert {rel: (tree / rel).read_bytes() for rel in before} == before
-    assert not (tree / overlay.RECORD_NAME).exists()
+    assert not (tree / RECORD_NAME).exists()
 
 
 def test_apply_after_reinstall_reapplies_over_a_stale_record(tmp_path: Path, test_queue: Path, wheel: Path) -> None:
     """pip --force-reinstall restores pristine files but leaves our record: apply must patch again."""
     tree = _tree(wheel, tmp_path / "site", [SERVER_ARGS, COMPILE_UTILS])
-    overlay.apply_queue(tree, test_queue)
+    apply_queue(tree, test_queue)
     _tree(wheel, tmp_path / "site", [SERVER_ARGS, COMPILE_UTILS])
-    assert overlay.apply_queue(tree, test_queue).startswith("applied 3 patches")
+    assert apply_queue(tree, test_queue).startswith("applied 3 patches")
     assert "# cpkv test hook one\n" in (tree / SERVER_ARGS).read_text()
 
 
 def test_check_passes_on_the_real_queue_against_the_pinned_wheel(wheel: Path) -> None:
-    message = overlay.check_queue(REAL_ROOT, wheel)
-    assert message.startswith(f"ok: {len(overlay.load_queue(REAL_ROOT).series)} patches")
+    message = check_queue(REAL_ROOT, wheel)
+    assert message.startswith(f"ok: {len(load_queue(REAL_ROOT).series)} patches")
 
 
 def test_check_cli_on_a_test_queue(test_queue: Path) -> None:
@@ -283,7 +282,7 @@ def test_check_cli_on_a_test_queue(test_queue: Path) -> None:
 def _break_missing_entry(root: Path) -> str:
     manifest = json.loads((root / "patches" / "manifest.json").read_text())
     manifest["patches"] = [e for e in manifest["patches"] if e["patch"] != "core/add-hook-two.patch"]
-    (root / "patches" / "manifest.json").write_text(overlay.dump_manifest(manifest))
+    (root / "patches" / "manifest.json").write_text(dump_manifest(manifest))
     return "series entry has no manifest entry: core/add-hook-two.patch"
 
 
@@ -303,14 +302,14 @@ def _break_duplicate(root: Path) -> str:
 def _break_retire_when(root: Path) -> str:
     manifest = json.loads((root / "patches" / "manifest.json").read_text())
     del manifest["patches"][0]["retire_when"]
-    (root / "patches" / "manifest.json").write_text(overlay.dump_manifest(manifest))
+    (root / "patches" / "manifest.json").write_text(dump_manifest(manifest))
     return "core/add-hook-one.patch: missing or empty 'retire_when'"
 
 
 def _break_touches(root: Path) -> str:
     manifest = json.loads((root / "patches" / "manifest.json").read_text())
     manifest["patches"][2]["touches"] = [SERVER_ARGS]
-    (root / "patches" / "manifest.json").write_text(overlay.dump_manifest(manifest))
+    (root / "patches" / "manifest.json").write_text(dump_manifest(manifest))
     return f"upstream-fixes/fix-compile-utils.patch: manifest touches ['{SERVER_ARGS}'] but the patch touches ['{COMPILE_UTILS}']"
 
 
@@ -323,7 +322,7 @@ def _break_newline(root: Path) -> str:
 def _break_manifest_extra(root: Path) -> str:
     manifest = json.loads((root / "patches" / "manifest.json").read_text())
     manifest["patches"].append({**manifest["patches"][0], "patch": "core/not-in-series.patch"})
-    (root / "patches" / "manifest.json").write_text(overlay.dump_manifest(manifest))
+    (root / "patches" / "manifest.json").write_text(dump_manifest(manifest))
     return "manifest entry is not in series: core/not-in-series.patch"
 
 
@@ -340,19 +339,19 @@ def _break_manifest_extra(root: Path) -> str:
     ],
 )
 def test_validation_names_each_queue_defect(test_queue: Path, breaker) -> None:
-    pin = overlay.load_pin(test_queue)
-    assert overlay.validate_queue(overlay.load_queue(test_queue), pin) == []
+    pin = load_pin(test_queue)
+    assert validate_queue(load_queue(test_queue), pin) == []
     expected = breaker(test_queue)
-    errors = overlay.validate_queue(overlay.load_queue(test_queue), pin)
+    errors = validate_queue(load_queue(test_queue), pin)
     assert expected in errors, errors
-    with pytest.raises(overlay.OverlayError, match="the patch queue is invalid"):
-        overlay.check_queue(test_queue)
+    with pytest.raises(OverlayError, match="the patch queue is invalid"):
+        check_queue(test_queue)
 
 
 def test_diff_cli_writes_a_patch_on_top_of_the_current_series(tmp_path: Path, test_queue: Path, wheel: Path) -> None:
     """A new patch on a file the series already touches is made against the file as the series leaves it."""
     tree = _tree(wheel, tmp_path / "site", [SERVER_ARGS, COMPILE_UTILS])
-    overlay.apply_queue(tree, test_queue)
+    apply_queue(tree, test_queue)
     show = subprocess.run(
         [sys.executable, "-m", "sglang_cpkv.overlay", "--queue-root", str(test_queue), "show", "--file", SERVER_ARGS],
         capture_output=True,
@@ -380,11 +379,9 @@ def test_diff_cli_writes_a_patch_on_top_of_the_current_series(tmp_path: Path, te
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"--- a/sglang/{SERVER_ARGS}\n+++ b/sglang/{SERVER_ARGS}\n@@ -118,")
-    _add_patch(
-        test_queue, "core/add-hook-three.patch", proc.stdout, [SERVER_ARGS], overlay.load_pin(test_queue).version
-    )
+    _add_patch(test_queue, "core/add-hook-three.patch", proc.stdout, [SERVER_ARGS], load_pin(test_queue).version)
     fresh = _tree(wheel, tmp_path / "fresh", [SERVER_ARGS, COMPILE_UTILS])
-    assert overlay.apply_queue(fresh, test_queue).startswith("applied 4 patches")
+    assert apply_queue(fresh, test_queue).startswith("applied 4 patches")
     assert (fresh / SERVER_ARGS).read_text() == edited.read_text()
 
 
@@ -398,24 +395,22 @@ def test_diff_cli_writes_a_patch_on_top_of_the_current_series(tmp_path: Path, te
     ],
 )
 def test_make_diff_parse_apply_round_trip(before: str, after: str) -> None:
-    text = overlay.make_diff("srt/f.py", before, after)
-    patch = overlay.parse_patch(text, "t.patch")
-    files = {"srt/f.py": overlay.split_lines(before)}
-    overlay.apply_patch(files, patch)
+    text = make_diff("srt/f.py", before, after)
+    patch = parse_patch(text, "t.patch")
+    files = {"srt/f.py": split_lines(before)}
+    apply_patch(files, patch)
     assert "".join(files["srt/f.py"]) == after
-    overlay.apply_patch(files, patch, reverse=True)
+    apply_patch(files, patch, reverse=True)
     assert "".join(files["srt/f.py"]) == before
 
 
 def test_strict_apply_rejects_an_offset_that_rebase_would_accept() -> None:
     before = "".join(f"line {i}\n" for i in range(20))
-    patch = overlay.parse_patch(
-        overlay.make_diff("srt/f.py", before, before.replace("line 10\n", "line 10\nhook\n")), "t"
-    )
-    moved = {"srt/f.py": overlay.split_lines("new upstream line\n" + before)}
-    with pytest.raises(overlay.HunkFailure, match="does not match at the stated line"):
-        overlay.apply_patch(dict(moved), patch)
-    assert overlay.apply_patch(moved, patch, allow_offset=True) == {"srt/f.py": [1]}
+    patch = parse_patch(make_diff("srt/f.py", before, before.replace("line 10\n", "line 10\nhook\n")), "t")
+    moved = {"srt/f.py": split_lines("new upstream line\n" + before)}
+    with pytest.raises(HunkFailure, match="does not match at the stated line"):
+        apply_patch(dict(moved), patch)
+    assert apply_patch(moved, patch, allow_offset=True) == {"srt/f.py": [1]}
     assert "line 10\nhook\nline 11\n" in "".join(moved["srt/f.py"])
 
 

@@ -39,7 +39,8 @@ register_cpu_ci(est_time=45, suite="cpkv-cpu")
 
 pytest.importorskip("sglang", reason="needs upstream sglang 0.5.23 installed (make setup)")
 
-from sglang_cpkv import overlay  # noqa: E402
+from sglang_cpkv.overlay.patches import Patch, apply_patch  # noqa: E402
+from sglang_cpkv.overlay.queue import load_queue  # noqa: E402
 from sglang_cpkv.testing.upstream_env import install_torchvision_stub  # noqa: E402
 
 install_torchvision_stub()
@@ -68,14 +69,14 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 
 def pristine_split_backend_resolution():
     """Upstream's own ``_dsa_split_backend_resolution``, from the installed file minus our patches."""
-    queue = overlay.load_queue(REPO_ROOT)
+    queue = load_queue(REPO_ROOT)
     path = Path(overrides.__file__)
     files = {OVERRIDES_REL: path.read_text().splitlines(keepends=True)}
     touching = [p for p in queue.parsed() if OVERRIDES_REL in p.touches]
     assert touching, "no patch in the queue touches overrides.py: the layout guard is not applied"
     for patch in reversed(touching):
-        single = overlay.Patch(patch.name, patch.header, [fp for fp in patch.files if fp.path == OVERRIDES_REL])
-        overlay.apply_patch(files, single, reverse=True)
+        single = Patch(patch.name, patch.header, [fp for fp in patch.files if fp.path == OVERRIDES_REL])
+        apply_patch(files, single, reverse=True)
     text = "".join(files[OVERRIDES_REL])
     want = queue.manifest["pristine_sha256"][OVERRIDES_REL]
     assert hashlib.sha256(text.encode()).hexdigest() == want, "reverse-applied overrides.py is not the pinned original"
