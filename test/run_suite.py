@@ -170,7 +170,7 @@ def verdict(reg: Registration, outcome: Outcome) -> tuple[bool, str]:
             f'may_skip="..." on its register_{reg.hw}_ci marker)'
         )
     skipped = f", {outcome.skipped} skipped" if outcome.skipped else ""
-    return True, f"{outcome.tests} tests{skipped}"
+    return True, f"{outcome.tests} test{'' if outcome.tests == 1 else 's'}{skipped}"
 
 
 def main() -> int:

@@ -111,7 +111,10 @@ def _check_server(argv: list[str], env: dict, gpu_capability: str) -> tuple[str,
     parser = argparse.ArgumentParser(prog="sglang serve", allow_abbrev=False)
     ServerArgs.add_cli_args(parser)
     namespace = _parse_with(parser, argv, "flags rejected by upstream's parser")
-    ServerArgs.from_cli_args(namespace)
+    try:
+        ServerArgs.from_cli_args(namespace)
+    except (Exception, SystemExit) as exc:
+        raise _Refused(f"flags rejected by upstream's ServerArgs: {type(exc).__name__}: {exc}") from None
     parsed = "flags accepted by upstream's ServerArgs parser"
     config = _local_config(namespace.model_path, getattr(namespace, "revision", None))
     if config is None:
@@ -120,12 +123,13 @@ def _check_server(argv: list[str], env: dict, gpu_capability: str) -> tuple[str,
             "(a local model directory or the Hugging Face cache)"
         )
     capability = _pin_capability(gpu_capability)
-    resolve_argv = list(argv) if "--device" in argv else [*argv, "--device", "cuda"]
+    names_device = any(arg == "--device" or arg.startswith("--device=") for arg in argv)
+    resolve_argv = list(argv) if names_device else [*argv, "--device", "cuda"]
     # The hub's config comes from the cache only: a dry-run never downloads.
     with _environment({**env, "HF_HUB_OFFLINE": "1"}):
         try:
             prepare_server_args(resolve_argv).resolve_once()
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # what the server would die of at start-up
             raise _Refused(
                 f"the server refuses this at start-up: {type(exc).__name__}: {exc}\n"
                 f"  (resolved from {config} for a GPU of compute capability {capability})"
