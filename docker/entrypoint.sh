@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Entry point of the sglang-cpkv image: one P/D role per container, configured by PD_* variables
-# (python/sglang_cpkv/pd_launch.py; e.g. PD_MODEL_PATH, PD_PREFILL_TP, PD_PREFILL_CP, PD_DECODE_DP).
+# (python/sglang_cpkv/pd_launch/__init__.py; e.g. PD_MODEL_PATH, PD_PREFILL_TP, PD_PREFILL_CP, PD_DECODE_DP).
 #   prefill | decode | router   run that role in the foreground (output also in $PD_LOG_DIR)
-#   dry-run [ROLE ...]          print the commands and validate their flags (no GPU needed)
+#   dry-run [ROLE ...]          print the commands and run the servers' start-up checks (no GPU needed)
 #   status [ROLE ...]           health of the roles (the compose health checks use it)
 #   validate [ARGS ...]         the bs>1 contamination client (scripts/validate_bs_gt1_contamination.py)
 #   help                        this text

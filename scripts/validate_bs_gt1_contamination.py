@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """bs>1 vs bs=1 byte equality and cross-request contamination against a live server or P/D router.
 
-The logic lives in sglang_cpkv.contamination_client (see its docstring for the exit statuses):
+The logic lives in sglang_cpkv.contamination_client (see its docstring or --help for the exit statuses):
     scripts/validate_bs_gt1_contamination.py --url http://127.0.0.1:8000 -n 8 --out result.json
 """
 

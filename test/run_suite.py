@@ -5,10 +5,17 @@ Every ``test/registered/**/*.py`` file must carry at least one literal registrat
 module level (``register_cpu_ci(...)`` / ``register_cuda_ci(...)``, from
 ``sglang_cpkv.testing.ci_register``); the markers are read from the file's AST, never imported.
 Each selected file runs in its own process as ``python FILE`` (files end in
-``sys.exit(pytest.main([__file__, ...]))``).
+``sys.exit(pytest.main([__file__, ...]))``), with pytest's JUnit report (``PYTEST_ADDOPTS``) telling
+the runner how many of its tests ran and how many skipped.
 
-The run fails when any file fails, when a file collects no test (pytest exit 5), when a file is
-unregistered, or when the selection is empty.
+The run fails when any file fails, when a file collects no test (pytest exit 5), when every test of a
+file skipped, when a file is unregistered, or when the selection is empty. A file that may
+legitimately skip all its tests on some hardware says why on that marker, as a literal string:
+
+    register_cpu_ci(est_time=150, suite="cpkv-cpu", may_skip="nvcc is not on PATH outside CI")
+
+and an all-skipped run of it passes, printing the reason (``disabled=`` instead keeps a file from
+running at all).
 
     python test/run_suite.py --hw cpu                 # the CPU suite CI runs
     python test/run_suite.py --hw cuda --suite cpkv-test-1-gpu
@@ -20,9 +27,12 @@ from __future__ import annotations
 import argparse
 import ast
 import os
+import shlex
 import subprocess
 import sys
+import tempfile
 import time
+import xml.etree.ElementTree as ElementTree
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +50,16 @@ class Registration:
     suite: str
     est_time: float
     disabled: str | None
+    may_skip: str | None  # why every test of the file may skip on this hardware
+
+
+@dataclass(frozen=True)
+class Outcome:
+    code: int
+    seconds: float
+    output: str
+    tests: int | None  # from the file's JUnit report; None when it wrote none
+    skipped: int | None
 
 
 def _literal_kwargs(call: ast.Call, path: Path) -> dict:
@@ -75,14 +95,19 @@ def parse_registrations(path: Path) -> list[Registration]:
         suite = _suite_name(kwargs)
         if suite is None:
             raise SystemExit(f"{path}: {name}(...) names no suite (suite= or stage=+runner_config=)")
+        may_skip = kwargs.get("may_skip")
+        if may_skip is not None and not (isinstance(may_skip, str) and may_skip.strip()):
+            raise SystemExit(f"{path}: {name}(may_skip=...) must be the reason, a non-empty string")
         found.append(
-            Registration(path, MARKERS[name], suite, float(kwargs.get("est_time", 60)), kwargs.get("disabled"))
+            Registration(
+                path, MARKERS[name], suite, float(kwargs.get("est_time", 60)), kwargs.get("disabled"), may_skip
+            )
         )
     return found
 
 
-def collect(hw: str, suite: str) -> list[Registration]:
-    files = sorted(p for p in REGISTERED_DIR.rglob("*.py") if p.name != "__init__.py")
+def collect(root: Path, hw: str, suite: str) -> list[Registration]:
+    files = sorted(p for p in root.rglob("*.py") if p.name != "__init__.py")
     unregistered = [p for p in files if not parse_registrations(p)]
     if unregistered:
         raise SystemExit(
@@ -96,9 +121,20 @@ def collect(hw: str, suite: str) -> list[Registration]:
     return selected
 
 
-def run_one(reg: Registration, timeout: float) -> tuple[Registration, int, float, str]:
+def _junit_counts(report: Path) -> tuple[int | None, int | None]:
+    """(tests, skipped) over the report's test suites; (None, None) when there is no readable report."""
+    try:
+        root = ElementTree.parse(report).getroot()
+    except (OSError, ElementTree.ParseError):
+        return None, None
+    suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    return sum(int(s.get("tests", 0)) for s in suites), sum(int(s.get("skipped", 0)) for s in suites)
+
+
+def run_one(reg: Registration, timeout: float, report: Path) -> Outcome:
     start = time.monotonic()
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    addopts = " ".join(filter(None, [os.environ.get("PYTEST_ADDOPTS", ""), f"--junitxml={shlex.quote(str(report))}"]))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTEST_ADDOPTS=addopts)
     try:
         proc = subprocess.run(
             [sys.executable, str(reg.path)],
@@ -114,7 +150,27 @@ def run_one(reg: Registration, timeout: float) -> tuple[Registration, int, float
             s.decode(errors="replace") if isinstance(s, bytes) else s for s in (exc.stdout, exc.stderr) if s
         )
         code, out = 124, f"{partial}\nTIMEOUT after {timeout:.0f}s"
-    return reg, code, time.monotonic() - start, out
+    tests, skipped = _junit_counts(report)
+    return Outcome(code, time.monotonic() - start, out, tests, skipped)
+
+
+def verdict(reg: Registration, outcome: Outcome) -> tuple[bool, str]:
+    """(passed, what to say) for one file's run."""
+    if outcome.code == PYTEST_NO_TESTS:
+        return False, "collected no tests"
+    if outcome.code != 0:
+        return False, f"exit {outcome.code}"
+    if outcome.tests is None:
+        return False, "wrote no pytest report (does it end in sys.exit(pytest.main([__file__, ...]))?)"
+    if outcome.tests and outcome.skipped == outcome.tests:
+        if reg.may_skip:
+            return True, f"all {outcome.tests} tests skipped, as declared: {reg.may_skip}"
+        return False, (
+            f"all {outcome.tests} tests skipped (if that is expected on this hardware, say why with "
+            f'may_skip="..." on its register_{reg.hw}_ci marker)'
+        )
+    skipped = f", {outcome.skipped} skipped" if outcome.skipped else ""
+    return True, f"{outcome.tests} test{'' if outcome.tests == 1 else 's'}{skipped}"
 
 
 def main() -> int:
@@ -126,10 +182,17 @@ def main() -> int:
         "--timeout-factor", type=float, default=4.0, help="per-file timeout = factor * est_time (min 300 s)"
     )
     parser.add_argument("--list", action="store_true", help="print the selected files and exit")
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=REGISTERED_DIR,
+        help=f"directory of the registered files (default {REGISTERED_DIR})",
+    )
     args = parser.parse_args()
     suite = args.suite or DEFAULT_SUITES[args.hw]
+    root = args.root.resolve()
 
-    selected = collect(args.hw, suite)
+    selected = collect(root, args.hw, suite)
     if not selected:
         print(f"no test files registered for hw={args.hw} suite={suite}", file=sys.stderr)
         return 1
@@ -137,14 +200,14 @@ def main() -> int:
     if args.list:
         for reg in selected:
             print(
-                f"{reg.est_time:7.0f}s  {reg.path.relative_to(REGISTERED_DIR.parent)}{'  (disabled: ' + reg.disabled + ')' if reg.disabled else ''}"
+                f"{reg.est_time:7.0f}s  {reg.path.relative_to(root.parent)}{'  (disabled: ' + reg.disabled + ')' if reg.disabled else ''}"
             )
         return 0
 
     runnable = [r for r in selected if not r.disabled]
     for reg in selected:
         if reg.disabled:
-            print(f"SKIP (disabled: {reg.disabled}) {reg.path.relative_to(REGISTERED_DIR.parent)}")
+            print(f"SKIP (disabled: {reg.disabled}) {reg.path.relative_to(root.parent)}")
     print(
         f"running {len(runnable)} files of suite {suite} (estimated {sum(r.est_time for r in runnable):.0f}s)",
         flush=True,
@@ -152,19 +215,22 @@ def main() -> int:
 
     failed = []
     passed = 0
-    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        futures = [pool.submit(run_one, r, max(300.0, args.timeout_factor * r.est_time)) for r in runnable]
-        for fut in futures:
-            reg, code, seconds, out = fut.result()
-            rel = reg.path.relative_to(REGISTERED_DIR.parent)
-            print(out.rstrip())
-            if code == 0:
+    with tempfile.TemporaryDirectory(prefix="run_suite-") as reports, ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        futures = [
+            pool.submit(run_one, r, max(300.0, args.timeout_factor * r.est_time), Path(reports) / f"{i}.xml")
+            for i, r in enumerate(runnable)
+        ]
+        for reg, fut in zip(runnable, futures):
+            outcome = fut.result()
+            rel = reg.path.relative_to(root.parent)
+            print(outcome.output.rstrip())
+            ok, what = verdict(reg, outcome)
+            if ok:
                 passed += 1
-                print(f"=== PASS {rel} ({seconds:.1f}s)", flush=True)
+                print(f"=== PASS {rel}: {what} ({outcome.seconds:.1f}s)", flush=True)
             else:
-                why = "collected no tests" if code == PYTEST_NO_TESTS else f"exit {code}"
-                failed.append(f"{rel} ({why})")
-                print(f"=== FAIL {rel}: {why} ({seconds:.1f}s)", flush=True)
+                failed.append(f"{rel} ({what})")
+                print(f"=== FAIL {rel}: {what} ({outcome.seconds:.1f}s)", flush=True)
 
     print()
     for f in failed:

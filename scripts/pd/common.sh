@@ -1,15 +1,21 @@
 # Shared by the scripts/pd launchers (sourced, not run). Every command is built and checked by one
 # Python module, sglang_cpkv.pd_launch; these scripts only pick the interpreter and the role.
 #
-#   PD_PYTHON         the interpreter that runs the servers and the router: it has sglang (with our patch
-#                     queue applied), sglang_router and sglang_cpkv. Default: python3 on PATH.
-#   PD_LAUNCH_PYTHON  the interpreter that runs the launcher itself (default: PD_PYTHON).
+#   PD_PYTHON         the interpreter that runs the servers, the router and --dry-run's start-up checks: it
+#                     has sglang (with our patch queue applied), sglang_router and sglang_cpkv. Default: python3
+#                     on PATH (the image's); in a checkout after `make setup`: PD_PYTHON=$PWD/.venv/bin/python.
+#   PD_LAUNCH_PYTHON  the interpreter that runs the launcher itself (default: PD_PYTHON; the standard library
+#                     is enough).
 #   PD_ENV_FILE       optional file of `export PD_...=...` lines sourced first (e.g. scripts/pd/glm51-fp8-b300.env).
-# All PD_* variables are described in python/sglang_cpkv/pd_launch.py.
+# All PD_* variables are described in python/sglang_cpkv/pd_launch/__init__.py.
 
 pd_repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
 if [ -n "${PD_ENV_FILE:-}" ]; then
+  if [ ! -f "$PD_ENV_FILE" ]; then
+    echo "$(basename "$0"): error: PD_ENV_FILE=$PD_ENV_FILE: no such file (a relative path is read from $PWD)" >&2
+    exit 2
+  fi
   # shellcheck disable=SC1090
   . "$PD_ENV_FILE"
 fi
@@ -30,10 +36,10 @@ pd_usage() {
   cat >&2 <<USAGE
 usage: $(basename "$0") [--dry-run | --foreground | --no-wait | stop | status]
   (no option)   start the $1 in the background, log to \$PD_LOG_DIR, wait for /health
-  --dry-run     print the command and validate its flags with upstream's parser (CPU, no GPU)
+  --dry-run     print the command and run the server's start-up checks with \$PD_PYTHON (CPU, no GPU)
   --foreground  run in the foreground (output to stdout and the log)
   --no-wait     start without waiting for /health
-  stop          stop the $1 this launcher started (by its recorded process group)
+  stop          stop the $1 this launcher started (by its process group recorded in \$PD_LOG_DIR)
   status        recorded pid and health
 USAGE
 }

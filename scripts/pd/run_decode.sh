@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Start the P/D decode (see common.sh and python/sglang_cpkv/pd_launch.py for the PD_* settings).
+# Start the P/D decode (see common.sh and python/sglang_cpkv/pd_launch/__init__.py for the PD_* settings).
 set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 pd_role_main decode "$@"

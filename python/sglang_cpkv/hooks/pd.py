@@ -7,13 +7,28 @@ id is owned by CP rank ``page_id % cp_size`` and stays at the same page id in th
 the request's page list; the decode side writes each at the destination page of that position.
 Every page has exactly one owner, so the ranks' sends partition the request. The DSA indexer
 state pages (index K) are owner-sharded the same way and filtered with the same rule.
+
+The decode side learns the mode from the prefill's bootstrap info
+(``patches/core/publish-cp-shared-kv-mode-to-decode.patch``): the prefill ranks register
+``enable_cp_shared_kv`` with their bootstrap server the way upstream registers kv-sharding and the
+DSA layer split, and a decode that reads it pulls from every prefill CP rank whatever its own
+``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`` says (:func:`decode_pulls_from_every_cp_rank`).
+The field is left out of the info with the mode off (upstream's payload), so a decode without the
+patch refuses a CP shared-KV prefill's info at first contact instead of pulling from CP rank 0,
+which holds only ``1/cp`` of the pages.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
+
+from sglang_cpkv.runtime.ownership import page_owner
+
+logger = logging.getLogger(__name__)
 
 
 def filter_owned_kv_indices(
@@ -34,18 +49,47 @@ def filter_owned_kv_indices(
         raise ValueError(
             f"send chunk has {kv_indices.shape[0]} page ids for positions {index_slice.start}..{index_slice.stop}"
         )
-    owned = kv_indices % cp_size == cp_rank
+    owned = page_owner(kv_indices, cp_size) == cp_rank
     return kv_indices[owned], positions[owned]
 
 
 def filter_owned_state_pages(
     src_pages: Sequence[int], dst_pages: Sequence[int], cp_rank: int, cp_size: int
 ) -> tuple[list[int], list[int]]:
-    """Owned DSA state (index-K) pages and their paired destination pages."""
+    """Owned DSA state (index-K) pages and their paired destination pages.
+
+    Source and destination pages pair by position. Upstream's Mooncake state send tolerates a
+    length drift of the paged DSA state between the two sides (it warns and truncates the longer
+    list to the shorter); the same truncation runs here, before the owner filter, so the pairs
+    this rank sends are the pairs upstream would send, restricted to the pages it owns.
+    """
     if len(src_pages) != len(dst_pages):
-        raise RuntimeError(
-            f"DSA state page count mismatch under CP shared-KV: prefill={len(src_pages)}, decode={len(dst_pages)}"
+        logger.warning(
+            "DSA state page count differs under CP shared-KV: prefill=%d, decode=%d; sending the first %d pairs",
+            len(src_pages),
+            len(dst_pages),
+            min(len(src_pages), len(dst_pages)),
         )
-    src = np.asarray(src_pages, dtype=np.int64)
-    owned = src % cp_size == cp_rank
-    return src[owned].tolist(), np.asarray(dst_pages, dtype=np.int64)[owned].tolist()
+    paired = min(len(src_pages), len(dst_pages))
+    src = np.asarray(src_pages[:paired], dtype=np.int64)
+    owned = page_owner(src, cp_size) == cp_rank
+    return src[owned].tolist(), np.asarray(dst_pages[:paired], dtype=np.int64)[owned].tolist()
+
+
+def decode_pulls_from_every_cp_rank(prefill_info: Any) -> bool:
+    """Decode side, at first contact: whether the prefill's bootstrap info publishes the mode.
+
+    Args:
+        prefill_info: upstream's ``PrefillServerInfo`` as fetched from the prefill's bootstrap server.
+
+    Returns:
+        True when the prefill runs ``--enable-cp-shared-kv``: every one of its CP ranks holds only
+        the pages it owns, so the decode pulls from all of them.
+    """
+    if not prefill_info.enable_cp_shared_kv:
+        return False
+    logger.info(
+        "prefill publishes --enable-cp-shared-kv: pulling KV from all %d of its CP ranks",
+        prefill_info.attn_cp_size,
+    )
+    return True

@@ -1,4 +1,4 @@
-"""P/D under CP shared-KV: each prefill CP rank sends exactly the pages it owns (CPU).
+"""P/D under CP shared-KV: each prefill CP rank sends exactly the pages it owns, and the decode pulls from all (CPU).
 
 Runs upstream's patched ``CommonKVSender._prepare_send_indices`` (the sender's chunk
 pre-processing) on sender state holding the fields it reads, in both modes:
@@ -8,9 +8,19 @@ pre-processing) on sender state holding the fields it reads, in both modes:
 * flag on: each rank keeps the pages with ``page_id % cp == rank`` at their page ids (no ``// N``
   compression, unlike upstream's kv-sharding) with their positions in the request's page list;
   over all ranks and chunks the sends partition the request's pages.
+
+The handshake tests run upstream's bootstrap server and ``CommonKVManager`` on both sides
+(:mod:`sglang_cpkv.testing.pd_handshake`, one process per deployment): a prefill with the flag
+publishes the mode, and a decode started without ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER``
+follows it and pulls from every prefill CP rank; with the flag off everything is upstream's.
 """
 
+import json
+import os
+import socket
+import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,7 +28,10 @@ import pytest
 
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=20, suite="cpkv-cpu")
+register_cpu_ci(est_time=30, suite="cpkv-cpu")
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "upstream" / "fixtures" / "dsa_v32"  # DeepseekV32ForCausalLM
+ALL_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
 
 CP = 4
 PAGES = np.array([17, 3, 8, 8 + 4, 22, 5, 9, 30, 31, 6], dtype=np.int32)  # one request's page list
@@ -112,8 +125,111 @@ def test_state_pages_follow_the_owner_rule():
     assert sorted(d for _, ds in got for d in ds) == dst
     for rank, (src, _) in enumerate(got):
         assert all(p % CP == rank for p in src)
-    with pytest.raises(RuntimeError, match="page count mismatch"):
-        filter_owned_state_pages([1, 2], [3], 0, CP)
+
+
+@pytest.mark.parametrize("drift", [-1, 1], ids=["decode-has-more", "prefill-has-more"])
+def test_state_page_count_drift_is_truncated_as_upstream_tolerates(drift):
+    # Upstream's Mooncake state send truncates the longer paged-DSA list to the shorter one; under the mode
+    # each rank sends those same positional pairs, restricted to the pages it owns.
+    from sglang_cpkv.hooks.pd import filter_owned_state_pages
+
+    src, dst = PAGES.tolist(), list(range(100, 100 + len(PAGES)))
+    if drift < 0:
+        src = src[:-1]
+    else:
+        dst = dst[:-1]
+    paired = min(len(src), len(dst))
+    sent = {}
+    for rank in range(CP):
+        owned_src, owned_dst = filter_owned_state_pages(src, dst, rank, CP)
+        assert len(owned_src) == len(owned_dst) and all(p % CP == rank for p in owned_src)
+        sent.update(zip(owned_dst, owned_src))
+    assert sent == dict(zip(dst[:paired], src[:paired]))
+
+
+# ---------------------------------------------------------------------------------- bootstrap handshake
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _server_argv(port: int, *extra: str) -> list[str]:
+    return [
+        "--model-path",
+        str(MODEL_DIR),
+        "--skip-tokenizer-init",
+        "--device",
+        "cuda",
+        "--random-seed",
+        "1",
+        "--host",
+        "127.0.0.1",
+        "--disaggregation-bootstrap-port",
+        str(port),
+        "--tp",
+        str(CP),
+        *extra,
+    ]
+
+
+def _start_handshake(prefill_flags: list[str]) -> subprocess.Popen:
+    """A CP-4 prefill (every rank sending) and a TP-4 decode started without the all-ranks variable."""
+    port = _free_port()
+    case = {
+        "prefill": {
+            "argv": _server_argv(
+                port, "--disaggregation-mode", "prefill", "--enable-prefill-cp", "--cp-strategy", "interleave"
+            )
+            + prefill_flags,
+            "env": {ALL_RANKS_ENV: "1"},
+        },
+        "decode": {"argv": _server_argv(port, "--disaggregation-mode", "decode")},
+    }
+    env = {k: v for k, v in os.environ.items() if k != ALL_RANKS_ENV}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sglang_cpkv.testing.pd_handshake"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    proc.stdin.write(json.dumps(case))
+    proc.stdin.close()
+    return proc
+
+
+@pytest.fixture(scope="module")
+def handshakes():
+    # Both deployments at once (two processes; the upstream imports dominate).
+    procs = {"on": _start_handshake(["--enable-cp-shared-kv"]), "off": _start_handshake([])}
+    results = {}
+    for name, proc in procs.items():
+        out, err = proc.stdout.read(), proc.stderr.read()
+        assert proc.wait(timeout=300) == 0, err[-4000:]
+        results[name] = json.loads(out)
+        assert "error" not in results[name], results[name]
+    return results
+
+
+def test_decode_follows_a_prefill_that_publishes_the_mode(handshakes):
+    got = handshakes["on"]
+    assert got["info"]["enable_cp_shared_kv"] is True and got["info"]["attn_cp_size"] == CP
+    assert got["prefill_ranks"] == [{"cp_rank": r, "sends": True} for r in range(CP)]
+    # The decode has no SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER, yet pulls from every owner.
+    assert got["decode"] == {"target_cp_ranks": list(range(CP)), "required_prefill_response_num": CP}
+
+
+def test_flag_off_keeps_upstreams_bootstrap_info_and_rank_mapping(handshakes):
+    got = handshakes["off"]
+    # Upstream's payload (an unpatched decode parses it), and upstream's rule: without the variable on the
+    # decode, a full-replica CP prefill is read from CP rank 0.
+    assert "enable_cp_shared_kv" not in got["info"] and got["info"]["attn_cp_size"] == CP
+    assert got["prefill_ranks"] == [{"cp_rank": r, "sends": True} for r in range(CP)]
+    assert got["decode"] == {"target_cp_ranks": [0], "required_prefill_response_num": 1}
 
 
 if __name__ == "__main__":

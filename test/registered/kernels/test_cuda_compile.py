@@ -18,7 +18,11 @@ import pytest
 
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=150, suite="cpkv-cpu")
+register_cpu_ci(
+    est_time=150,
+    suite="cpkv-cpu",
+    may_skip="nvcc is not on PATH (CI has it: with CI set, a missing nvcc fails instead)",
+)
 
 REPO = Path(__file__).resolve().parents[3]
 KERNEL_ROOT = REPO / "sgl-kernel"

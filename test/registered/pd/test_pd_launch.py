@@ -1,18 +1,24 @@
-"""The P/D launchers: commands checked by upstream's own parsers (CPU), and the process lifecycle.
+"""The P/D launchers: commands checked as the servers check them at start-up (CPU), and the process lifecycle.
 
 The dry-run tests build the default GLM-5.1-FP8 CP8 deployment and feed it to upstream's ServerArgs parser
 and sglang_router's parser; a misspelled, abbreviated or ill-chosen flag must fail with their own argparse
-error. The lifecycle tests start a stub "server" (a script standing in for PD_PYTHON) through the real
-bash launchers, and check the health wait, the pid record and that `stop` ends exactly the process group
-it started.
+error. With a local DSA ``config.json`` the dry-run also runs upstream's resolution of the server
+arguments (the model overrides, the DSA backend guards and ``--enable-cp-shared-kv``'s checks), so a
+combination the server would refuse at start-up is refused here, with the server's message. Secret
+values given to any role never reach what is printed or logged. The lifecycle tests start a stub
+"server" (a script standing in for PD_PYTHON) through the real bash launchers, and check the health
+wait, the pid record and its mode, that `stop` ends exactly the process group it started, from any
+directory, and that a server ignoring SIGTERM is killed after PD_STOP_TIMEOUT, in the background and
+in the foreground.
 """
 
-import argparse
 import io
 import json
 import os
 import re
+import signal
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -31,18 +37,24 @@ from sglang_cpkv.pd_launch import (
     build_command,
     dry_run,
     role_env,
+    router_args,
+    server_args,
     shell_command,
 )
+from sglang_cpkv.pd_launch.redaction import REDACTED, is_secret_flag, redact_argv, redact_env_value
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=45, suite="cpkv-cpu")
+register_cpu_ci(est_time=80, suite="cpkv-cpu")
 
 REPO = Path(__file__).resolve().parents[3]
 PD = REPO / "scripts" / "pd"
+DSA_MODEL = REPO / "test" / "registered" / "upstream" / "fixtures" / "dsa_v32"  # a local DeepseekV32 config.json
+SECRETS = {"PD_PREFILL_EXTRA_ARGS": "--api-key sekrit-api-1 --admin-api-key=sekrit-admin-2"}
+SECRET_VALUES = ("sekrit-api-1", "sekrit-admin-2")
 
 
 def cfg(**env) -> PDConfig:
-    return PDConfig.from_env(env)
+    return PDConfig.from_env({"PD_PYTHON": sys.executable, **env})
 
 
 def dry_run_text(config: PDConfig, roles=ROLES) -> str:
@@ -54,8 +66,8 @@ def dry_run_text(config: PDConfig, roles=ROLES) -> str:
 # ---------------------------------------------------------------------------------- dry-run
 
 
-def test_default_deployment_is_accepted_by_upstream_parsers():
-    text = dry_run_text(cfg())
+def test_default_deployment_is_accepted_by_upstream_parsers_and_prints_no_secret():
+    text = dry_run_text(cfg(**SECRETS))
     prefill = build_command("prefill", cfg())
     assert prefill[1:3] == ["-m", "sglang.launch_server"]
     for flag in (
@@ -72,52 +84,23 @@ def test_default_deployment_is_accepted_by_upstream_parsers():
     assert "--attn-cp-size" not in build_command("decode", cfg())  # upstream refuses CP on decode
     for role in ("prefill", "decode"):
         assert f"# {role}: flags accepted by upstream's ServerArgs parser" in text
+        # The hub model's config.json is not on this machine: said, not silently skipped.
+        assert f"# {role}: flags accepted by upstream's ServerArgs parser; start-up checks NOT run" in text
     assert "# router: flags accepted by sglang_router's parser" in text  # sglang-router is in dev-cpu.txt
+    assert "--api-key '<redacted>' '--admin-api-key=<redacted>'" in text
+    assert not any(secret in text for secret in SECRET_VALUES)
 
 
-def test_misspelled_flag_fails_with_upstreams_own_error():
-    with pytest.raises(PDLaunchError) as err:
-        dry_run_text(cfg(PD_PREFILL_EXTRA_ARGS="--attn-cp-sise 8"), ["prefill"])
-    assert "sglang serve: error: unrecognized arguments: --attn-cp-sise 8" in str(err.value)
-
-
-def test_abbreviated_flag_is_refused():
-    # Upstream 0.5.23 split --cuda-graph-max-bs into -decode/-prefill; abbreviations are never accepted.
-    with pytest.raises(PDLaunchError, match="unrecognized arguments: --cuda-graph-max-bs 64"):
-        dry_run_text(cfg(PD_DECODE_EXTRA_ARGS="--cuda-graph-max-bs 64"), ["decode"])
-
-
-def test_bad_choice_fails_with_upstreams_own_error():
-    with pytest.raises(PDLaunchError, match=r"argument --cp-strategy: invalid choice: 'round-robin'"):
-        dry_run_text(cfg(PD_CP_STRATEGY="round-robin"), ["prefill"])
-
-
-def test_misspelled_router_flag_fails_with_router_parser_error():
-    with pytest.raises(PDLaunchError, match="unrecognized arguments: --prefil-policy random"):
-        dry_run_text(cfg(PD_ROUTER_EXTRA_ARGS="--prefil-policy random"), ["router"])
-
-
-def test_cp_shared_kv_flag_is_opt_in_and_checked_against_the_installed_upstream():
-    from sglang.srt.server_args import ServerArgs
-
-    parser = argparse.ArgumentParser()
-    ServerArgs.add_cli_args(parser)
-    patched = CP_SHARED_KV_FLAG in parser._option_string_actions
+def test_cp_shared_kv_flag_is_opt_in_and_only_the_prefill_gets_the_all_ranks_variable():
     config = cfg(PD_CP_SHARED_KV="1")
     assert CP_SHARED_KV_FLAG in build_command("prefill", config)
     assert CP_SHARED_KV_FLAG not in build_command("decode", config)
-    # Owner-sharded pages: decode must pull from every prefill CP rank, and both sides read the switch.
-    for role in ("prefill", "decode"):
-        assert role_env(role, config) == {ALL_CP_RANKS_TRANSFER_ENV: "1"}
-        assert shell_command(role, config).startswith(f"{ALL_CP_RANKS_TRANSFER_ENV}=1 ")
-    assert role_env("router", config) == {} and role_env("prefill", cfg()) == {}
-    with pytest.raises(PDLaunchError, match=f"{ALL_CP_RANKS_TRANSFER_ENV}=1 on prefill and decode"):
+    # Owner-sharded pages: every prefill CP rank must send; the decode follows the mode the prefill publishes.
+    assert role_env("prefill", config) == {ALL_CP_RANKS_TRANSFER_ENV: "1"}
+    assert shell_command("prefill", config).startswith(f"{ALL_CP_RANKS_TRANSFER_ENV}=1 ")
+    assert role_env("decode", config) == role_env("router", config) == role_env("prefill", cfg()) == {}
+    with pytest.raises(PDLaunchError, match=f"{ALL_CP_RANKS_TRANSFER_ENV}=1 on the prefill"):
         cfg(PD_CP_SHARED_KV="1", **{ALL_CP_RANKS_TRANSFER_ENV: "0"})
-    if patched:
-        assert "# prefill: flags accepted" in dry_run_text(config, ["prefill"])
-    else:
-        with pytest.raises(PDLaunchError, match=r"sglang_cpkv\.overlay apply"):
-            dry_run_text(config, ["prefill"])
 
 
 @pytest.mark.parametrize(
@@ -127,6 +110,11 @@ def test_cp_shared_kv_flag_is_opt_in_and_checked_against_the_installed_upstream(
         ({"PD_DECODE_PORT": "30o01"}, "PD_DECODE_PORT='30o01' is not an integer"),
         ({"PD_CP_SHARED_KV": "maybe"}, "PD_CP_SHARED_KV='maybe' must be 0 or 1"),
         ({"PD_PREFILL_EXTRA_ARGS": "--x 'unterminated"}, "PD_PREFILL_EXTRA_ARGS: cannot split"),
+        ({"PD_MODEL_PATH": ""}, "PD_MODEL_PATH is set but empty"),
+        ({"PD_MODEL_PATH": "  "}, "PD_MODEL_PATH is set but empty"),
+        ({"PD_LOG_DIR": "pd-logs"}, "PD_LOG_DIR='pd-logs' must be an absolute path"),
+        ({"PD_CP_SHARED_KV": "1", "PD_PREFILL_CP": "1"}, "PD_CP_SHARED_KV=1 needs PD_PREFILL_CP > 1"),
+        ({"PD_GPU_CAPABILITY": "sm100"}, "PD_GPU_CAPABILITY='sm100' must be MAJOR.MINOR"),
     ],
 )
 def test_bad_environment_names_the_variable(env, message):
@@ -134,13 +122,184 @@ def test_bad_environment_names_the_variable(env, message):
         cfg(**env)
 
 
-def test_dry_run_through_the_bash_launcher():
-    # The router role: the bash -> CLI -> exit status path without a second (slow) import of upstream.
-    env = {**os.environ, "PD_LAUNCH_PYTHON": sys.executable, "PD_ROUTER_EXTRA_ARGS": "--decode-polcy random"}
+def test_dry_run_through_the_bash_launcher_scrubs_secrets_from_parser_errors():
+    # The router role: the bash -> CLI -> PD_PYTHON check -> exit status path without an import of upstream.
+    env = {**os.environ, "PD_PYTHON": sys.executable, "PD_ROUTER_EXTRA_ARGS": "--decode-polcy random --hf-token tk-3"}
     bad = subprocess.run([PD / "run_router.sh", "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2, bad.stderr
-    assert "error: unrecognized arguments: --decode-polcy random" in bad.stderr
+    assert "error: unrecognized arguments: --decode-polcy random --hf-token <redacted>" in bad.stderr
     assert bad.stdout.startswith("# router\n") and "-m sglang_router.launch_router --pd-disaggregation" in bad.stdout
+    assert "tk-3" not in bad.stdout + bad.stderr
+
+
+def test_dry_run_with_an_interpreter_without_sglang_says_what_is_needed(tmp_path):
+    # The launcher's default PD_PYTHON is python3; one without sglang gets the fix, not a traceback.
+    # `python -S` has no site-packages, hence no sglang; our package comes through PYTHONPATH.
+    bare = tmp_path / "python-without-sglang"
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    bare.chmod(0o755)
+    env = {**os.environ, "PD_PYTHON": str(bare), "PD_LAUNCH_PYTHON": sys.executable, "PYTHONPATH": str(REPO / "python")}
+    ran = subprocess.run([PD / "run_prefill.sh", "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 2, ran.stderr
+    assert f"prefill: PD_PYTHON={bare} cannot import sglang" in ran.stderr
+    assert "PD_PYTHON must be the interpreter that serves" in ran.stderr and "Traceback" not in ran.stderr
+
+
+# ---------------------------------------------------------------------------------- start-up checks
+
+
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "torch_dtype": "bfloat16",
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+}
+CP_SHARED_KV_LOCAL = {"PD_MODEL_PATH": str(DSA_MODEL), "PD_CP_SHARED_KV": "1"}
+# (name, role, PD_* settings, status, a fragment of the message): each through the start-up checks the dry-run runs.
+CHECKS = [
+    (
+        "misspelled flag",
+        "prefill",
+        {"PD_PREFILL_EXTRA_ARGS": "--attn-cp-sise 8"},
+        "refused",
+        "sglang serve: error: unrecognized arguments: --attn-cp-sise 8",
+    ),
+    # Upstream 0.5.23 split --cuda-graph-max-bs into -decode/-prefill; abbreviations are never accepted.
+    (
+        "abbreviated flag",
+        "decode",
+        {"PD_DECODE_EXTRA_ARGS": "--cuda-graph-max-bs 64"},
+        "refused",
+        "unrecognized arguments: --cuda-graph-max-bs 64",
+    ),
+    (
+        "bad choice",
+        "prefill",
+        {"PD_CP_STRATEGY": "round-robin"},
+        "refused",
+        "argument --cp-strategy: invalid choice: 'round-robin'",
+    ),
+    (
+        "misspelled router flag",
+        "router",
+        {"PD_ROUTER_EXTRA_ARGS": "--prefil-policy random"},
+        "refused",
+        "unrecognized arguments: --prefil-policy random",
+    ),
+    # The hub model's config.json is not on this machine: said, not silently skipped.
+    (
+        "flag of our queue, hub model",
+        "prefill",
+        {"PD_CP_SHARED_KV": "1"},
+        "partial",
+        "flags accepted by upstream's ServerArgs parser; start-up checks NOT run: no config.json of zai-org/GLM-5.1-FP8",
+    ),
+    (
+        "local model, prefill",
+        "prefill",
+        CP_SHARED_KV_LOCAL,
+        "ok",
+        f"start-up checks passed (from {DSA_MODEL}/config.json, for a GPU of compute capability 10.3 ",
+    ),
+    ("local model, decode", "decode", CP_SHARED_KV_LOCAL, "ok", "start-up checks passed"),
+    (
+        "trtllm prefill",
+        "prefill",
+        {**CP_SHARED_KV_LOCAL, "PD_DSA_PREFILL_BACKEND": "trtllm"},
+        "refused",
+        "--enable-cp-shared-kv: supports --dsa-prefill-backend",
+    ),
+    (
+        "nixl",
+        "prefill",
+        {**CP_SHARED_KV_LOCAL, "PD_TRANSFER_BACKEND": "nixl"},
+        "refused",
+        "--enable-cp-shared-kv: supports --disaggregation-transfer-backend",
+    ),
+    (
+        "zigzag",
+        "prefill",
+        {**CP_SHARED_KV_LOCAL, "PD_CP_STRATEGY": "zigzag"},
+        "refused",
+        "does not support --cp-strategy zigzag",
+    ),
+    (
+        "non-DSA model",
+        "prefill",
+        {**CP_SHARED_KV_LOCAL, "PD_MODEL_PATH": "<llama>"},
+        "refused",
+        "--enable-cp-shared-kv: requires a DSA model",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def checked(tmp_path_factory):
+    """Every CHECKS case through the start-up checks, in one PD_PYTHON process (the upstream import dominates)."""
+    llama = tmp_path_factory.mktemp("llama")
+    (llama / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+    requests = []
+    for _, role, settings, _, _ in CHECKS:
+        config = cfg(**{k: str(llama) if v == "<llama>" else v for k, v in settings.items()})
+        argv = router_args(config) if role == "router" else server_args(role, config)
+        requests.append({"role": role, "argv": argv, "env": role_env(role, config)})
+    env = {k: v for k, v in os.environ.items() if k != ALL_CP_RANKS_TRANSFER_ENV}
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang_cpkv.pd_launch.startup_check"],
+        input=json.dumps({"roles": requests, "gpu_capability": ""}),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return dict(zip([c[0] for c in CHECKS], json.loads(proc.stdout)))
+
+
+@pytest.mark.parametrize("name, role, settings, status, fragment", CHECKS, ids=[c[0] for c in CHECKS])
+def test_start_up_checks(checked, name, role, settings, status, fragment):
+    got = checked[name]
+    assert got["role"] == role and got["status"] == status and fragment in got["message"], got
+
+
+def test_a_refusal_reaches_the_user_with_the_servers_message_and_no_secret():
+    config = cfg(**CP_SHARED_KV_LOCAL, PD_DSA_PREFILL_BACKEND="trtllm", **SECRETS)
+    out = io.StringIO()
+    with pytest.raises(PDLaunchError) as err:
+        dry_run(["prefill"], config, out=out)
+    message = str(err.value)
+    assert message.startswith("prefill: the server refuses this at start-up: ValueError: --enable-cp-shared-kv: ")
+    assert "supports --dsa-prefill-backend" in message and "got 'trtllm'" in message
+    assert out.getvalue().startswith("# prefill\n") and "--api-key '<redacted>'" in out.getvalue()
+    assert not any(secret in message + out.getvalue() for secret in SECRET_VALUES)
+
+
+def test_redaction_covers_both_flag_forms_and_argument_variables():
+    secret_flags = ["--api-key", "--admin-api-key", "--hf-key", "--hf-token", "--authtoken", "--db-password"]
+    plain_flags = ["--max-new-tokens", "--tokenizer-path", "--skip-tokenizer-init", "--tp-size", "--keyword"]
+    assert all(map(is_secret_flag, secret_flags)) and not any(map(is_secret_flag, plain_flags))
+    argv = ["--api-key", "a1", "--client-secret=b2", "--skip-tokenizer-init", "--tp", "8", "--hf-token", "--x"]
+    assert redact_argv(argv) == [
+        "--api-key",
+        REDACTED,
+        f"--client-secret={REDACTED}",
+        "--skip-tokenizer-init",
+        "--tp",
+        "8",
+        "--hf-token",  # no value follows: nothing to hide, and --x is not eaten
+        "--x",
+    ]
+    assert redact_env_value("PD_DECODE_EXTRA_ARGS", "--api-key a1 --tp 8") == f"--api-key '{REDACTED}' --tp 8"
+    assert redact_env_value("HF_TOKEN", "hf_x") == REDACTED
 
 
 def test_documented_env_file_sets_only_settings_the_launcher_reads():
@@ -172,7 +331,7 @@ STUB = textwrap.dedent(
     """\
     # Stands in for `python -m sglang.launch_server ...`: serves /health on --port unless told not to,
     # and spawns a child so that the test can see the whole process group end.
-    import http.server, os, subprocess, sys, time
+    import http.server, os, signal, subprocess, sys, time
     argv = sys.argv[1:]
     port = int(argv[argv.index("--port") + 1])
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
@@ -184,6 +343,8 @@ STUB = textwrap.dedent(
         sys.exit(3)
     if mode == "hang":
         time.sleep(300)
+    if mode == "ignore-term":  # a server that does not stop on SIGTERM (its child does)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -196,6 +357,14 @@ STUB = textwrap.dedent(
     http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
     """
 )
+
+
+def listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
 
 
 def free_port() -> int:
@@ -229,9 +398,21 @@ def stub_env(tmp_path):
         "STUB_CHILD_PID_FILE": str(tmp_path / "child.pid"),
         "NCCL_IB_HCA": "mlx5_0,mlx5_1",
         "SGLANG_API_KEY": "do-not-log-me",
+        **SECRETS,
     }
     yield env
     subprocess.run([PD / "stop.sh"], env=env, capture_output=True, timeout=60)
+
+
+def no_secret_in(*texts: str) -> bool:
+    return not any(secret in text for text in texts for secret in (*SECRET_VALUES, "do-not-log-me"))
+
+
+def wait_for(predicate, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return predicate()
 
 
 def launch(*args, env):
@@ -244,12 +425,16 @@ def test_start_health_wait_status_and_stop_end_exactly_the_started_group(stub_en
         started = launch(PD / "run_prefill.sh", env=stub_env)
         assert started.returncode == 0, started.stderr
         assert "prefill is healthy" in started.stderr
-        record = json.loads((tmp_path / "logs" / "prefill.pid").read_text())
+        pid_file, log_file = tmp_path / "logs" / "prefill.pid", (tmp_path / "logs" / "prefill.log").resolve()
+        record = json.loads(pid_file.read_text())
         child = int((tmp_path / "child.pid").read_text())
         assert alive(record["pid"]) and alive(child)
-        log = (tmp_path / "logs" / "prefill.log").read_text()
+        log = log_file.read_text()
         assert "# command: " in log and "--disaggregation-mode prefill" in log and "stub server starting" in log
-        assert "# env NCCL_IB_HCA=mlx5_0,mlx5_1" in log and "do-not-log-me" not in log
+        assert "# env NCCL_IB_HCA=mlx5_0,mlx5_1" in log
+        assert "--api-key '<redacted>' '--admin-api-key=<redacted>'" in log and "--api-key" in record["argv"]
+        assert no_secret_in(log, pid_file.read_text(), started.stdout, started.stderr)
+        assert stat.S_IMODE(pid_file.stat().st_mode) == 0o600 and stat.S_IMODE(log_file.stat().st_mode) == 0o640
 
         assert launch(PD / "run_prefill.sh", "status", env=stub_env).returncode == 0
         again = launch(PD / "run_prefill.sh", env=stub_env)
@@ -319,8 +504,61 @@ def test_foreground_run_tees_output_and_returns_the_role_exit_status(stub_env, t
     ran = launch(PD / "run_prefill.sh", "--foreground", env={**stub_env, "STUB_MODE": "exit"})
     assert ran.returncode == 3
     assert "stub server starting" in ran.stdout
-    assert "stub server starting" in (tmp_path / "logs" / "prefill.log").read_text()
+    log = (tmp_path / "logs" / "prefill.log").read_text()
+    assert "stub server starting" in log and no_secret_in(log, ran.stdout, ran.stderr)
     assert not alive(int((tmp_path / "child.pid").read_text()))  # the group is ended with its main process
+
+
+def test_stop_from_another_directory_finds_the_records(stub_env, tmp_path):
+    # PD_LOG_DIR unset: the default record location does not depend on the directory the launcher ran in.
+    env = {k: v for k, v in stub_env.items() if k != "PD_LOG_DIR"}
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    (tmp_path / "here").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    started = subprocess.run(
+        [PD / "run_prefill.sh"], env=env, cwd=tmp_path / "here", capture_output=True, text=True, timeout=120
+    )
+    assert started.returncode == 0, started.stderr
+    record_file = tmp_path / "state" / "sglang-cpkv" / "pd-logs" / "prefill.pid"
+    leader = json.loads(record_file.read_text())["pid"]
+    stopped = subprocess.run(
+        [PD / "stop.sh"], env=env, cwd=tmp_path / "elsewhere", capture_output=True, text=True, timeout=120
+    )
+    assert stopped.returncode == 0, stopped.stderr
+    assert "prefill: stopped" in stopped.stderr and not record_file.exists()
+    assert wait_for(lambda: not alive(leader))
+
+
+def test_background_server_ignoring_sigterm_is_killed_after_the_stop_timeout(stub_env, tmp_path):
+    env = {**stub_env, "STUB_MODE": "ignore-term", "PD_STOP_TIMEOUT": "2"}
+    assert launch(PD / "run_prefill.sh", env=env).returncode == 0
+    leader = json.loads((tmp_path / "logs" / "prefill.pid").read_text())["pid"]
+    begun = time.monotonic()
+    stopped = launch(PD / "stop.sh", "prefill", env=env)
+    assert stopped.returncode == 0, stopped.stderr
+    assert "still alive after SIGTERM + 2s" in stopped.stderr and time.monotonic() - begun >= 2
+    assert wait_for(lambda: not alive(leader))
+
+
+def test_foreground_server_ignoring_sigterm_is_killed_after_the_stop_timeout(stub_env, tmp_path):
+    env = {**stub_env, "STUB_MODE": "ignore-term", "PD_STOP_TIMEOUT": "2"}
+    proc = subprocess.Popen(
+        [PD / "run_prefill.sh", "--foreground"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        port = int(env["PD_PREFILL_PORT"])
+        assert wait_for(lambda: listening(port)), "the stub never listened"
+        child = int((tmp_path / "child.pid").read_text())  # the stub's child: it must end with the group
+        begun = time.monotonic()
+        proc.send_signal(signal.SIGTERM)  # what `docker stop` sends the container's main process
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert time.monotonic() - begun >= 2, err
+    assert "still running 2s after the stop signal (PD_STOP_TIMEOUT); SIGKILL" in err
+    assert proc.returncode == 128 + signal.SIGKILL, err
+    assert not alive(child)
+    assert no_secret_in(out, err)
 
 
 if __name__ == "__main__":

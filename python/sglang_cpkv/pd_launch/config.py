@@ -1,0 +1,258 @@
+"""The ``PD_*`` settings: defaults, parsing with errors that name the variable, and the checks across them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shlex
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+ROLES = ("prefill", "decode", "router")
+SERVER_ROLES = ("prefill", "decode")
+CP_SHARED_KV_FLAG = "--enable-cp-shared-kv"
+# Under CP shared-KV every prefill CP rank holds only the pages it owns, so every one of them must send:
+# upstream reads this on the prefill (sglang_cpkv.hooks.server_args refuses the flag without it). The decode
+# follows the mode the prefill publishes in its bootstrap info (sglang_cpkv.hooks.pd).
+ALL_CP_RANKS_TRANSFER_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
+# The GPU the dry-run resolves for when the machine has none: the documented deployment's B300.
+DEFAULT_GPU_CAPABILITY = "10.3"
+
+ENV_DEFAULTS: dict[str, str] = {
+    "PD_MODEL_PATH": "zai-org/GLM-5.1-FP8",
+    "PD_TRUST_REMOTE_CODE": "1",
+    "PD_TRANSFER_BACKEND": "mooncake",
+    "PD_IB_DEVICE": "",
+    "PD_BOOTSTRAP_PORT": "8998",
+    # flashmla_auto prefill with a flashmla_kv decode keeps both sides on the 656-byte FP8 row layout; leaving
+    # one side unset on SM>=10 FP8 pairs it with trtllm (576-byte rows), which the other side cannot read.
+    "PD_DSA_PREFILL_BACKEND": "flashmla_auto",
+    "PD_DSA_DECODE_BACKEND": "flashmla_kv",
+    "PD_PREFILL_HOST": "0.0.0.0",
+    "PD_PREFILL_PORT": "30000",
+    "PD_PREFILL_TP": "8",
+    "PD_PREFILL_CP": "8",
+    "PD_PREFILL_DP": "1",
+    "PD_CP_STRATEGY": "interleave",
+    "PD_PREFILL_BASE_GPU_ID": "0",
+    "PD_CHUNKED_PREFILL_SIZE": "65536",
+    "PD_CP_SHARED_KV": "0",
+    "PD_PREFILL_EXTRA_ARGS": "",
+    "PD_DECODE_HOST": "0.0.0.0",
+    "PD_DECODE_PORT": "30001",
+    "PD_DECODE_TP": "8",
+    "PD_DECODE_DP": "8",
+    "PD_DECODE_BASE_GPU_ID": "0",
+    "PD_DECODE_CUDA_GRAPH_MAX_BS": "64",
+    "PD_DECODE_EXTRA_ARGS": "",
+    "PD_ROUTER_HOST": "0.0.0.0",
+    "PD_ROUTER_PORT": "8000",
+    "PD_PREFILL_URL": "",  # default: http://127.0.0.1:$PD_PREFILL_PORT
+    "PD_DECODE_URL": "",  # default: http://127.0.0.1:$PD_DECODE_PORT
+    "PD_ROUTER_EXTRA_ARGS": "",
+    "PD_LOG_DIR": "",  # default: $XDG_STATE_HOME/sglang-cpkv/pd-logs (XDG_STATE_HOME defaults to ~/.local/state)
+    "PD_HEALTH_TIMEOUT": "1800",
+    "PD_STOP_TIMEOUT": "60",
+    "PD_GPU_CAPABILITY": "",  # default: this machine's GPU, else DEFAULT_GPU_CAPABILITY
+}
+
+
+class PDLaunchError(Exception):
+    """A refusal meant for the user: the CLI prints it and exits non-zero."""
+
+
+def _get(env: Mapping[str, str], name: str) -> str:
+    value = env.get(name)
+    return ENV_DEFAULTS[name] if value is None or value == "" else value
+
+
+def _int(env: Mapping[str, str], name: str, minimum: int = 0) -> int:
+    raw = _get(env, name)
+    try:
+        value = int(raw)
+    except ValueError:
+        raise PDLaunchError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise PDLaunchError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def _flag(env: Mapping[str, str], name: str) -> bool:
+    raw = _get(env, name).strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise PDLaunchError(f"{name}={raw!r} must be 0 or 1")
+
+
+def _args(env: Mapping[str, str], name: str) -> list[str]:
+    try:
+        return shlex.split(_get(env, name))
+    except ValueError as exc:
+        raise PDLaunchError(f"{name}: cannot split into arguments ({exc})") from None
+
+
+def _model_path(env: Mapping[str, str]) -> str:
+    value = env.get("PD_MODEL_PATH")
+    if value is not None and not value.strip():
+        # An empty value is a mistake (an unset variable in a compose file or an env file), not a request for
+        # the default model: the default would be downloaded from the hub.
+        raise PDLaunchError(
+            "PD_MODEL_PATH is set but empty: set it to a local model directory or a Hugging Face model id "
+            f"(left unset, it is {ENV_DEFAULTS['PD_MODEL_PATH']})"
+        )
+    return _get(env, "PD_MODEL_PATH")
+
+
+def _log_dir(env: Mapping[str, str]) -> Path:
+    raw = _get(env, "PD_LOG_DIR")
+    if not raw:
+        state_home = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+        return Path(state_home) / "sglang-cpkv" / "pd-logs"
+    path = Path(raw).expanduser()
+    if not path.is_absolute():
+        raise PDLaunchError(
+            f"PD_LOG_DIR={raw!r} must be an absolute path: `stop` and `status` find the pid records there "
+            "from any directory"
+        )
+    return path
+
+
+def _gpu_capability(env: Mapping[str, str]) -> str:
+    raw = _get(env, "PD_GPU_CAPABILITY").strip()
+    if raw and not re.fullmatch(r"\d+\.\d+", raw):
+        raise PDLaunchError(f"PD_GPU_CAPABILITY={raw!r} must be MAJOR.MINOR, e.g. 9.0 (H100/H200) or 10.3 (B300)")
+    return raw
+
+
+@dataclasses.dataclass(frozen=True)
+class PDConfig:
+    model_path: str
+    python: str
+    trust_remote_code: bool
+    transfer_backend: str
+    ib_device: str
+    bootstrap_port: int
+    dsa_prefill_backend: str
+    dsa_decode_backend: str
+    prefill_host: str
+    prefill_port: int
+    prefill_tp: int
+    prefill_cp: int
+    prefill_dp: int
+    cp_strategy: str
+    prefill_base_gpu_id: int
+    chunked_prefill_size: int
+    cp_shared_kv: bool
+    prefill_extra_args: tuple[str, ...]
+    decode_host: str
+    decode_port: int
+    decode_tp: int
+    decode_dp: int
+    decode_base_gpu_id: int
+    decode_cuda_graph_max_bs: int
+    decode_extra_args: tuple[str, ...]
+    router_host: str
+    router_port: int
+    prefill_url: str
+    decode_url: str
+    router_extra_args: tuple[str, ...]
+    log_dir: Path
+    health_timeout: float
+    stop_timeout: float
+    gpu_capability: str  # "" for this machine's GPU
+    all_cp_ranks_transfer: str  # the environment's SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER, "" when unset
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> PDConfig:
+        env = os.environ if env is None else env
+        prefill_port = _int(env, "PD_PREFILL_PORT", 1)
+        decode_port = _int(env, "PD_DECODE_PORT", 1)
+        cfg = cls(
+            model_path=_model_path(env),
+            python=env.get("PD_PYTHON") or sys.executable,
+            trust_remote_code=_flag(env, "PD_TRUST_REMOTE_CODE"),
+            transfer_backend=_get(env, "PD_TRANSFER_BACKEND"),
+            ib_device=_get(env, "PD_IB_DEVICE"),
+            bootstrap_port=_int(env, "PD_BOOTSTRAP_PORT", 1),
+            dsa_prefill_backend=_get(env, "PD_DSA_PREFILL_BACKEND"),
+            dsa_decode_backend=_get(env, "PD_DSA_DECODE_BACKEND"),
+            prefill_host=_get(env, "PD_PREFILL_HOST"),
+            prefill_port=prefill_port,
+            prefill_tp=_int(env, "PD_PREFILL_TP", 1),
+            prefill_cp=_int(env, "PD_PREFILL_CP", 1),
+            prefill_dp=_int(env, "PD_PREFILL_DP", 1),
+            cp_strategy=_get(env, "PD_CP_STRATEGY"),
+            prefill_base_gpu_id=_int(env, "PD_PREFILL_BASE_GPU_ID"),
+            chunked_prefill_size=_int(env, "PD_CHUNKED_PREFILL_SIZE", 1),
+            cp_shared_kv=_flag(env, "PD_CP_SHARED_KV"),
+            prefill_extra_args=tuple(_args(env, "PD_PREFILL_EXTRA_ARGS")),
+            decode_host=_get(env, "PD_DECODE_HOST"),
+            decode_port=decode_port,
+            decode_tp=_int(env, "PD_DECODE_TP", 1),
+            decode_dp=_int(env, "PD_DECODE_DP", 1),
+            decode_base_gpu_id=_int(env, "PD_DECODE_BASE_GPU_ID"),
+            decode_cuda_graph_max_bs=_int(env, "PD_DECODE_CUDA_GRAPH_MAX_BS", 1),
+            decode_extra_args=tuple(_args(env, "PD_DECODE_EXTRA_ARGS")),
+            router_host=_get(env, "PD_ROUTER_HOST"),
+            router_port=_int(env, "PD_ROUTER_PORT", 1),
+            prefill_url=_get(env, "PD_PREFILL_URL") or f"http://127.0.0.1:{prefill_port}",
+            decode_url=_get(env, "PD_DECODE_URL") or f"http://127.0.0.1:{decode_port}",
+            router_extra_args=tuple(_args(env, "PD_ROUTER_EXTRA_ARGS")),
+            log_dir=_log_dir(env),
+            health_timeout=float(_int(env, "PD_HEALTH_TIMEOUT", 1)),
+            stop_timeout=float(_int(env, "PD_STOP_TIMEOUT", 1)),
+            gpu_capability=_gpu_capability(env),
+            all_cp_ranks_transfer=env.get(ALL_CP_RANKS_TRANSFER_ENV, ""),
+        )
+        cfg._check_layout()
+        cfg._check_cp_shared_kv()
+        return cfg
+
+    def _check_cp_shared_kv(self) -> None:
+        """What PD_CP_SHARED_KV=1 needs of the launcher's own settings (the server checks the rest at start-up)."""
+        if not self.cp_shared_kv:
+            return
+        if self.prefill_cp <= 1:
+            # Without CP the launcher passes no --enable-prefill-cp: a mode that shards the prefill's pages
+            # over its CP ranks has nothing to shard over.
+            raise PDLaunchError(
+                f"PD_CP_SHARED_KV=1 needs PD_PREFILL_CP > 1 ({CP_SHARED_KV_FLAG} keeps each KV page on one "
+                f"prefill CP rank), got PD_PREFILL_CP={self.prefill_cp}"
+            )
+        if self.all_cp_ranks_transfer not in ("", "1", "true", "True"):
+            raise PDLaunchError(
+                f"PD_CP_SHARED_KV=1 needs {ALL_CP_RANKS_TRANSFER_ENV}=1 on the prefill (each CP rank sends the "
+                f"pages it owns), but the environment sets it to {self.all_cp_ranks_transfer!r}"
+            )
+
+    def _check_layout(self) -> None:
+        """Divisibility rules of upstream's parallel layout (dp, cp, tp; tp fastest), named by env var."""
+        if self.prefill_tp % (self.prefill_dp * self.prefill_cp):
+            raise PDLaunchError(
+                f"PD_PREFILL_TP={self.prefill_tp} must be divisible by PD_PREFILL_DP * PD_PREFILL_CP = "
+                f"{self.prefill_dp} * {self.prefill_cp}"
+            )
+        if self.decode_tp % self.decode_dp:
+            raise PDLaunchError(f"PD_DECODE_TP={self.decode_tp} must be divisible by PD_DECODE_DP={self.decode_dp}")
+
+    def health_url(self, role: str) -> str:
+        host, port = {
+            "prefill": (self.prefill_host, self.prefill_port),
+            "decode": (self.decode_host, self.decode_port),
+            "router": (self.router_host, self.router_port),
+        }[role]
+        if host in ("0.0.0.0", "", "::"):
+            host = "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{port}/health"
+
+
+def require_role(role: str) -> str:
+    if role not in ROLES:
+        raise PDLaunchError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+    return role

@@ -1,0 +1,174 @@
+"""The servers' start-up checks on a CPU machine, run by ``PD_PYTHON`` for ``dry-run`` (reads JSON, writes JSON).
+
+    echo '{"roles": [{"role": "prefill", "argv": [...], "env": {...}}], "gpu_capability": "10.3"}' \\
+        | PD_PYTHON -m sglang_cpkv.pd_launch.startup_check
+
+For a server role, what ``python -m sglang.launch_server`` runs before it touches a GPU:
+
+1. upstream's ``ServerArgs`` CLI parser (abbreviations refused: a prefix that is unique today becomes
+   ambiguous when upstream adds a flag), then the unresolved record;
+2. when the model's ``config.json`` is on this machine (``--model-path`` is a directory holding it, or
+   a hub id whose config is in the Hugging Face cache; nothing is downloaded), upstream's resolution
+   (``prepare_server_args`` + ``resolve_once``) with the role's environment, for a GPU of the given
+   compute capability (``--device cuda`` unless ``argv`` names a device). It runs the model overrides,
+   the DSA backend guards and ``--enable-cp-shared-kv``'s checks of our patch queue.
+
+For the router, ``sglang_router``'s own parser and ``RouterArgs``. One result per role, in order:
+``{"role", "status", "message"}``, ``status`` one of ``ok``; ``partial`` (the flags parse, the rest could
+not run here: the message says why); ``refused`` (what the role would refuse at start-up); ``unusable``
+(this interpreter cannot run the role: sglang, or sglang_router for the router, does not import).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+from pathlib import Path
+
+from sglang_cpkv.pd_launch.config import CP_SHARED_KV_FLAG, DEFAULT_GPU_CAPABILITY
+
+
+class _Refused(Exception):
+    """The role's configuration is refused; the message says by what and why."""
+
+
+@contextlib.contextmanager
+def _environment(values: dict):
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _parse_with(parser: argparse.ArgumentParser, argv: list[str], what: str) -> argparse.Namespace:
+    """Parse with ``parser``; turn its argparse error (usage + message on stderr, exit 2) into a refusal."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return parser.parse_args(argv)
+    except SystemExit:
+        lines = captured.getvalue().strip().splitlines()
+        error = lines[-1] if lines else "argparse exited without a message"
+        hint = ""
+        if CP_SHARED_KV_FLAG in error:
+            hint = f"\n  ({CP_SHARED_KV_FLAG} comes from our patch queue: run `python -m sglang_cpkv.overlay apply` on this sglang)"
+        raise _Refused(f"{what}: {error}{hint}") from None
+
+
+def _local_config(model_path: str, revision: str | None) -> str | None:
+    """The path of the model's config.json on this machine, or None."""
+    candidate = Path(model_path).expanduser() / "config.json"
+    if candidate.is_file():
+        return str(candidate)
+    if Path(model_path).expanduser().exists():
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        cached = try_to_load_from_cache(model_path, "config.json", revision=revision)
+    except ValueError:  # not a valid hub id
+        return None
+    return cached if isinstance(cached, str) else None
+
+
+def _pin_capability(requested: str) -> str:
+    """Make upstream see a GPU of ``requested`` (or this machine's, or the default); say which."""
+    import torch
+
+    if requested:
+        source = "PD_GPU_CAPABILITY"
+    elif torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        return f"{major}.{minor} (this machine's GPU)"
+    else:
+        requested, source = DEFAULT_GPU_CAPABILITY, "no GPU here; set PD_GPU_CAPABILITY for another GPU"
+    major, minor = (int(x) for x in requested.split("."))
+    torch.cuda.get_device_capability = lambda *a, **k: (major, minor)
+    return f"{requested} ({source})"
+
+
+def _check_server(argv: list[str], env: dict, gpu_capability: str) -> tuple[str, str]:
+    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+
+    install_torchvision_stub()  # no-op where torchvision is installed (the image); CPU dev environments lack it
+    try:
+        from sglang.srt.server_args import ServerArgs, prepare_server_args
+    except ImportError as exc:
+        return "unusable", f"cannot import sglang ({exc})"
+
+    parser = argparse.ArgumentParser(prog="sglang serve", allow_abbrev=False)
+    ServerArgs.add_cli_args(parser)
+    namespace = _parse_with(parser, argv, "flags rejected by upstream's parser")
+    try:
+        ServerArgs.from_cli_args(namespace)
+    except (Exception, SystemExit) as exc:
+        raise _Refused(f"flags rejected by upstream's ServerArgs: {type(exc).__name__}: {exc}") from None
+    parsed = "flags accepted by upstream's ServerArgs parser"
+    config = _local_config(namespace.model_path, getattr(namespace, "revision", None))
+    if config is None:
+        return "partial", (
+            f"{parsed}; start-up checks NOT run: no config.json of {namespace.model_path} on this machine "
+            "(a local model directory or the Hugging Face cache)"
+        )
+    capability = _pin_capability(gpu_capability)
+    names_device = any(arg == "--device" or arg.startswith("--device=") for arg in argv)
+    resolve_argv = list(argv) if names_device else [*argv, "--device", "cuda"]
+    # The hub's config comes from the cache only: a dry-run never downloads.
+    with _environment({**env, "HF_HUB_OFFLINE": "1"}):
+        try:
+            prepare_server_args(resolve_argv).resolve_once()
+        except (Exception, SystemExit) as exc:  # what the server would die of at start-up
+            raise _Refused(
+                f"the server refuses this at start-up: {type(exc).__name__}: {exc}\n"
+                f"  (resolved from {config} for a GPU of compute capability {capability})"
+            ) from None
+    return "ok", f"{parsed}; start-up checks passed (from {config}, for a GPU of compute capability {capability})"
+
+
+def _check_router(argv: list[str]) -> tuple[str, str]:
+    try:
+        from sglang_router.router_args import RouterArgs
+    except ImportError as exc:
+        return "unusable", f"cannot import sglang_router ({exc})"
+    parser = argparse.ArgumentParser(prog="sglang_router.launch_router", allow_abbrev=False)
+    RouterArgs.add_cli_args(parser, use_router_prefix=False)
+    namespace = _parse_with(parser, argv, "flags rejected by sglang_router's parser")
+    router = RouterArgs.from_cli_args(namespace, use_router_prefix=False)
+    if not (router.pd_disaggregation and router.prefill_urls and router.decode_urls):
+        raise _Refused("P/D mode needs --pd-disaggregation, --prefill and --decode")
+    return "ok", "flags accepted by sglang_router's parser"
+
+
+def check(role: str, argv: list[str], env: dict, gpu_capability: str) -> dict:
+    try:
+        status, message = _check_router(argv) if role == "router" else _check_server(argv, env, gpu_capability)
+    except _Refused as exc:
+        status, message = "refused", str(exc)
+    return {"role": role, "status": status, "message": message}
+
+
+def main() -> int:
+    request = json.load(sys.stdin)
+    results = sys.stdout
+    sys.stdout = sys.stderr  # upstream may print while resolving; the results stream carries JSON only
+    json.dump(
+        [check(r["role"], r["argv"], r.get("env", {}), request.get("gpu_capability", "")) for r in request["roles"]],
+        results,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

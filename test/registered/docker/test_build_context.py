@@ -1,0 +1,97 @@
+"""Logs stay out of the image and out of git: the compose log volume, the build context and the ignore files.
+
+The compose file mounts a host directory for the P/D logs; a host path inside the repository would be
+part of the image's build context (``docker build ... .`` copies the tree) unless
+``docker/Dockerfile.dockerignore`` excludes it, and would show up in ``git status``. Checked here
+with Docker's own rules for the context (paths relative to the context root, ``**`` for any depth, a
+pattern that matches a directory excludes what is under it, ``!`` re-includes) and ``git check-ignore``.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sglang_cpkv.pd_launch import PDConfig
+from sglang_cpkv.testing.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=5, suite="cpkv-cpu")
+
+REPO = Path(__file__).resolve().parents[3]
+DOCKER = REPO / "docker"
+LOG_MOUNT = "/var/log/sglang-cpkv"
+# Where a log lands when an operator points the compose volume or PD_LOG_DIR at the tree the way the
+# README's commands run (from the repository root; compose resolves relative paths from docker/).
+IN_TREE_LOG_DIRS = ["pd-logs", "docker/pd-logs"]
+
+
+def _pattern_regex(pattern: str) -> re.Pattern:
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif pattern[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif pattern[i] == "?":
+            out, i = out + "[^/]", i + 1
+        else:
+            out, i = out + re.escape(pattern[i]), i + 1
+    return re.compile(out)
+
+
+def excluded_from_context(relpath: str) -> bool:
+    """Docker's .dockerignore rule: the last matching pattern wins; a matched parent excludes its children."""
+    lines = (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
+    patterns = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    parts = relpath.strip("/").split("/")
+    excluded = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        regex = _pattern_regex(pattern.lstrip("!").strip("/"))
+        if any(regex.fullmatch("/".join(parts[: n + 1])) for n in range(len(parts))):
+            excluded = not negate
+    return excluded
+
+
+def compose_log_host_dir() -> Path:
+    """The host directory of the compose log volume with no overrides, resolved the way compose resolves it."""
+    node = yaml.safe_load((DOCKER / "compose.pd.yaml").read_text())["x-pd-node"]
+    (volume,) = [v for v in node["volumes"] if v.endswith(":" + LOG_MOUNT)]
+    host = re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", volume.rsplit(":", 1)[0])
+    return (DOCKER / os.path.expanduser(host)).resolve()
+
+
+def test_ignore_rules_behave_like_dockers():
+    # The matcher itself: root-anchored plain names, ** at any depth, children of an excluded directory.
+    assert excluded_from_context(".git/config") and excluded_from_context("python/x.egg-info/PKG-INFO")
+    assert excluded_from_context("a/b/__pycache__/m.pyc") and not excluded_from_context("python/sglang_cpkv/env.py")
+    assert excluded_from_context(".venv/bin/python") and not excluded_from_context("docker/.venv")  # root-anchored
+
+
+def test_compose_logs_are_outside_the_build_context_or_excluded():
+    host_dir = compose_log_host_dir()
+    inside = host_dir.is_relative_to(REPO)
+    assert not inside or excluded_from_context(str(host_dir.relative_to(REPO)) + "/prefill.log"), host_dir
+
+
+def test_launcher_default_log_dir_is_outside_the_tree():
+    log_dir = PDConfig.from_env({}).log_dir
+    assert log_dir.is_absolute() and not log_dir.resolve().is_relative_to(REPO)
+
+
+@pytest.mark.parametrize("log_dir", IN_TREE_LOG_DIRS)
+def test_in_tree_log_dirs_are_excluded_from_the_image_and_ignored_by_git(log_dir):
+    log = f"{log_dir}/prefill-20261201-000000-1.log"
+    assert excluded_from_context(log), f"{log} would be copied into the image"
+    ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", log], cwd=REPO, timeout=30)
+    assert ignored.returncode == 0, f"{log} is not ignored by git"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
