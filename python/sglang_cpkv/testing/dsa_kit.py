@@ -511,8 +511,11 @@ def _fused_topk(
     method = backend.get_topk_transform_method(forward_mode)
     valid = positions >= 0
     if method == TopkTransformMethod.RAGGED:
-        offset = metadata.topk_indices_offset.to(torch.int64).cpu()
-        out = torch.where(valid, positions + offset[:rows, None] if offset.dim() == 1 else positions + offset, -1)
+        # One offset per real local row; the padded rows past them read nothing.
+        offset = metadata.topk_indices_offset.to(torch.int64).cpu().reshape(-1)
+        row_offset = torch.zeros(rows, dtype=torch.int64)
+        row_offset[: offset.numel()] = offset[:rows]
+        out = torch.where(valid, positions + row_offset[:, None], -1)
         return out.to(torch.int32).to(device)
     # PAGED: the row's request's row of page_table_1 (the selected requests of this rank, in order).
     local_reqs = token_req[local_tokens]
