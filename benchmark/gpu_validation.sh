@@ -11,6 +11,8 @@
 #
 #   OUT=/some/dir benchmark/gpu_validation.sh   # repo root; env.txt, bench.{json,log}, harness_*.json and
 #                                                # logs.tar.gz (every log) under $OUT; exit 0 only when all passed
+#   STEPS="suite kit-layer ops" ...              # only these steps (default: all; the environment and the AOT
+#                                                # build always run): suite kit-smoke harness kit-layer ops sass memcheck
 set -uo pipefail
 # Absolute: the suite runner starts each test file in the file's own directory.
 export PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1
@@ -25,6 +27,8 @@ pack_logs() {
 }
 trap pack_logs EXIT
 step() { printf '\n=== %s (%s)\n' "$1" "$(date -u +%T)"; }
+STEPS=${STEPS:-all}
+want() { [ "$STEPS" = all ] || [[ " $STEPS " == *" $1 "* ]]; }
 
 step environment
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
@@ -44,18 +48,22 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   fi
 fi
 
-step "AOT build of the CUDA ops (sm_90a, sm_100a, sm_103a)"
-python3 -m sglang_cpkv.ops.cuda_build --aot --arch 90a,100a,103a --out /tmp/cpkv_aot 2>&1 | tee "$OUT/aot.log" | tail -3
+step "AOT build of the CUDA ops (${AOT_ARCHS:=90a,100a,103a})"
+python3 -m sglang_cpkv.ops.cuda_build --aot --arch "$AOT_ARCHS" --out /tmp/cpkv_aot 2>&1 | tee "$OUT/aot.log" | tail -3
 export SGLANG_CPKV_CUDA_LIB=/tmp/cpkv_aot
 python3 -c "from sglang_cpkv.ops import cuda; assert cuda.is_available(), cuda.unavailable_reason(); print('CUDA ops loaded from the AOT library')" || status=1
 
-step "CUDA suite, 1 GPU"
-python3 test/run_suite.py --hw cuda --suite cpkv-test-1-gpu > "$OUT/suite_1gpu.log" 2>&1 || status=1
-grep -E '^(=== |files:|FAILED)|passed|failed|skipped' "$OUT/suite_1gpu.log"
-step "upstream's DSA attention kit: sparse prefill, triton_sparse_mla, bf16 and FP8 pools (mode off)"
-python3 -m pytest scripts/gpu_env/dsa_kit_smoke.py -v -rs -p no:cacheprovider > "$OUT/kit_smoke.log" 2>&1 || status=1
-grep -E 'PASSED|FAILED|SKIPPED|ERROR|[0-9]+ (passed|failed)' "$OUT/kit_smoke.log"
-if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+if want suite; then
+  step "CUDA suite, 1 GPU"
+  python3 test/run_suite.py --hw cuda --suite cpkv-test-1-gpu > "$OUT/suite_1gpu.log" 2>&1 || status=1
+  grep -E '^(=== |files:|FAILED)|passed|failed|skipped' "$OUT/suite_1gpu.log"
+fi
+if want kit-smoke; then
+  step "upstream's DSA attention kit: sparse prefill, triton_sparse_mla, bf16 and FP8 pools (mode off)"
+  python3 -m pytest scripts/gpu_env/dsa_kit_smoke.py -v -rs -p no:cacheprovider > "$OUT/kit_smoke.log" 2>&1 || status=1
+  grep -E 'PASSED|FAILED|SKIPPED|ERROR|[0-9]+ (passed|failed)' "$OUT/kit_smoke.log"
+fi
+if want harness && [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   step "CUDA suite, 2 GPUs"
   python3 test/run_suite.py --hw cuda --suite cpkv-test-2-gpu > "$OUT/suite_2gpu.log" 2>&1 || status=1
   grep -E '^(=== |files:|FAILED)|passed|failed|skipped' "$OUT/suite_2gpu.log"
@@ -67,17 +75,32 @@ if [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; t
   done
 fi
 
-step "op benchmark (roofline + every op per provider)"
-python3 benchmark/bench_cp_shared_kv_ops.py --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1 || status=1
-tail -n 80 "$OUT/bench.log"
+if want kit-layer; then
+  step "upstream's kit layer (triton_sparse_mla), per-layer time, mode off / on (layer-ahead, synchronous), cp 1"
+  for pool in bf16 fp8; do
+    python3 benchmark/bench_kit_layer.py --requests 8 --history 8192 --extend 1024 --layers 4 \
+      $([ "$pool" = fp8 ] && echo --fp8) --out "$OUT/kit_layer_$pool.json" > "$OUT/kit_layer_$pool.log" 2>&1 || status=1
+    tail -n 4 "$OUT/kit_layer_$pool.log"
+  done
+fi
 
-step "SASS: 16-byte loads in the sm_90a library"
-cuobjdump --dump-sass --gpu-architecture sm_90a /tmp/cpkv_aot/*.so 2>/dev/null | grep -cE 'LDG\.E\.128' | sed 's/^/LDG.E.128 instructions: /'
+if want ops; then
+  step "op benchmark (roofline + every op per provider)"
+  python3 benchmark/bench_cp_shared_kv_ops.py --out "$OUT/bench.json" ${OPS_ONLY:+--only $OPS_ONLY} > "$OUT/bench.log" 2>&1 || status=1
+  tail -n 80 "$OUT/bench.log"
+fi
 
-step "compute-sanitizer memcheck (slice of the ops tests, uncached allocator)"
-PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest \
-  test/registered/kernels/test_cuda_ops.py -q -p no:cacheprovider -k "shared_page or bad_ids" 2>&1 |
-  tee "$OUT/memcheck.log" | tail -4
+if want sass; then
+  step "SASS: 16-byte loads in the sm_90a library"
+  cuobjdump --dump-sass --gpu-architecture sm_90a /tmp/cpkv_aot/*.so 2>/dev/null | grep -cE 'LDG\.E\.128' | sed 's/^/LDG.E.128 instructions: /'
+fi
+
+if want memcheck; then
+  step "compute-sanitizer memcheck (slice of the ops tests, uncached allocator)"
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout 150 compute-sanitizer --tool memcheck --print-limit 20 python3 -m pytest \
+    test/registered/kernels/test_cuda_ops.py -q -p no:cacheprovider -k "shared_page or bad_ids" 2>&1 |
+    tee "$OUT/memcheck.log" | tail -4
+fi
 
 step "done: status $status"
 exit "$status"

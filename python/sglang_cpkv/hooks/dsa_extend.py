@@ -12,9 +12,9 @@ inputs:
   returns the selected-request page table remapped to dense locations, so that every table upstream
   derives from it (``real_page_table``, ``page_table_1_flattened``, the fused top-k transform's output)
   addresses the per-request dense view.
-* :func:`extend_dense_kv` - ``forward_extend`` before the cache write: the layer's dense latent view
-  (history from the owners, then the current rows in the pool's row format, made by upstream's own
-  writer); :func:`cache_write_locs` - the cache write: this rank's owned rows only.
+* :func:`extend_dense_kv` - ``forward_extend`` at the cache write: the layer's dense latent view (history
+  from the owners, then the current rows in the pool's row format, made once by upstream's own writer),
+  and this rank's owned rows persisted from the same rows (upstream's own write is skipped).
 * :func:`index_k_write_targets` (upstream's fused index-K stores), :func:`store_index_k` (its fallback) and
   :func:`index_k_and_scale` (the read) - the indexer's index K: the dense index-K pages (history, then the
   current keys stored by upstream's own kernels), owned rows persisted.
@@ -78,10 +78,13 @@ def enabled() -> bool:
     return bool(getattr(server_args, "enable_cp_shared_kv", False))
 
 
-def layer_ahead() -> bool:
-    """Whether histories are prefetched one layer ahead (default) or materialized by their own layer
-    (``SGLANG_CPKV_LAYER_AHEAD=0``; read when a batch begins)."""
-    return env_flag(LAYER_AHEAD_ENV, default=True)
+def layer_ahead(cp_size: int) -> bool:
+    """Whether histories are prefetched one layer ahead or materialized by their own layer (one fused op).
+
+    ``SGLANG_CPKV_LAYER_AHEAD`` decides when set (read when a batch begins); by default layer-ahead under CP, where
+    the history is an all-gather worth overlapping with the layer before, and synchronous at cp 1, where it is a
+    local copy and the side stream costs more than it hides (benchmark/RESULTS.md, kit layer)."""
+    return env_flag(LAYER_AHEAD_ENV, default=cp_size > 1)
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -182,7 +185,7 @@ class BackendState:
             self.batch = None
         self.surface_errors()
         pool = backend.token_to_kv_pool
-        ahead = layer_ahead()
+        ahead = layer_ahead(plan.cp_size)
         count = 2 if ahead else 1
         kinds = [self._latent_kind(pool, plan, count)]
         index_k = self._index_k_kind(pool, plan, count)
@@ -309,13 +312,19 @@ def remap_page_table(batch: ExtendBatch, page_table: torch.Tensor, bs_idx: torch
 
 
 def extend_dense_kv(
-    backend: Any, layer_id: int, forward_batch: Any, k: torch.Tensor | None, k_rope: torch.Tensor | None
+    backend: Any,
+    layer_id: int,
+    forward_batch: Any,
+    k: torch.Tensor | None,
+    k_rope: torch.Tensor | None,
+    save_kv_cache: bool,
 ) -> torch.Tensor | None:
     """The layer's dense KV view (history + current), in the dtype ``get_key_buffer`` returns; None when off.
 
-    Call before the layer's cache write. ``k``/``k_rope`` are the all-gathered current rows that
-    ``forward_extend`` hands ``set_mla_kv_buffer``; upstream's own writer turns them into the pool's row
-    format (bf16, FP8, or the packed 656-byte FP8 layout alike).
+    Called where ``forward_extend`` writes the cache. ``k``/``k_rope`` are the all-gathered current rows; upstream's
+    own writer turns them into the pool's row format once (bf16, FP8, or the packed 656-byte FP8 layout alike), into
+    a scratch: the dense view is filled from it, and - after the view took the layer's history - this rank's owned
+    rows are persisted from it too, so ``forward_extend`` skips its own cache write (one quantization, not two).
     """
     batch = extend_batch(backend, forward_batch)
     if batch is None:
@@ -325,22 +334,13 @@ def extend_dense_kv(
     check_cache_write_rows(batch.plan, k.shape[0], f"layer {layer_id} dense fill")
     pool = backend.token_to_kv_pool
     pool._write_mla_kv_buffer(batch.latent_scratch, batch.latent_scratch_locs, k, k_rope)
-    dense_kv = batch.pipeline.dense_view(LATENT, layer_id, batch.latent_scratch[1:])
+    current_rows = batch.latent_scratch[1:]
+    dense_kv = batch.pipeline.dense_view(LATENT, layer_id, current_rows)
+    if save_kv_cache:
+        batch.pipeline.persist_owned(LATENT, layer_id, current_rows)
     if pool.store_dtype != pool.dtype:
         return dense_kv.view(pool.dtype)
     return dense_kv
-
-
-def cache_write_locs(
-    backend: Any, layer_id: int, forward_batch: Any, cache_loc: torch.Tensor, kv_rows: int
-) -> torch.Tensor:
-    """``cache_loc`` when off; else this rank's owned rows (others at upstream's skipped location 0)."""
-    batch = extend_batch(backend, forward_batch)
-    if batch is None:
-        return cache_loc
-    check_cache_write_rows(batch.plan, kv_rows, f"layer {layer_id} set_mla_kv_buffer")
-    batch.pipeline.owned_write_locs(LATENT, layer_id)  # refuses a write before the layer's history was taken
-    return batch.pool_write_locs
 
 
 def index_k_pages_as_rows(buffer: torch.Tensor, page_size: int) -> torch.Tensor:

@@ -40,7 +40,8 @@ def enabled() -> bool:
 def _slot_range_violations(plan: CpSharedKvPlan, dense_locs: torch.Tensor, req_id: torch.Tensor) -> torch.Tensor:
     """Bool, shape of ``dense_locs``: a location >= 0 outside its row's request slot range."""
     bounds = torch.tensor([plan.slot_range(r) for r in range(plan.num_requests)], dtype=torch.int64) * plan.page_size
-    locs = dense_locs.to(torch.int64).reshape(dense_locs.shape[0], -1).cpu()
+    rows = dense_locs.shape[0] if dense_locs.dim() else 1
+    locs = dense_locs.to(torch.int64).cpu().reshape(rows, -1 if rows else 0)
     req = req_id.to(torch.int64).cpu()
     lo = bounds[req.clamp(min=0), 0].unsqueeze(1)
     hi = bounds[req.clamp(min=0), 1].unsqueeze(1)

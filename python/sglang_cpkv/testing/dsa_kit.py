@@ -117,6 +117,9 @@ class KernelReads:
 
 
 def _upstream():
+    # Under DSA prefill CP upstream never takes the dense MHA_ONE_SHOT path (set_dsa_prefill_impl); these runs are
+    # mostly cp 1, where a short batch on SM90 would: keep them on the sparse path the mode serves.
+    os.environ.setdefault("SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD", "0")
     if not torch.cuda.is_available():
         torch.cuda.get_device_capability = lambda *a, **k: (9, 0)  # build the backend as on Hopper
         # The top-k v2 plan is a CUDA JIT kernel of the top-k step, which these runs replace by its transform.

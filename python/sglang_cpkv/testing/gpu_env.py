@@ -32,7 +32,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_cpkv.overlay import OverlayError, find_queue_root, load_pin
+from sglang_cpkv.overlay.common import OverlayError
+from sglang_cpkv.overlay.pin import find_queue_root, load_pin
 from sglang_cpkv.testing.upstream_env import REQUIRE_UPSTREAM_ENV
 
 PY_TAG = "cp312"  # the GPU machine's interpreter (device KINDS.md); the closure's wheels are for it

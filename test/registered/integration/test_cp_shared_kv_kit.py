@@ -33,7 +33,7 @@ from sglang_cpkv.testing.batches import BatchCase, same_bytes
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 from sglang_cpkv.testing.dsa_kit import DSA_CONFIG, PAGE, KitRoute, KitWorld, kit_capacity
 
-register_cpu_ci(est_time=150, suite="cpkv-cpu")
+register_cpu_ci(est_time=270, suite="cpkv-cpu")
 
 PAGED_BF16 = KitRoute("flashmla_sparse")
 RAGGED_FP8 = KitRoute("flashmla_sparse", fp8=True)

@@ -45,14 +45,16 @@ TRITON = ["triton_sparse_mla-bf16-paged", "triton_sparse_mla-fp8-ragged"]
 SHARED_SHAPE = (3, 300)
 
 
-def _world(route, shape, mode_on):
-    return KitWorld(route, max_requests=shape[0], longest=shape[1], mode_on=mode_on, device="cuda", run_triton=True)
+def _world(route, shape, mode_on, **kw):
+    return KitWorld(
+        route, max_requests=shape[0], longest=shape[1], mode_on=mode_on, device="cuda", run_triton=True, **kw
+    )
 
 
-def _pair(route, case, shape):
+def _pair(route, case, shape, **kw):
     runs = []
     for mode_on in (False, True):
-        world = _world(route, shape, mode_on)
+        world = _world(route, shape, mode_on, **kw)
         world.write_history(case)
         runs.append(world.forward(case))
     return runs
@@ -105,6 +107,10 @@ def _shared_case():
 def test_bs_gt_1_each_request_equals_its_bs_1_run(route_name):
     route = ROUTES[route_name]
     case = _shared_case()
+    if route.fp8 and route.prefill_backend != "flashmla_kv":
+        # RAGGED: upstream reads a request without history from its bf16 rows alone but from the dequantized FP8
+        # cache in a batch where another request has history; every request gets one, so bs = 1 compares.
+        case = BatchCase(PAGE, case.capacity, case.page_tables, (170, 128, 64), (50, 40, 36))
     off, on = _pair(route, case, SHARED_SHAPE)
     _assert_same(off, on, "bs 3")
     for r in range(case.num_requests):

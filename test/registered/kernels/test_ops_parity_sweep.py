@@ -87,6 +87,7 @@ def _pipeline_runs(case: BatchCase, layout: str, provider: str, monkeypatch, *, 
     for backend in ("torch", provider):
         monkeypatch.setenv(ops.BACKEND_ENV, backend)
         results = run_case_on_ranks(case, pool, current, locs, "cuda", layer_ahead=layer_ahead)
+        monkeypatch.setenv(ops.BACKEND_ENV, "torch")  # the truth's host plans run on the CPU
         problems = check_against_truth(case, pool, current, positions, results)
         assert problems == [], f"{backend}: {problems[:4]}"
         runs.append(results)

@@ -5,6 +5,7 @@ import sys
 import pytest
 import torch
 
+from sglang_cpkv.ops import reference
 from sglang_cpkv.ops.errors import CpSharedKvError
 from sglang_cpkv.runtime import (
     CHECKED_ENV_VAR,
@@ -253,6 +254,25 @@ def test_checked_mode_raises_at_the_op(monkeypatch):
         _build(SHARED_5, out_cache_loc=torch.tensor([37, 22, 21, 22]))
     monkeypatch.setenv(CHECKED_ENV_VAR, "0")
     assert not _build(SHARED_5).checked
+
+
+def test_page_ids_past_int32_are_bad_ids_not_wrapped():
+    """An int64 page id of a device table is checked before the int32 cast: 2**32 + 5 must not become page 5."""
+    from sglang_cpkv.runtime.plan import _slot_pages
+
+    table = torch.tensor([[1, 2**32 + 5]], dtype=torch.int64)
+    pages = _slot_pages(table, torch.tensor([0, 0]), torch.tensor([0, 1]), capacity=16)
+    assert pages.tolist() == [1, 16]  # 16 = C: counted as out of range by the inverse build
+    errors = torch.zeros(3, dtype=torch.int32)
+    inverse = reference.build_page_inverse(pages, torch.tensor([0, 0]), 1, 16, errors)
+    assert errors.tolist() == [1, 0, 0] and int(inverse[5]) == -1
+
+
+def test_checked_mode_remaps_zero_rows(monkeypatch):
+    monkeypatch.setenv(CHECKED_ENV_VAR, "1")
+    pipe = _pipeline(_build(SHARED_5), torch.zeros(64, 8))
+    out = pipe.remap(torch.empty(0, 4, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+    assert out.shape == (0, 4)
 
 
 def test_required_request_ids_one_per_row():
