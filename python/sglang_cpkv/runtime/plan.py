@@ -189,6 +189,15 @@ def _validate_lengths(
     return prefix, extend
 
 
+def _validate_host_locations(out_cache_loc: torch.Tensor, capacity: int, page_size: int) -> None:
+    """Current-token locations inside the pool (host tensor only)."""
+    lo, hi = int(out_cache_loc.min()), int(out_cache_loc.max())
+    if lo < 0 or hi >= capacity * page_size:
+        raise CpSharedKvError(
+            f"out_cache_loc values span [{lo}, {hi}], outside the pool [0, capacity*page_size={capacity * page_size})"
+        )
+
+
 def _validate_host_ids(table: torch.Tensor, pages_needed: list[int], capacity: int) -> None:
     """Page ids of used entries in ``[0, C)`` and distinct within each request (host table only)."""
     for r, used in enumerate(pages_needed):
@@ -303,11 +312,7 @@ def build_plan(
     if out_cache_loc.dtype not in (torch.int32, torch.int64):
         raise CpSharedKvError(f"out_cache_loc must be int32 or int64, got {out_cache_loc.dtype}")
     if out_cache_loc.device.type == "cpu" and num_tokens:
-        lo, hi = int(out_cache_loc.min()), int(out_cache_loc.max())
-        if lo < 0 or hi >= capacity * page_size:
-            raise CpSharedKvError(
-                f"out_cache_loc values span [{lo}, {hi}], outside the pool [0, capacity*page_size={capacity * page_size})"
-            )
+        _validate_host_locations(out_cache_loc, capacity, page_size)
 
     device = out_cache_loc.device
     errors = ops.new_error_counter(device)
@@ -350,8 +355,12 @@ def build_plan(
     else:
         owner = page_owner(torch.div(out_cache_loc, page_size, rounding_mode="floor"), cp_size)
         owned_cache_write_locs = torch.where(owner == cp_rank, out_cache_loc, PADDING_ID).to(torch.int64)
-        # The one host copy of a device page table (see the module docstring): the history slots' pages.
-        history_page_ids = used_pages.index_select(0, history_slots_host.to(used_pages.device)).to(torch.int64).cpu()
+        # The one host copy of a device page table (see the module docstring): the history slots' pages, when any.
+        history_page_ids = torch.empty(0, dtype=torch.int64)
+        if history_slots_host.numel():
+            history_page_ids = (
+                used_pages.index_select(0, history_slots_host.to(used_pages.device)).to(torch.int64).cpu()
+            )
         pages_per_rank, send_host, recv_host = _exchange_layout(history_page_ids, cp_size, cp_rank)
         send_pages = _to_device(send_host, device, torch.int32)
         recv_rows = _to_device(recv_host, device, torch.int32)

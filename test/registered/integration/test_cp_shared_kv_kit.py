@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 from sglang_cpkv.testing.batches import BatchCase, same_bytes
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 from sglang_cpkv.testing.dsa_kit import DSA_CONFIG, PAGE, KitRoute, KitWorld, kit_capacity
+from sglang_cpkv.testing.host_reads import HostReadCounter
 
 register_cpu_ci(est_time=270, suite="cpkv-cpu")
 
@@ -282,7 +283,9 @@ def _gloo_rank(rank, model_dir, init_method, out_dir):
             for i, case in enumerate(cases):
                 if i == 0:
                     world.write_history(case)
-                runs.append(world.forward(case))
+                with HostReadCounter() as reads:
+                    runs.append(world.forward(case))
+                results[("host reads", name, mode_on, i)] = dict(reads.counts)
             seed = None
             if name == "ragged-no-prefix-cut":
                 seed = _mtp_seed(world)
@@ -360,6 +363,31 @@ def test_cp2_the_dropped_request_is_on_one_rank_only(gloo_results):
         if 1 in {int((ends <= t).sum()) for t in run.local_tokens.tolist()}:
             holders.append(rank)
     assert len(holders) == 1
+
+
+# Host reads of tensor values the serving code makes in a forward: only the plan's, and of those only the one
+# copy of the history page ids under CP reads data a GPU would hold. The others read host memory: validation of
+# host inputs (a server hands the plan device tensors, so on a GPU they do not run) and the previous batch's error
+# counter, read from its pinned host copy once the copy's event has completed. None in any layer.
+HOST_MEMORY_READS = {
+    "runtime.plan:_validate_host_ids",
+    "runtime.plan:_validate_host_locations",
+    "ops.errors:raise_if_errors",
+}
+
+
+def test_cp2_one_host_read_per_batch_none_per_layer(gloo_results):
+    for results in gloo_results:
+        for key, counts in results.items():
+            if key[0] != "host reads" or not key[2]:
+                continue
+            ours = {where: n for where, n in counts.items() if where not in HOST_MEMORY_READS}
+            history = any(p > 0 for p in _scenario_case(key[1], key[3]).prefix_lens)
+            assert ours == ({"runtime.plan:build_plan": 1} if history else {}), (key, counts)
+
+
+def _scenario_case(name, index):
+    return next(cases for n, _, cases, _ in _cp2_scenarios() if n == name)[index]
 
 
 def test_cp2_mtp_seed_export_maps_to_pool_locations(gloo_results):
