@@ -19,8 +19,10 @@ FLAG = "--enable-cp-shared-kv"
 REQUIRED_PAGE_SIZE = 64
 REQUIRED_CP_STRATEGY = "interleave"
 # DSA prefill backends whose cache write and KV read go through DeepseekSparseAttnBackend.forward_extend
-# (the hooked path). trtllm writes from _forward_trtllm; the others are not DSA CUDA prefill paths we cover.
-SUPPORTED_DSA_PREFILL_BACKENDS = ("flashmla_sparse", "flashmla_kv", "flashmla_auto")
+# (the hooked path). triton_sparse_mla reads the dense view as flashmla_sparse does (the same tables, PAGED or
+# RAGGED; its output equals the mode-off run on the H200: test_cp_shared_kv_kit_cuda.py). trtllm writes from
+# _forward_trtllm; the others are not DSA CUDA prefill paths we cover.
+SUPPORTED_DSA_PREFILL_BACKENDS = ("flashmla_sparse", "flashmla_kv", "flashmla_auto", "triton_sparse_mla")
 # The owned-page filter of the DSA indexer state (index K) is wired into Mooncake's sender only.
 SUPPORTED_TRANSFER_BACKENDS = ("mooncake",)
 ALL_CP_RANKS_TRANSFER_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"

@@ -158,6 +158,14 @@ def _speculative_cases(models):
     ]
 
 
+def _triton_case(models):
+    """The mode with the triton_sparse_mla prefill backend (it reads the dense view like flashmla_sparse)."""
+    return {
+        "argv": _argv(models, "dsa", *CP, *PREFILL, "--dsa-prefill-backend", "triton_sparse_mla", FLAG),
+        "env": ALL_RANKS_ENV,
+    }
+
+
 # (name, model, extra argv, env, a fragment of the expected error)
 BAD_CASES = [
     (
@@ -215,7 +223,7 @@ def results(models, tmp_path_factory):
     # Both trees resolve at once (two processes; the imports dominate).
     patched_proc = _start_resolving(
         patched_tree(tmp_path_factory.mktemp("patched")),
-        off + [_valid_case(models), non_dsa] + bad + _speculative_cases(models),
+        off + [_valid_case(models), non_dsa] + bad + _speculative_cases(models) + [_triton_case(models)],
     )
     pristine_proc = _start_resolving(pristine_tree(tmp_path_factory.mktemp("pristine")), off + [_valid_case(models)])
     patched, pristine = _results(patched_proc), _results(pristine_proc)
@@ -229,6 +237,7 @@ def results(models, tmp_path_factory):
         "bad": dict(zip([name for name, *_ in BAD_CASES], patched[n + 2 : n + 2 + len(BAD_CASES)])),
         "speculative": patched[n + 2 + len(BAD_CASES)],
         "speculative_off": patched[n + 3 + len(BAD_CASES)],
+        "triton_sparse_mla": patched[n + 4 + len(BAD_CASES)],
     }
 
 
@@ -249,6 +258,12 @@ def test_flag_off_resolves_exactly_like_pristine_upstream(results, case):
     assert "resolved" in pristine, pristine
     assert "resolved" in patched, patched
     assert _without_flag(patched["resolved"]) == pristine["resolved"]
+
+
+def test_triton_sparse_mla_prefill_backend_is_accepted(results):
+    accepted = results["triton_sparse_mla"]
+    assert "resolved" in accepted, accepted
+    assert accepted["resolved"]["dsa_prefill_backend"] == "'triton_sparse_mla'"  # resolved values are reprs
 
 
 def test_flag_on_supported_configuration_is_accepted_and_changes_nothing_else(results):
