@@ -126,6 +126,10 @@ class DenseBufferCache:
             self._held[key] = held
         return tuple(b[:pages] for b in held[:count])
 
+    def held_bytes(self, kind: str) -> int:
+        """Bytes of the buffers held for ``kind`` (every page shape, dtype and device)."""
+        return sum(b.nbytes for key, held in self._held.items() if key[0] == kind for b in held)
+
 
 @dataclass
 class ExtendBatch:
@@ -136,8 +140,10 @@ class ExtendBatch:
     plan: CpSharedKvPlan
     pipeline: LayerPipeline
     pool_write_locs: torch.Tensor  # owned rows' pool locations, others upstream's skipped location 0
-    latent_scratch: torch.Tensor  # [N + 1, row]: upstream's writer skips location 0, rows land at 1..N
-    latent_scratch_locs: torch.Tensor  # 1..N
+    # [N + 1, row] and 1..N (upstream's writer skips location 0, rows land at 1..N); None when the batch's
+    # route never reads a dense latent view (:func:`reads_dense_latent`).
+    latent_scratch: torch.Tensor | None
+    latent_scratch_locs: torch.Tensor | None
     index_k_stored_layer: int | None = None  # the last layer whose current keys are in the dense index-K view
 
 
@@ -187,12 +193,17 @@ class BackendState:
         pool = backend.token_to_kv_pool
         ahead = layer_ahead(plan.cp_size)
         count = 2 if ahead else 1
-        kinds = [self._latent_kind(pool, plan, count)]
+        latent = reads_dense_latent(backend, forward_batch)
+        kinds = [self._latent_kind(pool, plan, count)] if latent else []
         index_k = self._index_k_kind(pool, plan, count)
         if index_k is not None:
             kinds.append(index_k)
         pipeline = LayerPipeline(plan, group, kinds, layer_ahead=ahead, stream=_side_stream(plan.device))
-        row_shape = tuple(pool.kv_buffer[0].shape[1:])
+        scratch = scratch_locs = None
+        if latent:
+            row_shape = tuple(pool.kv_buffer[0].shape[1:])
+            scratch = torch.empty((plan.num_tokens + 1, *row_shape), dtype=pool.kv_buffer[0].dtype, device=plan.device)
+            scratch_locs = torch.arange(1, plan.num_tokens + 1, dtype=torch.int64, device=plan.device)
         self.batches_begun += 1
         self.batch = ExtendBatch(
             number=self.batches_begun,
@@ -200,10 +211,8 @@ class BackendState:
             plan=plan,
             pipeline=pipeline,
             pool_write_locs=owned_pool_write_locs(plan),
-            latent_scratch=torch.empty(
-                (plan.num_tokens + 1, *row_shape), dtype=pool.kv_buffer[0].dtype, device=plan.device
-            ),
-            latent_scratch_locs=torch.arange(1, plan.num_tokens + 1, dtype=torch.int64, device=plan.device),
+            latent_scratch=scratch,
+            latent_scratch_locs=scratch_locs,
         )
         return self.batch
 
@@ -239,6 +248,16 @@ class BackendState:
         if batch is None or batch.forward_batch() is not forward_batch:
             return None
         return batch
+
+
+def reads_dense_latent(backend: Any, forward_batch: Any) -> bool:
+    """Whether ``forward_extend`` reads the batch's dense latent view: on every route but RAGGED on a batch
+    without a cached prefix, which attends over ``cat(k, k_rope)`` of the current rows (upstream's
+    ``_has_prefix = any(forward_batch.extend_prefix_lens_cpu)``, host data) and reads no KV cache."""
+    from sglang.srt.layers.attention.dsa.dsa_topk_backend import TopkTransformMethod
+
+    ragged = backend.get_topk_transform_method(forward_batch.forward_mode) == TopkTransformMethod.RAGGED
+    return not ragged or any(forward_batch.extend_prefix_lens_cpu)
 
 
 def backend_state(backend: Any) -> BackendState:
@@ -325,6 +344,8 @@ def extend_dense_kv(
     own writer turns them into the pool's row format once (bf16, FP8, or the packed 656-byte FP8 layout alike), into
     a scratch: the dense view is filled from it, and - after the view took the layer's history - this rank's owned
     rows are persisted from it too, so ``forward_extend`` skips its own cache write (one quantization, not two).
+    On a batch whose route never reads the view (:func:`reads_dense_latent`) the owned rows are written straight
+    to the pool and the pool's buffer is returned (not read there either), so no dense latent view exists.
     """
     batch = extend_batch(backend, forward_batch)
     if batch is None:
@@ -333,6 +354,12 @@ def extend_dense_kv(
         raise CpSharedKvError(f"layer {layer_id}: CP shared-KV needs the current KV of the extend (k is None)")
     check_cache_write_rows(batch.plan, k.shape[0], f"layer {layer_id} dense fill")
     pool = backend.token_to_kv_pool
+    if batch.latent_scratch is None:
+        # The route attends over the current rows themselves and the batch has no history: no dense view,
+        # only this rank's owned rows persisted (upstream's writer, non-owned rows to its skipped location 0).
+        if save_kv_cache:
+            pool._write_mla_kv_buffer(pool.kv_buffer[layer_id - pool.start_layer], batch.pool_write_locs, k, k_rope)
+        return pool.get_key_buffer(layer_id)
     pool._write_mla_kv_buffer(batch.latent_scratch, batch.latent_scratch_locs, k, k_rope)
     current_rows = batch.latent_scratch[1:]
     dense_kv = batch.pipeline.dense_view(LATENT, layer_id, current_rows)

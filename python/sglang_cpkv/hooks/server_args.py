@@ -119,6 +119,6 @@ def validate_cp_shared_kv_args(server_args: Any) -> None:
         )
     if not envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.get():
         _refuse(
-            f"requires {ALL_CP_RANKS_TRANSFER_ENV}=1 on this prefill server (and on its decode servers): "
-            "every CP rank sends the pages it owns"
+            f"requires {ALL_CP_RANKS_TRANSFER_ENV}=1 on this prefill server: every CP rank sends the pages it "
+            "owns (its decode servers learn the mode from the bootstrap info and pull from every CP rank)"
         )

@@ -34,7 +34,7 @@ from sglang_cpkv.testing.ci_register import register_cpu_ci
 from sglang_cpkv.testing.dsa_kit import DSA_CONFIG, PAGE, KitRoute, KitWorld, kit_capacity
 from sglang_cpkv.testing.host_reads import HostReadCounter
 
-register_cpu_ci(est_time=270, suite="cpkv-cpu")
+register_cpu_ci(est_time=300, suite="cpkv-cpu")
 
 PAGED_BF16 = KitRoute("flashmla_sparse")
 RAGGED_FP8 = KitRoute("flashmla_sparse", fp8=True)
@@ -261,7 +261,7 @@ def _gloo_rank(rank, model_dir, init_method, out_dir):
     from sglang.srt.distributed import parallel_state
     from sglang.srt.runtime_context import get_parallel
 
-    from sglang_cpkv.hooks import exchange_group
+    from sglang_cpkv.hooks import dsa_extend, exchange_group
 
     results = {}
     publish_prefill_cp_server_args(model_dir, CP, mode_on=True)
@@ -286,6 +286,8 @@ def _gloo_rank(rank, model_dir, init_method, out_dir):
                 with HostReadCounter() as reads:
                     runs.append(world.forward(case))
                 results[("host reads", name, mode_on, i)] = dict(reads.counts)
+                state = getattr(world.backend, dsa_extend.STATE_ATTR, None)
+                results[("latent bytes", name, mode_on, i)] = 0 if state is None else state.buffers.held_bytes("latent")
             seed = None
             if name == "ragged-no-prefix-cut":
                 seed = _mtp_seed(world)
@@ -329,6 +331,9 @@ def _cp2_scenarios():
         ),
         ("chunked-paged-indexshare", index_share, [chunk1, chunk2], SHARED_SHAPE),
         ("ragged-no-prefix-cut", RAGGED_FP8, [no_prefix], SHARED_SHAPE),
+        # RAGGED chunk 1 has no prefix: no dense latent view, the owned rows go straight to the pool; chunk 2
+        # reads them back as history through the view.
+        ("chunked-ragged", RAGGED_FP8, [chunk1, chunk2], SHARED_SHAPE),
     ]
 
 
@@ -374,6 +379,18 @@ HOST_MEMORY_READS = {
     "runtime.plan:_validate_host_locations",
     "ops.errors:raise_if_errors",
 }
+
+
+def test_cp2_no_dense_latent_view_where_the_route_never_reads_it(gloo_results):
+    """The RAGGED route on a batch without a cached prefix attends over the current rows themselves: the mode
+    allocates no dense latent view for it (the index-K view is still read), and does for every batch that reads
+    one. That chunk 1's owned rows still reach the pool is shown by chunk 2 reading them as history (above)."""
+    for results in gloo_results:
+        latent = {key[1:]: n for key, n in results.items() if key[0] == "latent bytes"}
+        assert latent[("ragged-no-prefix-cut", True, 0)] == 0
+        assert latent[("chunked-ragged", True, 0)] == 0 < latent[("chunked-ragged", True, 1)]
+        assert latent[("shared-ragged", True, 0)] > 0 and latent[("chunked-paged-indexshare", True, 0)] > 0
+        assert all(n == 0 for (_, mode_on, _), n in latent.items() if not mode_on)
 
 
 def test_cp2_one_host_read_per_batch_none_per_layer(gloo_results):
