@@ -168,6 +168,22 @@ def test_bs_gt_1_shared_prefix_reads_what_each_request_reads_alone(route_name):
         assert same_bytes(rows, solo.kernel[0].rows), f"request {r} reads other rows in the batch than alone"
 
 
+@pytest.mark.xfail(strict=True, reason="upstream 0.5.23, docs/upstream-findings.md item 3 (mode off)")
+def test_upstream_ragged_reads_a_history_less_request_alike_in_any_batch():
+    """Upstream's RAGGED route decides ``_has_prefix`` for the whole batch: a request without history reads its
+    current KV as bf16 rows alone, but as the FP8 cache's 656-byte rows (quantized, then dequantized) beside a
+    request with a cached prefix. The mode off, upstream's code only; an upstream fix shows up as an XPASS."""
+    case = _shared_prefix_case()  # request 2 has no history, requests 0 and 1 have
+    runs = []
+    for batch in (case, _alone(case, 2)):
+        world = _world(RAGGED_FP8, SHARED_SHAPE, False)
+        world.write_history(batch)
+        runs.append(world.forward(batch))
+    rows, valid = _rows_of_request(runs[0], case, 2)
+    assert torch.equal(valid, runs[1].kernel[0].valid)
+    assert same_bytes(rows, runs[1].kernel[0].rows), "request 2 reads other bytes in the batch than alone"
+
+
 def test_index_share_layers():
     """Regression a: layers that reuse another layer's top-k have a 0-row index-K pool; the mode must neither
     prefetch nor materialize index K for them (it crashed at layer 0: 'pool has 0 rows'). The RAGGED route with
