@@ -134,6 +134,33 @@ def test_index_share_and_ragged_radix_hit_beyond_the_pool():
     _assert_same(off, on, "IndexShare RAGGED radix hit")
 
 
+@pytest.mark.parametrize("route_name", ["triton_sparse_mla-fp8-ragged", "flashmla_sparse-fp8-ragged"])
+def test_ragged_no_prefix_chunk_and_its_continuation(route_name):
+    """RAGGED chunk 1 has no cached prefix: the mode makes no dense latent view and writes the owned rows
+    straight to the pool with upstream's FP8 writer; chunk 2 reads them back as history through the view."""
+    from sglang_cpkv.hooks import dsa_extend
+
+    capacity = kit_capacity(*SHARED_SHAPE)
+    tables = ((4, 9, 2, 7), (11, 3, 8))
+    chunks = [
+        BatchCase(PAGE, capacity, tables, (0, 0), (200, 150)),
+        BatchCase(PAGE, capacity, tables, (200, 150), (50, 30)),
+    ]
+    runs, latent_bytes = [], []
+    for mode_on in (False, True):
+        world = _world(ROUTES[route_name], SHARED_SHAPE, mode_on)
+        world.write_history(chunks[0])
+        forwards = []
+        for chunk in chunks:
+            forwards.append(world.forward(chunk))
+            state = getattr(world.backend, dsa_extend.STATE_ATTR, None)
+            latent_bytes.append(0 if state is None else state.buffers.held_bytes(dsa_extend.LATENT))
+        runs.append(forwards)
+    assert latent_bytes[2] == 0 < latent_bytes[3], latent_bytes
+    for i, (off, on) in enumerate(zip(*runs)):
+        _assert_same(off, on, f"chunk {i + 1}")
+
+
 def test_the_mode_adds_no_host_sync():
     """CUDA sync-debug mode counts every synchronizing call of a forward (plan build included): the mode on
     adds none to what upstream's own code does with it off, at cp 1 (the one per-batch host copy of history
