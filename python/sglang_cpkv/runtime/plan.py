@@ -40,6 +40,23 @@ INT32_MAX = (1 << 31) - 1
 
 
 @dataclass(frozen=True, eq=False)
+class ExchangeRound:
+    """One round of the history all-gather (device tensors).
+
+    Attributes:
+        send_pages: int32 ``[K]``: pool page ids this rank packs (the round's share of its owned distinct
+            history pages, -1 padding).
+        history_slots: int32 ``[S_t]``: the history slots whose page arrives in this round.
+        recv_rows: int32 ``[S_t]``: each such slot's page row in the rank-major all-gathered
+            ``[cp_size * K, page_elems]`` buffer.
+    """
+
+    send_pages: torch.Tensor
+    history_slots: torch.Tensor
+    recv_rows: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
 class CpSharedKvPlan:
     """Everything the layers of one batch reuse. Built by :func:`build_plan`; never mutated.
 
@@ -50,8 +67,10 @@ class CpSharedKvPlan:
         num_slots: slots of the dense view (``sum(n_r)`` rounded, module docstring).
         num_tokens: ``N = sum(extend_lens)``.
         split: the CP split of the current tokens (:class:`~.cp_split.CpSplit`).
-        exchange_pages_per_rank: ``M``, pages each rank contributes to the history all-gather
-            (0 when ``cp_size == 1`` or the batch has no history).
+        exchange_pages_per_rank: ``M``, the most distinct history pages any rank owns (0 when
+            ``cp_size == 1`` or the batch has no history).
+        exchange_pages_per_round: ``K``, pages each rank contributes to one round of the history
+            all-gather (``M`` unless the caller bounds it: reserved exchange buffers); 0 without exchange.
         checked: checked mode (:mod:`.checked`), fixed at build.
 
     Device tensors (all on the device of ``out_cache_loc``):
@@ -71,10 +90,8 @@ class CpSharedKvPlan:
         current_gather_index: int64 ``[N]``, see :meth:`CpSplit.unshard`.
         owned_cache_write_locs: int64 ``[N]``: the pool location of each current token whose page this
             rank owns (:func:`~.ownership.page_owner`), else -1.
-        exchange_send_pages: int32 ``[M]``: pool page ids this rank packs for the history
-            all-gather (its owned distinct history pages, -1 padding).
-        exchange_recv_rows: int32 ``[S]``: for each history slot, its page's row in the
-            rank-major all-gathered ``[cp_size * M, page_elems]`` buffer.
+        exchange_rounds: ``ceil(M / K)`` :class:`ExchangeRound` (the same count on every rank): the
+            history all-gather in rounds of ``K`` pages per rank.
         errors: int32 ``[NUM_ERROR_KINDS]`` device error counter shared by every op of the batch.
     """
 
@@ -89,6 +106,7 @@ class CpSharedKvPlan:
     num_tokens: int
     split: CpSplit
     exchange_pages_per_rank: int
+    exchange_pages_per_round: int
     checked: bool
     slot_pages: torch.Tensor
     slot_req: torch.Tensor
@@ -102,8 +120,7 @@ class CpSharedKvPlan:
     local_token_index: torch.Tensor
     current_gather_index: torch.Tensor
     owned_cache_write_locs: torch.Tensor
-    exchange_send_pages: torch.Tensor
-    exchange_recv_rows: torch.Tensor
+    exchange_rounds: tuple[ExchangeRound, ...]
     errors: torch.Tensor
 
     @property
@@ -214,24 +231,32 @@ def _validate_host_ids(table: torch.Tensor, pages_needed: list[int], capacity: i
 
 
 def _exchange_layout(
-    history_page_ids: torch.Tensor, cp_size: int, cp_rank: int
-) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """(M, this rank's send page ids [M], recv row of each history slot [S]); all host int64."""
+    history_page_ids: torch.Tensor, cp_size: int, cp_rank: int, pages_per_round: int | None
+) -> tuple[int, int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """``(M, K, rounds)``: per round this rank's send page ids ``[K]``, the indices of the history slots whose
+    page arrives in it, and their rows in the gathered buffer; all host int64."""
     if history_page_ids.numel() == 0:
-        empty = torch.empty(0, dtype=torch.int64)
-        return 0, empty, empty
+        return 0, 0, []
     unique_pages = history_page_ids.unique(sorted=True)
     owner = page_owner(unique_pages, cp_size)
     owned = [unique_pages[owner == k] for k in range(cp_size)]
     pages_per_rank = max(int(t.numel()) for t in owned)
-    send = torch.full((pages_per_rank,), PADDING_ID, dtype=torch.int64)
-    send[: owned[cp_rank].numel()] = owned[cp_rank]
+    per_round = pages_per_rank if pages_per_round is None else pages_per_round
     slot_owner = page_owner(history_page_ids, cp_size)
-    recv_rows = torch.empty_like(history_page_ids)
+    index_in_owner = torch.empty_like(history_page_ids)
     for k in range(cp_size):
         mine = slot_owner == k
-        recv_rows[mine] = k * pages_per_rank + torch.searchsorted(owned[k], history_page_ids[mine])
-    return pages_per_rank, send, recv_rows
+        index_in_owner[mine] = torch.searchsorted(owned[k], history_page_ids[mine])
+    slot_round = torch.div(index_in_owner, per_round, rounding_mode="floor")
+    recv_rows = slot_owner * per_round + index_in_owner % per_round
+    rounds = []
+    for r in range(-(-pages_per_rank // per_round)):
+        send = torch.full((per_round,), PADDING_ID, dtype=torch.int64)
+        share = owned[cp_rank][r * per_round : (r + 1) * per_round]
+        send[: share.numel()] = share
+        in_round = (slot_round == r).nonzero().flatten()
+        rounds.append((send, in_round, recv_rows[in_round]))
+    return pages_per_rank, per_round, rounds
 
 
 def _slot_pages(table: torch.Tensor, slot_req: torch.Tensor, slot_j: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -254,6 +279,7 @@ def build_plan(
     cp_size: int,
     cp_rank: int,
     strategy: CpStrategy,
+    exchange_pages_per_round: int | None = None,
     checked: bool | None = None,
 ) -> CpSharedKvPlan:
     """Build the batch plan (once per batch, before the first layer).
@@ -269,6 +295,8 @@ def build_plan(
             (request-major); ``N = sum(extend_lens)``. Its device is the plan's device.
         capacity: ``C``, page ids of the pool. page_size: tokens per page.
         cp_size, cp_rank: the CP group (``cp_size = 1``: no CP). strategy: see :mod:`.cp_split`.
+        exchange_pages_per_round: ``K``, the most pages a rank sends in one round of the history all-gather
+            (the size of reserved exchange buffers); default: all its pages in one round.
         checked: checked mode; default from ``SGLANG_CPKV_CHECKED`` (:mod:`.checked`).
 
     Raises:
@@ -281,6 +309,8 @@ def build_plan(
         raise CpSharedKvError(f"capacity and page_size must be >= 1, got capacity={capacity}, page_size={page_size}")
     if capacity > INT32_MAX:
         raise CpSharedKvError(f"capacity {capacity} page ids do not fit int32")
+    if exchange_pages_per_round is not None and exchange_pages_per_round < 1:
+        raise CpSharedKvError(f"exchange_pages_per_round must be >= 1, got {exchange_pages_per_round}")
     prefix, extend = _validate_lengths(prefix_lens, extend_lens)
     num_requests = len(prefix)
     split = build_cp_split(strategy, extend, cp_size, cp_rank)
@@ -347,11 +377,9 @@ def build_plan(
     local_req_id = split.shard(token_req_id, PADDING_ID, local_token_index)
     local_out_cache_loc = split.shard(out_cache_loc, PADDING_ID, local_token_index)
 
+    pages_per_rank, pages_per_round, rounds = 0, 0, ()
     if cp_size == 1:
         owned_cache_write_locs = out_cache_loc.to(torch.int64)
-        pages_per_rank = 0
-        send_pages = torch.empty(0, dtype=torch.int32, device=device)
-        recv_rows = torch.empty(0, dtype=torch.int32, device=device)
     else:
         owner = page_owner(torch.div(out_cache_loc, page_size, rounding_mode="floor"), cp_size)
         owned_cache_write_locs = torch.where(owner == cp_rank, out_cache_loc, PADDING_ID).to(torch.int64)
@@ -361,9 +389,17 @@ def build_plan(
             history_page_ids = (
                 used_pages.index_select(0, history_slots_host.to(used_pages.device)).to(torch.int64).cpu()
             )
-        pages_per_rank, send_host, recv_host = _exchange_layout(history_page_ids, cp_size, cp_rank)
-        send_pages = _to_device(send_host, device, torch.int32)
-        recv_rows = _to_device(recv_host, device, torch.int32)
+        pages_per_rank, pages_per_round, host_rounds = _exchange_layout(
+            history_page_ids, cp_size, cp_rank, exchange_pages_per_round
+        )
+        rounds = tuple(
+            ExchangeRound(
+                send_pages=_to_device(send, device, torch.int32),
+                history_slots=_to_device(history_slots_host[in_round], device, torch.int32),
+                recv_rows=_to_device(recv, device, torch.int32),
+            )
+            for send, in_round, recv in host_rounds
+        )
 
     plan = CpSharedKvPlan(
         num_requests=num_requests,
@@ -377,6 +413,7 @@ def build_plan(
         num_tokens=num_tokens,
         split=split,
         exchange_pages_per_rank=pages_per_rank,
+        exchange_pages_per_round=pages_per_round,
         checked=checked_mode.enabled() if checked is None else checked,
         slot_pages=slot_pages,
         slot_req=slot_req,
@@ -390,8 +427,7 @@ def build_plan(
         local_token_index=local_token_index,
         current_gather_index=current_gather_index,
         owned_cache_write_locs=owned_cache_write_locs,
-        exchange_send_pages=send_pages,
-        exchange_recv_rows=recv_rows,
+        exchange_rounds=rounds,
         errors=errors,
     )
     if plan.checked:

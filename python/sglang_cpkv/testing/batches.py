@@ -319,13 +319,15 @@ def run_case_on_rank(
     *,
     layer_ahead: bool = False,
     checked: bool = False,
+    exchange_pages_per_round: int | None = None,
 ) -> RankResult:
     """One CP rank's layer for one case, through the runtime's :class:`~sglang_cpkv.runtime.LayerPipeline`
     (a collective: every rank of ``group`` calls it with the same payload).
 
     The rank's pool keeps only its owned pages (:func:`owner_sharded_pool`); it builds its plan, takes the
     layer's dense view (history, then the current rows all-gathered from every rank's split rows), remaps its
-    local top-k rows and persists its owned rows.
+    local top-k rows and persists its owned rows. ``exchange_pages_per_round`` bounds the history all-gather's
+    rounds (as reserved exchange buffers do in serving).
     """
     case, pool_full, current_kv, topk_locs = payload
     device = torch.device(device)
@@ -339,6 +341,7 @@ def run_case_on_rank(
         cp_size=group.cp_size,
         cp_rank=group.cp_rank,
         strategy=case.effective_strategy,  # type: ignore[arg-type]
+        exchange_pages_per_round=exchange_pages_per_round,
         checked=checked,
     )
     pool = owner_sharded_pool(case, pool_full, group.cp_rank).to(device)

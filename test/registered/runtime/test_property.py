@@ -60,8 +60,10 @@ CLASS_COUNTS: Counter = Counter()
     seed=st.integers(0, 2**16),
     checked=st.booleans(),
     layer_ahead=st.booleans(),
+    # None: the whole history all-gather in one round; 1-3 pages per rank: several rounds (reserved buffers).
+    exchange_pages_per_round=st.sampled_from([None, 1, 2, 3]),
 )
-def _property(case, row_kind, seed, checked, layer_ahead):
+def _property(case, row_kind, seed, checked, layer_ahead, exchange_pages_per_round):
     event(case.state_class)
     CLASS_COUNTS[case.state_class] += 1
     CLASS_COUNTS[f"cp{case.cp_size}"] += 1
@@ -69,7 +71,15 @@ def _property(case, row_kind, seed, checked, layer_ahead):
     pool, current = make_pool_and_current(case, dtype, width, seed)
     topk, positions = random_topk(case, 4, seed)
     # checked mode on about one case in eight: it adds host syncs and invariant checks per op.
-    results = run_case_on_ranks(case, pool, current, topk, checked=checked and seed % 4 == 0, layer_ahead=layer_ahead)
+    results = run_case_on_ranks(
+        case,
+        pool,
+        current,
+        topk,
+        checked=checked and seed % 4 == 0,
+        layer_ahead=layer_ahead,
+        exchange_pages_per_round=exchange_pages_per_round,
+    )
     problems = check_against_truth(case, pool, current, positions, results)
     assert problems == [], f"{case.state_class} case {case}: {problems[:5]}"
 
