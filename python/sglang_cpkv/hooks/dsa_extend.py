@@ -46,6 +46,7 @@ import torch
 from sglang_cpkv.env import env_flag
 from sglang_cpkv.hooks.cache_write import check_cache_write_rows, check_split_matches_upstream, owned_pool_write_locs
 from sglang_cpkv.hooks.exchange_group import exchange_group
+from sglang_cpkv.hooks.reservation import published as reserved_buffers
 from sglang_cpkv.ops.errors import CpSharedKvError, raise_if_errors
 from sglang_cpkv.runtime import (
     CpGroup,
@@ -57,6 +58,7 @@ from sglang_cpkv.runtime import (
     build_plan,
 )
 from sglang_cpkv.runtime.plan import dense_to_pool_locs
+from sglang_cpkv.runtime.reservation import Reservation
 
 # The backend attribute that holds its BackendState (absent: the mode never ran on it).
 STATE_ATTR = "cp_shared_kv"
@@ -81,7 +83,8 @@ def enabled() -> bool:
 def layer_ahead(cp_size: int) -> bool:
     """Whether histories are prefetched one layer ahead or materialized by their own layer (one fused op).
 
-    ``SGLANG_CPKV_LAYER_AHEAD`` decides when set (read when a batch begins); by default layer-ahead under CP, where
+    ``SGLANG_CPKV_LAYER_AHEAD`` decides when set (read at start-up: the reservation holds two dense views per kind
+    for it, one without); by default layer-ahead under CP, where
     the history is an all-gather worth overlapping with the layer before, and synchronous at cp 1, where it is a
     local copy and the side stream costs more than it hides (benchmark/RESULTS.md, kit layer)."""
     return env_flag(LAYER_AHEAD_ENV, default=cp_size > 1)
@@ -107,28 +110,29 @@ def pool_page_table(
     return torch.div(first_locs.to(torch.int64), page_size, rounding_mode="floor")
 
 
-class DenseBufferCache:
-    """Dense page buffers per (kind, page shape, dtype, device), kept across batches.
+class ReservedBuffers:
+    """The mode's buffers of one backend, allocated once at the size the reservation gives them.
 
-    :meth:`get` returns the first ``pages`` pages of each of ``count`` buffers; the storage grows only
-    when a batch needs more than any before. A new batch may reuse what the previous one read: its
-    prefetch stream waits for the current stream before it writes (:class:`LayerPipeline`).
+    :meth:`get` returns ``count`` buffers of ``pages`` pages per (name, page shape, dtype, device); every batch
+    gets the same ones (the pipeline uses the first ``num_slots`` pages). A batch may reuse what the previous one
+    read: its prefetch stream waits for the current stream before it writes (:class:`LayerPipeline`).
     """
 
     def __init__(self) -> None:
         self._held: dict[tuple, list[torch.Tensor]] = {}
 
-    def get(self, kind: str, pages: int, page_elems: int, dtype: torch.dtype, device: torch.device, count: int):
-        key = (kind, page_elems, dtype, torch.device(device))
+    def get(self, name: str, pages: int, page_elems: int, dtype: torch.dtype, device: torch.device, count: int):
+        key = (name, page_elems, dtype, torch.device(device))
         held = self._held.get(key, [])
-        if len(held) < count or held[0].shape[0] < pages:
+        if len(held) != count or held[0].shape[0] != pages:  # first use (or another reservation: tests)
             held = [torch.empty((pages, page_elems), dtype=dtype, device=device) for _ in range(count)]
             self._held[key] = held
-        return tuple(b[:pages] for b in held[:count])
+        return tuple(held)
 
-    def held_bytes(self, kind: str) -> int:
-        """Bytes of the buffers held for ``kind`` (every page shape, dtype and device)."""
-        return sum(b.nbytes for key, held in self._held.items() if key[0] == kind for b in held)
+    def held_bytes(self, prefix: str) -> int:
+        """Bytes of the buffers held under names starting with ``prefix`` (``"latent"``: its views, exchange
+        and scratch)."""
+        return sum(b.nbytes for key, held in self._held.items() if key[0].startswith(prefix) for b in held)
 
 
 @dataclass
@@ -169,7 +173,7 @@ class BackendState:
     reuses across batches, the batch in flight, and earlier batches' error counters in transit."""
 
     def __init__(self) -> None:
-        self.buffers = DenseBufferCache()
+        self.buffers = ReservedBuffers()
         self.batch: ExtendBatch | None = None
         self.batches_begun = 0
         self._in_transit: list[_ErrorsInTransit] = []
@@ -184,25 +188,29 @@ class BackendState:
                 pending.append(errors)
         self._in_transit = pending
 
-    def begin(self, backend: Any, forward_batch: Any, plan: CpSharedKvPlan, group: CpGroup) -> ExtendBatch:
-        """End the previous batch (its counter goes to the host) and begin this one."""
+    def begin(
+        self, backend: Any, forward_batch: Any, plan: CpSharedKvPlan, group: CpGroup, reservation: Reservation
+    ) -> ExtendBatch:
+        """End the previous batch (its counter goes to the host) and begin this one in the reserved buffers."""
         if self.batch is not None:
             self._in_transit.append(_ErrorsInTransit(self.batch))
             self.batch = None
         self.surface_errors()
         pool = backend.token_to_kv_pool
-        ahead = layer_ahead(plan.cp_size)
-        count = 2 if ahead else 1
         latent = reads_dense_latent(backend, forward_batch)
-        kinds = [self._latent_kind(pool, plan, count)] if latent else []
-        index_k = self._index_k_kind(pool, plan, count)
+        kinds = [self._latent_kind(pool, plan, reservation)] if latent else []
+        index_k = self._index_k_kind(pool, plan, reservation)
         if index_k is not None:
             kinds.append(index_k)
+        ahead = reservation.views_per_kind == 2
         pipeline = LayerPipeline(plan, group, kinds, layer_ahead=ahead, stream=_side_stream(plan.device))
         scratch = scratch_locs = None
         if latent:
-            row_shape = tuple(pool.kv_buffer[0].shape[1:])
-            scratch = torch.empty((plan.num_tokens + 1, *row_shape), dtype=pool.kv_buffer[0].dtype, device=plan.device)
+            first = pool.kv_buffer[0]
+            (held,) = self.buffers.get(
+                f"{LATENT}/scratch", reservation.chunk_tokens + 1, first[0].numel(), first.dtype, first.device, 1
+            )
+            scratch = held[: plan.num_tokens + 1].view(-1, *first.shape[1:])
             scratch_locs = torch.arange(1, plan.num_tokens + 1, dtype=torch.int64, device=plan.device)
         self.batches_begun += 1
         self.batch = ExtendBatch(
@@ -216,20 +224,39 @@ class BackendState:
         )
         return self.batch
 
-    def _latent_kind(self, pool: Any, plan: CpSharedKvPlan, count: int) -> PagedKind:
+    def _reserved(self, name: str, reservation: Reservation, page: torch.Tensor, token_bytes: int):
+        """The dense views and, under CP, the exchange buffers of one kind whose pool pages look like ``page``."""
+        page_bytes = page.numel() * page.element_size()
+        if page_bytes != reservation.page_size * token_bytes:
+            raise CpSharedKvError(
+                f"{name}: the pool's pages are {page_bytes} bytes, the start-up reservation counted "
+                f"{reservation.page_size} x {token_bytes}"
+            )
+        shape = (page.numel(), page.dtype, page.device)
+        views = self.buffers.get(name, reservation.dense_slots, *shape, reservation.views_per_kind)
+        exchange = None
+        if reservation.cp_size > 1:
+            per_round = reservation.exchange_pages_per_round
+            (send,) = self.buffers.get(f"{name}/exchange-send", per_round, *shape, 1)
+            (gathered,) = self.buffers.get(f"{name}/exchange-gathered", reservation.cp_size * per_round, *shape, 1)
+            exchange = (send, gathered)
+        return views, exchange
+
+    def _latent_kind(self, pool: Any, plan: CpSharedKvPlan, reservation: Reservation) -> PagedKind:
         first = pool.kv_buffer[0]
-        page_elems = plan.page_size * first[0].numel()
-        buffers = self.buffers.get(LATENT, plan.num_slots, page_elems, first.dtype, first.device, count)
+        page = first[: plan.page_size]
+        views, exchange = self._reserved(LATENT, reservation, page, reservation.latent_token_bytes)
         return PagedKind(
             name=LATENT,
             layers=tuple(range(pool.start_layer, pool.start_layer + pool.layer_num)),
             pool_pages=lambda layer: as_pages(pool.kv_buffer[layer - pool.start_layer], plan.page_size, "KV pool"),
-            buffers=buffers,
+            buffers=views,
             row_shape=tuple(first.shape[1:]),
             row_dtype=first.dtype,
+            exchange=exchange,
         )
 
-    def _index_k_kind(self, pool: Any, plan: CpSharedKvPlan, count: int) -> PagedKind | None:
+    def _index_k_kind(self, pool: Any, plan: CpSharedKvPlan, reservation: Reservation) -> PagedKind | None:
         """Index-K pages of the layers that have them: an IndexShare layer reusing another layer's top-k has
         a 0-row index-K pool (``skip_topk_layers``) and never runs its indexer, so it is not listed."""
         if not hasattr(pool, "get_index_k_with_scale_buffer"):
@@ -238,9 +265,15 @@ class BackendState:
         layers = tuple(pool.start_layer + i for i in range(pool.layer_num) if not skip[i])
         if not layers:
             return None
-        first = pool.get_index_k_with_scale_buffer(layers[0])
-        buffers = self.buffers.get(INDEX_K, plan.num_slots, first.shape[1], first.dtype, first.device, count)
-        return PagedKind(name=INDEX_K, layers=layers, pool_pages=pool.get_index_k_with_scale_buffer, buffers=buffers)
+        page = pool.get_index_k_with_scale_buffer(layers[0])[0]
+        views, exchange = self._reserved(INDEX_K, reservation, page, reservation.index_k_token_bytes)
+        return PagedKind(
+            name=INDEX_K,
+            layers=layers,
+            pool_pages=pool.get_index_k_with_scale_buffer,
+            buffers=views,
+            exchange=exchange,
+        )
 
     def batch_of(self, forward_batch: Any) -> ExtendBatch | None:
         """The batch the plan hook began for this ``forward_batch`` (None for any other forward)."""
@@ -300,6 +333,7 @@ def on_extend_metadata(
     page_size = pool.page_size
     prefix_lens, extend_lens = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
     seq_lens = [int(p) + int(e) for p, e in zip(prefix_lens, extend_lens)]
+    reservation = reserved_buffers()
     plan = build_plan(
         pool_page_table(backend.req_to_token, forward_batch.req_pool_indices, seq_lens, page_size),
         prefix_lens,
@@ -311,12 +345,14 @@ def on_extend_metadata(
         cp_size=parallel.attn_cp_size,
         cp_rank=parallel.attn_cp_rank,
         strategy="interleave" if split else "none",
+        exchange_pages_per_round=reservation.exchange_pages_per_round or None,
     )
     if split:
         metadata = forward_batch.attn_cp_metadata
         check_split_matches_upstream(plan, metadata.per_rank_logical_token, metadata.per_rank_actual_token)
+    reservation.check_batch(sum(plan.request_pages) * page_size, plan.num_slots, plan.num_tokens)
     group = exchange_group() if parallel.attn_cp_size > 1 else SingleRankGroup()
-    batch = backend_state(backend).begin(backend, forward_batch, plan, group)
+    batch = backend_state(backend).begin(backend, forward_batch, plan, group, reservation)
     return remap_page_table(batch, page_table, bs_idx)
 
 

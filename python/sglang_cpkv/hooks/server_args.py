@@ -64,6 +64,25 @@ def _validate_draft(algorithm_name: str) -> None:
         )
 
 
+def _validate_reservation(cfg: Any, context_len: int) -> None:
+    """The limit the mode's buffers are reserved for (``runtime/reservation.py``) must hold any one request: the
+    scheduler never defers a batch's first request, and its current tokens are bounded by the chunk size."""
+    from sglang_cpkv.runtime.reservation import SETTING, page_rounded
+
+    chunk = cfg.chunked_prefill_size
+    if chunk is None or chunk <= 0:
+        _refuse(
+            f"requires chunked prefill (--chunked-prefill-size > 0, got {chunk}): the mode's current-row buffers "
+            "are reserved for one chunk"
+        )
+    limit = cfg.cp_shared_kv_max_batch_tokens
+    if limit is not None and limit < page_rounded(context_len, REQUIRED_PAGE_SIZE):
+        _refuse(
+            f"{SETTING} {limit} must hold one request of the context length ({context_len} tokens, "
+            f"{page_rounded(context_len, REQUIRED_PAGE_SIZE)} page-rounded)"
+        )
+
+
 def validate_cp_shared_kv_args(server_args: Any) -> None:
     """Refuse every configuration the CP shared-KV hooks do not cover; a no-op with the flag off.
 
@@ -117,6 +136,7 @@ def validate_cp_shared_kv_args(server_args: Any) -> None:
             f"supports --disaggregation-transfer-backend in {SUPPORTED_TRANSFER_BACKENDS} (the owned-page filter "
             f"of the DSA indexer state is wired there), got {cfg.disaggregation_transfer_backend!r}"
         )
+    _validate_reservation(cfg, model_config_of(server_args).context_len)
     if not envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.get():
         _refuse(
             f"requires {ALL_CP_RANKS_TRANSFER_ENV}=1 on this prefill server: every CP rank sends the pages it "

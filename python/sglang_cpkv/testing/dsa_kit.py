@@ -306,6 +306,8 @@ class KitWorld:
             skip_topk_layers=list(route.skip_topk_layers),
         )
         self.runner, self.pool = runner, runner.token_to_kv_pool
+        if mode_on:
+            self._reserve(max_requests, longest)
         self.backend = up["backends"]["dsa"](runner)
         self.backend.use_fused_topk = route.fused_topk
         if published is not None and cp_size > 1:
@@ -343,6 +345,28 @@ class KitWorld:
 
     def _keys(self, locs: torch.Tensor, layer: int) -> torch.Tensor:
         return _values(locs, 5000 * self.seed + layer, INDEX_HEAD_DIM, self.capacity, self.device)
+
+    def _reserve(self, max_requests: int, longest: int) -> None:
+        """Publish the mode's reservation for this world, as the pool-sizing hook does at a server's start-up:
+        a batch of up to ``max_requests`` requests of up to ``longest`` tokens (row sizes from the pool)."""
+        from sglang_cpkv.hooks.dsa_extend import layer_ahead
+        from sglang_cpkv.hooks.reservation import publish
+        from sglang_cpkv.runtime.reservation import Reservation
+
+        pool = self.pool
+        kv = pool.kv_buffer[0]
+        index_k_layer = next(i for i, skip in enumerate(self.route.skip_topk_layers) if not skip)
+        publish(
+            Reservation(
+                max_batch_tokens=max_requests * self.max_context,
+                chunk_tokens=max_requests * longest,
+                page_size=PAGE,
+                cp_size=self.cp_size,
+                views_per_kind=2 if layer_ahead(self.cp_size) else 1,
+                latent_token_bytes=kv[0].numel() * kv.element_size(),
+                index_k_token_bytes=pool.get_index_k_with_scale_buffer(index_k_layer).shape[1] // PAGE,
+            )
+        )
 
     def write_history(self, case: BatchCase) -> None:
         """The pool rows of every request's prefix positions, as an earlier prefill wrote them (a radix hit's

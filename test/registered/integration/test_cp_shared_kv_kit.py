@@ -184,6 +184,23 @@ def test_upstream_ragged_reads_a_history_less_request_alike_in_any_batch():
     assert same_bytes(rows, runs[1].kernel[0].rows), "request 2 reads other bytes in the batch than alone"
 
 
+def test_a_batch_past_the_reservation_is_refused_naming_the_setting():
+    """The admission hook keeps batches under --cp-shared-kv-max-batch-tokens; a batch that still exceeds the
+    reservation is refused at plan build with the setting named, before any buffer is touched."""
+    import dataclasses
+
+    from sglang_cpkv.hooks.reservation import publish, published
+    from sglang_cpkv.ops.errors import CpSharedKvError
+    from sglang_cpkv.runtime.reservation import SETTING
+
+    case = _shared_prefix_case()  # 4 + 3 + 2 pages
+    world = _world(PAGED_BF16, SHARED_SHAPE, True)
+    world.write_history(case)
+    publish(dataclasses.replace(published(), max_batch_tokens=6 * PAGE))
+    with pytest.raises(CpSharedKvError, match=f"needs 576 tokens of dense KV .* more than {SETTING} 384"):
+        world.forward(case)
+
+
 def test_index_share_layers():
     """Regression a: layers that reuse another layer's top-k have a 0-row index-K pool; the mode must neither
     prefetch nor materialize index K for them (it crashed at layer 0: 'pool has 0 rows'). The RAGGED route with
@@ -283,6 +300,7 @@ def _gloo_rank(rank, model_dir, init_method, out_dir):
     from sglang.srt.runtime_context import get_parallel
 
     from sglang_cpkv.hooks import dsa_extend, exchange_group
+    from sglang_cpkv.hooks.reservation import published
 
     results = {}
     publish_prefill_cp_server_args(model_dir, CP, mode_on=True)
@@ -309,6 +327,8 @@ def _gloo_rank(rank, model_dir, init_method, out_dir):
                 results[("host reads", name, mode_on, i)] = dict(reads.counts)
                 state = getattr(world.backend, dsa_extend.STATE_ATTR, None)
                 results[("latent bytes", name, mode_on, i)] = 0 if state is None else state.buffers.held_bytes("latent")
+                if mode_on:
+                    results[("held bytes", name, i)] = (state.buffers.held_bytes(""), published().total_bytes)
             seed = None
             if name == "ragged-no-prefix-cut":
                 seed = _mtp_seed(world)
@@ -412,6 +432,18 @@ def test_cp2_no_dense_latent_view_where_the_route_never_reads_it(gloo_results):
         assert latent[("chunked-ragged", True, 0)] == 0 < latent[("chunked-ragged", True, 1)]
         assert latent[("shared-ragged", True, 0)] > 0 and latent[("chunked-paged-indexshare", True, 0)] > 0
         assert all(n == 0 for (_, mode_on, _), n in latent.items() if not mode_on)
+
+
+def test_cp2_the_buffers_are_the_reservation_reused_across_batches(gloo_results):
+    """Every buffer the mode holds was reserved: after a batch that reads a dense latent view the backend holds
+    exactly the published reservation (dense views, exchange, scratch), and a second batch adds nothing."""
+    for results in gloo_results:
+        held = {key[1:]: value for key, value in results.items() if key[0] == "held bytes"}
+        for (name, i), (nbytes, reserved) in held.items():
+            if name == "ragged-no-prefix-cut" or (name == "chunked-ragged" and i == 0):
+                assert 0 < nbytes < reserved, (name, i)  # no latent view or scratch there
+            else:
+                assert nbytes == reserved, (name, i, nbytes, reserved)
 
 
 def test_cp2_one_host_read_per_batch_none_per_layer(gloo_results):

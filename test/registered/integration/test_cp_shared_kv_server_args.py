@@ -166,6 +166,14 @@ def _triton_case(models):
     }
 
 
+def _limit_case(models):
+    """The mode with an explicit limit for its reserved buffers."""
+    return {
+        "argv": _argv(models, "dsa", *CP, *PREFILL, "--cp-shared-kv-max-batch-tokens", "1000000", FLAG),
+        "env": ALL_RANKS_ENV,
+    }
+
+
 # (name, model, extra argv, env, a fragment of the expected error)
 BAD_CASES = [
     (
@@ -210,6 +218,20 @@ BAD_CASES = [
         "got 'nixl'",
     ),
     ("single CP rank sends", "dsa", [*CP, *PREFILL, FLAG], {}, "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1"),
+    (
+        "limit below one request",
+        "dsa",
+        [*CP, *PREFILL, "--cp-shared-kv-max-batch-tokens", "1000", FLAG],
+        ALL_RANKS_ENV,
+        "--cp-shared-kv-max-batch-tokens 1000 must hold one request of the context length",
+    ),
+    (
+        "chunked prefill off",
+        "dsa",
+        [*CP, *PREFILL, "--chunked-prefill-size", "-1", FLAG],
+        ALL_RANKS_ENV,
+        "requires chunked prefill (--chunked-prefill-size > 0, got -1)",
+    ),
 ]
 
 
@@ -223,7 +245,12 @@ def results(models, tmp_path_factory):
     # Both trees resolve at once (two processes; the imports dominate).
     patched_proc = _start_resolving(
         patched_tree(tmp_path_factory.mktemp("patched")),
-        off + [_valid_case(models), non_dsa] + bad + _speculative_cases(models) + [_triton_case(models)],
+        off
+        + [_valid_case(models), non_dsa]
+        + bad
+        + _speculative_cases(models)
+        + [_triton_case(models)]
+        + [_limit_case(models)],
     )
     pristine_proc = _start_resolving(pristine_tree(tmp_path_factory.mktemp("pristine")), off + [_valid_case(models)])
     patched, pristine = _results(patched_proc), _results(pristine_proc)
@@ -238,16 +265,21 @@ def results(models, tmp_path_factory):
         "speculative": patched[n + 2 + len(BAD_CASES)],
         "speculative_off": patched[n + 3 + len(BAD_CASES)],
         "triton_sparse_mla": patched[n + 4 + len(BAD_CASES)],
+        "limit": patched[n + 5 + len(BAD_CASES)],
     }
 
 
+OUR_FIELDS = ("enable_cp_shared_kv", "cp_shared_kv_max_batch_tokens")
+
+
 def _without_flag(resolved: dict) -> dict:
-    return {k: v for k, v in resolved.items() if k != "enable_cp_shared_kv"}
+    return {k: v for k, v in resolved.items() if k not in OUR_FIELDS}
 
 
 def test_patched_tree_has_the_flag_and_pristine_does_not(results):
     assert results["patched_off"][0]["resolved"]["enable_cp_shared_kv"] == "False"
-    assert "enable_cp_shared_kv" not in results["pristine_off"][0]["resolved"]
+    assert results["patched_off"][0]["resolved"]["cp_shared_kv_max_batch_tokens"] == "None"
+    assert not set(OUR_FIELDS) & set(results["pristine_off"][0]["resolved"])
     # The pristine parser does not know the flag at all.
     assert results["pristine_valid"]["error"] == "SystemExit"
 
@@ -264,6 +296,12 @@ def test_triton_sparse_mla_prefill_backend_is_accepted(results):
     accepted = results["triton_sparse_mla"]
     assert "resolved" in accepted, accepted
     assert accepted["resolved"]["dsa_prefill_backend"] == "'triton_sparse_mla'"  # resolved values are reprs
+
+
+def test_an_explicit_limit_for_the_reserved_buffers_is_accepted(results):
+    accepted = results["limit"]
+    assert "resolved" in accepted, accepted
+    assert accepted["resolved"]["cp_shared_kv_max_batch_tokens"] == "1000000"
 
 
 def test_flag_on_supported_configuration_is_accepted_and_changes_nothing_else(results):

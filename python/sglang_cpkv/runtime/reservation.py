@@ -1,0 +1,128 @@
+"""The CP shared-KV mode's buffers, reserved: sized once from one operator limit, never grown.
+
+One limit bounds every buffer of the mode, ``max_batch_tokens`` (server flag
+``--cp-shared-kv-max-batch-tokens``): the KV tokens one extend batch's dense view may hold - each
+request's history and current chunk, rounded up to whole pages, summed over the batch. The default,
+:func:`default_max_batch_tokens`, is one request of the full context length plus a full chunk of other
+requests' tokens. The scheduler admits requests against it (``hooks/reservation.py``: a request that
+would exceed it waits for a later batch); a batch that still exceeds it is refused at plan build with a
+message naming the setting (:meth:`Reservation.check_batch`), never an out-of-memory error in a forward.
+
+From the limit and the current-chunk bound (``--chunked-prefill-size``), per attention backend (the
+target's, and a speculative draft's, which has its own backend and pool):
+
+* ``S = round_dense_slots(ceil(max_batch_tokens / page_size))`` dense slots;
+* per kind (latent KV; DSA index K): ``views`` dense buffers of ``S`` pages (two with the layer-ahead
+  history, else one);
+* under CP, per kind, the history all-gather's send buffer of ``K = ceil(S / cp)`` pages and its
+  gathered buffer of ``cp * K``: a batch whose history pages are spread evenly over the owners exchanges
+  in one round, an uneven one in more rounds, never in more memory;
+* the current-row scratch: ``chunk_tokens + 1`` rows of the latent row format.
+
+:attr:`Reservation.total_bytes` is what the KV budget is charged before the pool is sized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sglang_cpkv.ops.errors import CpSharedKvError
+from sglang_cpkv.runtime.buckets import round_dense_slots
+
+SETTING = "--cp-shared-kv-max-batch-tokens"
+
+
+def page_rounded(tokens: int, page_size: int) -> int:
+    """``tokens`` rounded up to whole pages (what a request occupies in the dense view)."""
+    return -(-tokens // page_size) * page_size
+
+
+def default_max_batch_tokens(context_len: int, chunk_tokens: int, page_size: int) -> int:
+    """One request of ``context_len`` tokens plus a chunk of ``chunk_tokens`` more, page-rounded."""
+    return page_rounded(context_len, page_size) + page_rounded(chunk_tokens, page_size)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """The mode's buffers for one server (see the module docstring).
+
+    Attributes:
+        max_batch_tokens: the limit (tokens of KV one batch's dense view may hold).
+        chunk_tokens: the most current tokens of one batch (the chunked-prefill size).
+        page_size, cp_size: the pool's page size and the attention-CP size.
+        views_per_kind: dense buffers per kind (2: layer-ahead history, 1: synchronous).
+        latent_token_bytes: bytes of one token of the latent KV pool (656 packed FP8, 1152 bf16, ...).
+        index_k_token_bytes: bytes of one token of the DSA index-K pool (keys and scales); 0: none.
+        backends: attention backends that run the mode (1, or 2 with a speculative draft).
+    """
+
+    max_batch_tokens: int
+    chunk_tokens: int
+    page_size: int
+    cp_size: int
+    views_per_kind: int
+    latent_token_bytes: int
+    index_k_token_bytes: int
+    backends: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_tokens", "chunk_tokens", "page_size", "cp_size", "views_per_kind", "backends"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.latent_token_bytes < 1 or self.index_k_token_bytes < 0:
+            raise ValueError(
+                f"token bytes must be positive, got latent {self.latent_token_bytes}, "
+                f"index K {self.index_k_token_bytes}"
+            )
+
+    @property
+    def dense_slots(self) -> int:
+        """``S``: dense slots (pages) of every dense buffer."""
+        return round_dense_slots(-(-self.max_batch_tokens // self.page_size))
+
+    @property
+    def exchange_pages_per_round(self) -> int:
+        """``K``: pages each rank sends per round of the history all-gather (0 at cp 1: no exchange)."""
+        return 0 if self.cp_size == 1 else -(-self.dense_slots // self.cp_size)
+
+    def parts(self) -> dict[str, int]:
+        """Bytes of each buffer group of one backend."""
+        page_tokens = self.page_size
+        kinds = {"latent": self.latent_token_bytes, "index_k": self.index_k_token_bytes}
+        parts = {}
+        for kind, token_bytes in kinds.items():
+            if not token_bytes:
+                continue
+            page_bytes = page_tokens * token_bytes
+            parts[f"{kind} dense views"] = self.views_per_kind * self.dense_slots * page_bytes
+            if self.cp_size > 1:
+                parts[f"{kind} exchange"] = (1 + self.cp_size) * self.exchange_pages_per_round * page_bytes
+        parts["current-row scratch"] = (self.chunk_tokens + 1) * self.latent_token_bytes
+        return parts
+
+    @property
+    def total_bytes(self) -> int:
+        """What the KV budget is charged: every part, for every backend."""
+        return self.backends * sum(self.parts().values())
+
+    def describe(self) -> str:
+        """The start-up log line."""
+        parts = ", ".join(f"{name} {size / 2**20:.1f} MiB" for name, size in self.parts().items())
+        return (
+            f"CP shared-KV: reserved {self.total_bytes / 2**30:.3f} GiB of the KV budget for {self.backends} "
+            f"backend(s) ({SETTING} {self.max_batch_tokens}: {self.dense_slots} dense slots of {self.page_size} "
+            f"tokens, {self.views_per_kind} view(s) per kind, cp {self.cp_size}; per backend: {parts})"
+        )
+
+    def check_batch(self, dense_tokens: int, num_slots: int, num_tokens: int) -> None:
+        """Refuse a batch the reserved buffers cannot hold (the admission hook keeps batches under it)."""
+        if num_slots > self.dense_slots:
+            raise CpSharedKvError(
+                f"the batch needs {dense_tokens} tokens of dense KV ({num_slots} slots), more than {SETTING} "
+                f"{self.max_batch_tokens} reserves ({self.dense_slots} slots): raise {SETTING}"
+            )
+        if num_tokens > self.chunk_tokens:
+            raise CpSharedKvError(
+                f"the batch has {num_tokens} current tokens, more than the {self.chunk_tokens} the reservation "
+                "holds (--chunked-prefill-size)"
+            )

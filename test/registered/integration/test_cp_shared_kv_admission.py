@@ -1,0 +1,246 @@
+"""Requests are admitted against ``--cp-shared-kv-max-batch-tokens``: upstream's prefill adder with the patched hook (CPU).
+
+Each case resolves a real ``ServerArgs`` for the local GLM-5 DSA config as a P/D prefill server with CP 8 and the
+mode on (off for the baseline), publishes it, builds a real paged KV allocator (page 64) over a small MLA pool on
+CPU, upstream's ``RadixCache`` and upstream's ``PrefillAdder`` with the arguments upstream's scheduler gives it, and
+drives it as ``Scheduler._get_new_batch_prefill_raw`` does (``init_next_round_input`` then ``add_one_req`` for each
+waiting request until one is not ``CONTINUE``). The reservation the pool-sizing hook would publish at start-up is
+published directly with a small limit. Checked, on the adder's own results (``can_run_list``, ``extend_end``, the
+returned ``AddReqResult``), against ``sglang_cpkv.hooks.reservation.defers_request``:
+
+* a limit of two page-rounded 100-token requests (2 x 128) admits two of three; the third gets ``OTHER`` and stays
+  out; one token less than 2 x 128 admits only the first (the rounding is what is counted);
+* the first request of a batch is admitted even when it alone is past the limit; the next one waits;
+* with no reservation published (the mode off) the same three requests are all admitted (upstream's behaviour);
+* under a chunk budget smaller than a long prompt, the long request counts only its chunk (the batch's remaining
+  chunk budget, page-rounded), not its whole prompt: it is admitted as the batch's chunked request.
+"""
+
+from __future__ import annotations
+
+import sys
+from array import array
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang_cpkv.testing.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=25, suite="cpkv-cpu")
+
+pytest.importorskip("sglang", reason="needs upstream sglang 0.5.23 installed (make setup)")
+
+from sglang_cpkv.testing.upstream_env import install_torchvision_stub  # noqa: E402
+
+install_torchvision_stub()
+
+from sglang.srt import runtime_context  # noqa: E402
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
+from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder  # noqa: E402
+from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker  # noqa: E402
+from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
+from sglang.srt.runtime_context import get_schedule  # noqa: E402
+from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+from sglang_cpkv.hooks import reservation as reservation_hooks  # noqa: E402
+from sglang_cpkv.runtime.reservation import Reservation  # noqa: E402
+
+GLM5_DIR = Path(__file__).parents[1] / "upstream" / "fixtures" / "glm5_dsa"
+PAGE = 64
+CHUNK = 8192
+POOL_TOKENS = 64 * PAGE  # a small real pool: 64 pages
+MAX_CONTEXT = 4096
+VOCAB = 154880
+SERVER = dict(
+    model_path=str(GLM5_DIR),
+    skip_tokenizer_init=True,
+    device="cuda",
+    tp_size=8,
+    chunked_prefill_size=CHUNK,
+    enable_prefill_cp=True,
+    cp_strategy="interleave",
+    disaggregation_mode="prefill",
+    disaggregation_transfer_backend="mooncake",
+)
+
+
+class World:
+    """Upstream's scheduler-side objects for one prefill pass: pools, allocator, tree cache, adder."""
+
+    def __init__(self, monkeypatch, mode_on: bool, **server):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+        monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
+        args = ServerArgs(**{**SERVER, **server}, enable_cp_shared_kv=mode_on)
+        args.resolve_once()
+        runtime_context.get_context().set_server_args(args)
+        assert get_schedule().page_size == PAGE  # the DSA page size, as resolved
+        self.req_to_token_pool = ReqToTokenPool(
+            size=8, max_context_len=MAX_CONTEXT, device="cpu", enable_memory_saver=False
+        )
+        self.kv_pool = MLATokenToKVPool(
+            POOL_TOKENS,
+            page_size=PAGE,
+            dtype=torch.bfloat16,
+            kv_lora_rank=512,
+            qk_rope_head_dim=64,
+            layer_num=1,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        self.allocator = PagedTokenToKVPoolAllocator(
+            POOL_TOKENS, page_size=PAGE, dtype=torch.bfloat16, device="cpu", kvcache=self.kv_pool, need_sort=False
+        )
+        self.tree_cache = RadixCache(
+            CacheInitParams(
+                disable=False,
+                req_to_token_pool=self.req_to_token_pool,
+                token_to_kv_pool_allocator=self.allocator,
+                page_size=PAGE,
+            )
+        )
+        self.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
+
+    def adder(self, waiting: list[Req]) -> PrefillAdder:
+        """The adder as ``Scheduler._get_new_batch_prefill_raw`` builds it (no mixed chunk, no delayer)."""
+        schedule = get_schedule()
+        return PrefillAdder(
+            schedule.page_size,
+            self.tree_cache,
+            self.allocator,
+            self.running_batch,
+            NewTokenRatioTracker.from_config().current,
+            schedule.max_prefill_tokens,
+            schedule.chunked_prefill_size,
+            0,
+            schedule.priority_scheduling_preemption_threshold,
+            max_prefill_bs=0,
+            max_running_requests=schedule.max_running_requests,
+            prefill_max_requests=schedule.prefill_max_requests,
+            prefill_delayer_single_pass=None,
+            dllm_config=None,
+            waiting_queue_len=len(waiting),
+            prefill_tile_block_m=64,
+        )
+
+    def prefill_pass(self, waiting: list[Req]) -> tuple[PrefillAdder, dict[str, AddReqResult]]:
+        """One pass of the scheduler's waiting-queue loop; returns the adder and each tried request's result."""
+        adder = self.adder(waiting)
+        results = {}
+        for req in waiting:
+            if adder.budget_state() == AddReqResult.OTHER:
+                break
+            req.init_next_round_input(self.tree_cache)
+            res = adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
+            results[req.rid] = res
+            if res != AddReqResult.CONTINUE:
+                break
+        return adder, results
+
+
+def make_req(rid: str, num_tokens: int, first_token: int) -> Req:
+    """A real request of ``num_tokens`` distinct prompt tokens (no shared prefix with the others)."""
+    sampling_params = SamplingParams(max_new_tokens=16, temperature=0.0)
+    sampling_params.normalize(None)
+    sampling_params.verify(VOCAB)
+    return Req(rid, "", array("q", range(first_token, first_token + num_tokens)), sampling_params)
+
+
+def three_requests(lengths=(100, 100, 100)) -> list[Req]:
+    return [make_req(f"r{i}", n, 1000 * (i + 1)) for i, n in enumerate(lengths)]
+
+
+def publish_limit(max_batch_tokens: int, chunk_tokens: int = CHUNK) -> Reservation:
+    return reservation_hooks.publish(
+        Reservation(
+            max_batch_tokens=max_batch_tokens,
+            chunk_tokens=chunk_tokens,
+            page_size=PAGE,
+            cp_size=8,
+            views_per_kind=2,
+            latent_token_bytes=656,
+            index_k_token_bytes=132,
+        )
+    )
+
+
+def rids(adder: PrefillAdder) -> list[str]:
+    return [req.rid for req in adder.can_run_list]
+
+
+@pytest.fixture(autouse=True)
+def no_reservation(monkeypatch):
+    monkeypatch.setattr(reservation_hooks, "_published", None)
+
+
+def test_limit_of_two_page_rounded_requests_admits_two_of_three(monkeypatch):
+    world = World(monkeypatch, mode_on=True)
+    publish_limit(2 * 128)  # 100-token prompts occupy 128 tokens (two pages) of dense view each
+    waiting = three_requests()
+    adder, results = world.prefill_pass(waiting)
+    assert rids(adder) == ["r0", "r1"]
+    assert results == {"r0": AddReqResult.CONTINUE, "r1": AddReqResult.CONTINUE, "r2": AddReqResult.OTHER}
+    assert [req.extend_end for req in adder.can_run_list] == [100, 100]
+    assert waiting[2].extend_end is None  # nothing was reserved for the deferred request
+    assert adder.new_chunked_req is None
+
+
+def test_the_limit_counts_page_rounded_tokens(monkeypatch):
+    # 2 x 100 raw tokens fit 255, 2 x 128 page-rounded do not: the second request already waits
+    world = World(monkeypatch, mode_on=True)
+    publish_limit(2 * 128 - 1)
+    adder, results = world.prefill_pass(three_requests())
+    assert rids(adder) == ["r0"]
+    assert results == {"r0": AddReqResult.CONTINUE, "r1": AddReqResult.OTHER}
+
+
+def test_first_request_is_admitted_past_the_limit(monkeypatch):
+    world = World(monkeypatch, mode_on=True)
+    publish_limit(128)
+    adder, results = world.prefill_pass(three_requests(lengths=(1000, 100, 100)))
+    assert rids(adder) == ["r0"]  # 1024 tokens of dense view, alone past 128: never deferred
+    assert adder.can_run_list[0].extend_end == 1000
+    assert results == {"r0": AddReqResult.CONTINUE, "r1": AddReqResult.OTHER}
+
+
+def test_without_a_reservation_upstream_admits_all_three(monkeypatch):
+    world = World(monkeypatch, mode_on=False)
+    assert reservation_hooks._published is None
+    adder, results = world.prefill_pass(three_requests())
+    assert rids(adder) == ["r0", "r1", "r2"]
+    assert set(results.values()) == {AddReqResult.CONTINUE}
+    assert [req.extend_end for req in adder.can_run_list] == [100, 100, 100]
+
+
+def test_a_chunked_request_counts_only_its_chunk(monkeypatch):
+    chunk = 256
+    world = World(monkeypatch, mode_on=True, chunked_prefill_size=chunk)
+    assert get_schedule().chunked_prefill_size == chunk
+    # after r0 (100 tokens, charged 128 of the chunk) r1 has 128 chunk tokens left: 128 + 128 of dense view,
+    # where its whole prompt would take 128 + 1024
+    publish_limit(128 + 128, chunk_tokens=chunk)
+    waiting = three_requests(lengths=(100, 1000, 100))
+    adder, results = world.prefill_pass(waiting)
+    assert rids(adder) == ["r0", "r1"]
+    assert adder.new_chunked_req is waiting[1]
+    assert waiting[1].extend_end == 128  # upstream's chunk of the long prompt
+    assert results["r1"] != AddReqResult.CONTINUE  # the chunk budget is spent: the pass ends after it
+    assert "r2" not in results
+
+    # one token less: the chunk part alone no longer fits next to r0, so the long request waits
+    reservation_hooks._published = None
+    world = World(monkeypatch, mode_on=True, chunked_prefill_size=chunk)
+    publish_limit(128 + 128 - 1, chunk_tokens=chunk)
+    waiting = three_requests(lengths=(100, 1000, 100))
+    adder, results = world.prefill_pass(waiting)
+    assert rids(adder) == ["r0"]
+    assert results == {"r0": AddReqResult.CONTINUE, "r1": AddReqResult.OTHER}
+    assert adder.new_chunked_req is None
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
