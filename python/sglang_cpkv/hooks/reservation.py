@@ -94,7 +94,8 @@ def pool_overhead_bytes(kvc: Any) -> int:
 
 def defers_request(adder: Any, req: Any) -> bool:
     """Whether ``req`` waits for a later batch: its dense KV this round (its tokens up to the end of what the
-    chunk budget leaves it, page-rounded) would take the batch's past the limit."""
+    chunk budget leaves it, page-rounded; an upper bound, so a request may wait that would just have fit) would
+    take the batch's past the limit."""
     reservation = _published
     if reservation is None or not adder.can_run_list:
         return False
@@ -102,7 +103,10 @@ def defers_request(adder: Any, req: Any) -> bool:
     admitted = sum(page_rounded(r.extend_end, page_size) for r in adder.can_run_list)
     end = len(req.full_untruncated_fill_ids)
     if adder.rem_chunk_tokens is not None:
-        end = min(end, req.prefix_len + max(adder.rem_chunk_tokens, 0))
+        # An upper bound: upstream may round the chunk end down to a page, and a HiCache host hit extends the
+        # prefix the chunk starts from (``_select_prefill_admission``).
+        prefix = req.prefix_len + (getattr(req, "host_hit_length", 0) or 0)
+        end = min(end, prefix + max(adder.rem_chunk_tokens, 0))
     wanted = admitted + page_rounded(end, page_size)
     if wanted <= reservation.max_batch_tokens:
         return False

@@ -228,7 +228,9 @@ def test_a_chunked_request_counts_only_its_chunk(monkeypatch):
     assert rids(adder) == ["r0", "r1"]
     assert adder.new_chunked_req is waiting[1]
     assert waiting[1].extend_end == 128  # upstream's chunk of the long prompt
-    assert results["r1"] != AddReqResult.CONTINUE  # the chunk budget is spent: the pass ends after it
+    # admitted, yet OTHER: add_one_req returns the budget left for the next candidate, and the chunk is spent
+    assert results["r1"] == AddReqResult.OTHER
+    assert adder.rem_chunk_tokens == 0
     assert "r2" not in results
 
     # one token less: the chunk part alone no longer fits next to r0, so the long request waits
