@@ -21,19 +21,8 @@ import torch
 
 GLM5_DIR = Path(__file__).resolve().parents[1] / "test" / "registered" / "upstream" / "fixtures" / "glm5_dsa"
 PAGE, LAYERS = 64, 78
-DEPLOYMENT = dict(
-    model_path=str(GLM5_DIR),
-    skip_tokenizer_init=True,
-    device="cuda",
-    tp_size=8,
-    enable_prefill_cp=True,
-    cp_strategy="interleave",
-    disaggregation_mode="prefill",
-    disaggregation_transfer_backend="mooncake",
-    kv_cache_dtype="fp8_e4m3",
-    dsa_prefill_backend="flashmla_auto",
-    dsa_decode_backend="flashmla_kv",
-)
+# The deployment's prefill server (scripts/pd/glm51-fp8-b300.env) as the sizing sees it.
+DEPLOYMENT = dict(kv_cache_dtype="fp8_e4m3", dsa_prefill_backend="flashmla_auto", dsa_decode_backend="flashmla_kv")
 CONFIGS = {
     "deployment (chunk 65536)": dict(chunked_prefill_size=65536),
     "deployment + EAGLE/MTP draft": dict(chunked_prefill_size=65536, speculative_algorithm="EAGLE"),
@@ -53,7 +42,7 @@ def main() -> None:
     install_torchvision_stub()
     torch.cuda.get_device_capability = lambda *a, **k: (10, 0)  # the B300-class prefill GPU the deployment plays
     from sglang_cpkv.hooks import reservation as reservation_hooks
-    from sglang_cpkv.testing.pool_sizing import pool_configurator
+    from sglang_cpkv.testing.pool_sizing import pool_configurator, prefill_cp_server
 
     budget = int(args.budget_gib * 2**30)
     rows = []
@@ -61,7 +50,9 @@ def main() -> None:
         pools = {}
         for mode_on in (False, True):
             _, configurator = pool_configurator(
-                {**DEPLOYMENT, **extra, "enable_cp_shared_kv": mode_on}, layers=LAYERS, page_size=PAGE
+                prefill_cp_server(str(GLM5_DIR), **DEPLOYMENT, **extra, enable_cp_shared_kv=mode_on),
+                layers=LAYERS,
+                page_size=PAGE,
             )
             pools[mode_on] = configurator.calculate_pool_sizes(budget, PAGE).max_total_num_tokens
         reserved = reservation_hooks.published()

@@ -13,6 +13,22 @@ from typing import Any
 import torch
 
 
+def prefill_cp_server(model_dir: str, **overrides: Any) -> dict[str, Any]:
+    """``ServerArgs`` keywords of a P/D prefill server with DSA prefill CP 8 (TP 8, interleave, Mooncake): the
+    server the reservation tests and benchmark size (``overrides`` win)."""
+    return dict(
+        model_path=model_dir,
+        skip_tokenizer_init=True,
+        device="cuda",
+        tp_size=8,
+        enable_prefill_cp=True,
+        cp_strategy="interleave",
+        disaggregation_mode="prefill",
+        disaggregation_transfer_backend="mooncake",
+        **overrides,
+    )
+
+
 def pool_configurator(server: dict[str, Any], *, layers: int, page_size: int, draft_worker: bool = False):
     """``(server_args, DefaultPoolConfigurator)`` for ``ServerArgs(**server)`` with ``layers`` layers of FP8 KV."""
     from sglang.srt import runtime_context

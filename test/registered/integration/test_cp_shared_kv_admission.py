@@ -49,6 +49,7 @@ from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 from sglang_cpkv.hooks import reservation as reservation_hooks  # noqa: E402
 from sglang_cpkv.runtime.reservation import Reservation  # noqa: E402
+from sglang_cpkv.testing.pool_sizing import prefill_cp_server  # noqa: E402
 
 GLM5_DIR = Path(__file__).parents[1] / "upstream" / "fixtures" / "glm5_dsa"
 PAGE = 64
@@ -56,17 +57,7 @@ CHUNK = 8192
 POOL_TOKENS = 64 * PAGE  # a small real pool: 64 pages
 MAX_CONTEXT = 4096
 VOCAB = 154880
-SERVER = dict(
-    model_path=str(GLM5_DIR),
-    skip_tokenizer_init=True,
-    device="cuda",
-    tp_size=8,
-    chunked_prefill_size=CHUNK,
-    enable_prefill_cp=True,
-    cp_strategy="interleave",
-    disaggregation_mode="prefill",
-    disaggregation_transfer_backend="mooncake",
-)
+SERVER = prefill_cp_server(str(GLM5_DIR), chunked_prefill_size=CHUNK)
 
 
 class World:

@@ -31,7 +31,7 @@ from sglang_cpkv.testing.upstream_env import install_torchvision_stub  # noqa: E
 install_torchvision_stub()
 
 from sglang_cpkv.hooks import reservation as reservation_hooks  # noqa: E402
-from sglang_cpkv.testing.pool_sizing import pool_configurator  # noqa: E402
+from sglang_cpkv.testing.pool_sizing import pool_configurator, prefill_cp_server  # noqa: E402
 
 GLM5_DIR = Path(__file__).parents[1] / "upstream" / "fixtures" / "glm5_dsa"
 PAGE = 64
@@ -39,18 +39,7 @@ LAYERS = 78
 CHUNK = 65536
 CONTEXT = 202752  # the config's max_position_embeddings
 BUDGET = 100 * 2**30
-SERVER = dict(
-    model_path=str(GLM5_DIR),
-    skip_tokenizer_init=True,
-    device="cuda",
-    tp_size=8,
-    chunked_prefill_size=CHUNK,
-    enable_prefill_cp=True,
-    cp_strategy="interleave",
-    disaggregation_mode="prefill",
-    disaggregation_transfer_backend="mooncake",
-    kv_cache_dtype="fp8_e4m3",
-)
+SERVER = prefill_cp_server(str(GLM5_DIR), chunked_prefill_size=CHUNK, kv_cache_dtype="fp8_e4m3")
 
 
 def _pool_sizing(monkeypatch, mode_on, *, draft_worker=False, **server):
