@@ -77,10 +77,15 @@ fi
 
 if want kit-layer; then
   step "upstream's kit layer (triton_sparse_mla), per-layer time, mode off / on (layer-ahead, synchronous), cp 1"
-  for pool in bf16 fp8; do
-    python3 benchmark/bench_kit_layer.py --requests 8 --history 8192 --extend 1024 --layers 4 \
-      $([ "$pool" = fp8 ] && echo --fp8) --out "$OUT/kit_layer_$pool.json" > "$OUT/kit_layer_$pool.log" 2>&1 || status=1
-    tail -n 4 "$OUT/kit_layer_$pool.log"
+  # The kit's layer shape (4 heads, top-k 128, with each kernel's GPU time), then DeepSeek-V3.2's (128 heads, 2048).
+  for shape in "4 128 --profile" "128 2048"; do
+    set -- $shape
+    for pool in bf16 fp8; do
+      name="kit_layer_${pool}_h$1_k$2"
+      python3 benchmark/bench_kit_layer.py --requests 8 --history 8192 --extend 1024 --layers 4 --heads "$1" \
+        --topk "$2" ${3:-} $([ "$pool" = fp8 ] && echo --fp8) --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
+      grep -vE '^\[20|[Ww]arn' "$OUT/$name.log" | tail -n 40
+    done
   done
 fi
 

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from sglang_cpkv.harness import serving
 from sglang_cpkv.harness.compare import compare_request, judge_run
 from sglang_cpkv.harness.engine import HarnessJob, RunTrace, run_job_on_rank
 from sglang_cpkv.harness.model import ToyDsaConfig
@@ -241,27 +242,37 @@ def _int_list(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description="Multi-GPU CP correctness harness: bs>1 vs bs=1 byte equality, with a 1-D-inverse negative control."
+        description="Multi-GPU CP correctness harness: bs>1 vs bs=1 byte equality. --stack serving (default): "
+        "upstream's DSA attention kit through the patched backend; --stack toy: a whole-model chunked prefill "
+        "through the runtime's pipeline, with the 1-D-inverse negative control."
     )
+    parser.add_argument("--stack", choices=("serving", "toy"), default="serving")
     parser.add_argument("--cp", type=_int_list, default=[1, 2], help="comma-separated CP sizes (default 1,2)")
     parser.add_argument(
         "--bs-list", type=_int_list, default=[2, 4, 8], help="comma-separated batch sizes (default 2,4,8)"
     )
     parser.add_argument(
-        "--scenarios", default="all", help=f"comma-separated, from {','.join(SCENARIO_NAMES)} (default all)"
+        "--scenarios",
+        default="all",
+        help=f"comma-separated; serving: {','.join(serving.SCENARIO_NAMES)}; toy: {','.join(SCENARIO_NAMES)} "
+        "(default all)",
+    )
+    parser.add_argument(
+        "--routes", default="all", help=f"serving stack, comma-separated from {','.join(serving.ROUTES)} (default all)"
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
         "--backend", choices=BACKENDS, default=None, help=f"force {BACKEND_ENV} (default: leave the environment)"
     )
-    parser.add_argument("--page-size", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--checked", action="store_true", help="checked mode in every plan (synchronizes)")
-    parser.add_argument("--no-negative-control", action="store_true")
+    parser.add_argument("--page-size", type=int, default=4, help="toy stack")
+    parser.add_argument("--layers", type=int, default=3, help="toy stack")
+    parser.add_argument("--topk", type=int, default=8, help="toy stack")
+    parser.add_argument("--checked", action="store_true", help="toy stack: checked mode in every plan (synchronizes)")
+    parser.add_argument("--no-negative-control", action="store_true", help="toy stack")
     parser.add_argument("--out", type=Path, help="write the JSON report here")
     args = parser.parse_args(argv)
-    names = list(SCENARIO_NAMES) if args.scenarios == "all" else [s for s in args.scenarios.split(",") if s]
+    all_scenarios = serving.SCENARIO_NAMES if args.stack == "serving" else SCENARIO_NAMES
+    names = list(all_scenarios) if args.scenarios == "all" else [s for s in args.scenarios.split(",") if s]
     if args.device == "cuda" and args.backend in ("cuda", "auto", None):
         # Load (or JIT-build, with SGLANG_CPKV_CUDA_JIT=1) the CUDA ops once here, before the ranks start.
         from sglang_cpkv.ops import cuda as cuda_ops
@@ -269,28 +280,34 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         print(f"CUDA ops available: {cuda_ops.is_available()} ({time.perf_counter() - start:.1f} s)", flush=True)
     start = time.perf_counter()
-    report = run_harness(
-        args.cp,
-        args.bs_list,
-        names,
-        args.device,
-        args.backend,
-        page_size=args.page_size,
-        model=ToyDsaConfig(num_layers=args.layers, topk=args.topk),
-        negative_control=not args.no_negative_control,
-        checked=args.checked,
-        log=lambda m: print(m, flush=True),
-    )
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    if args.stack == "serving":
+        routes = list(serving.ROUTES) if args.routes == "all" else [r for r in args.routes.split(",") if r]
+        with _ops_backend(args.backend):
+            report = serving.run_serving_harness(args.cp, args.bs_list, names, routes, args.device, log=log)
+    else:
+        report = run_harness(
+            args.cp,
+            args.bs_list,
+            names,
+            args.device,
+            args.backend,
+            page_size=args.page_size,
+            model=ToyDsaConfig(num_layers=args.layers, topk=args.topk),
+            negative_control=not args.no_negative_control,
+            checked=args.checked,
+            log=log,
+        )
     report["timings"]["total_seconds"] = round(time.perf_counter() - start, 2)
     report["command"] = " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])
     summary = report["summary"]
-    print(
-        f"ops backends: {report['ops_backends']}; checks passed {summary['passed']}/{summary['checks']} {summary['by_kind']}"
-    )
+    print(f"checks passed {summary['passed']}/{summary['checks']} {summary['by_kind']}")
     for check in report["checks"]:
         if check["check"] == "negative_control":
             print(
-                f"  negative control {check['scenario']} bs={check['bs']} ({check['state_class']}): {'PASS' if check['passed'] else 'FAIL'} - {check['expectation']}; contaminated requests {check['requests_contaminated']}"
+                f"  negative control {check['scenario']} bs={check['bs']} ({check['state_class']}): "
+                f"{'PASS' if check['passed'] else 'FAIL'} - {check['expectation']}; "
+                f"contaminated requests {check['requests_contaminated']}"
             )
     for failure in report["failures"]:
         print("FAILED:", json.dumps(failure, default=str)[:2000])

@@ -214,12 +214,12 @@ class KitRun:
     pool_after: list[torch.Tensor]  # per layer, this rank's KV pool rows as bytes
 
 
-def _kit_case(up: dict, case: BatchCase):
+def _kit_case(up: dict, case: BatchCase, heads: int):
     return up["kit"].DSAAttentionCase(
         name="cpkv",
         backend="dsa",
         forward_mode=up["extend"],
-        num_heads=HEADS,
+        num_heads=heads,
         num_kv_heads=1,
         page_size=PAGE,
         prefix_lens=tuple(case.prefix_lens),
@@ -241,6 +241,9 @@ class KitWorld:
         run_triton: also run the real ``triton_sparse_mla`` kernel (GPU).
         pool_requests: size the KV pool for this many requests of ``longest`` tokens instead of ``max_requests``
             (the kit's formula; a smaller pool than the batch's tokens needs prefix sharing).
+        heads, topk: attention heads of a layer and its top-k width (the kit's sparse cases: 4 and 128; a
+            DeepSeek-V3.2 layer has 128 heads and top-k 2048, all of them on every rank under prefill CP with
+            attention TP 1).
     """
 
     def __init__(
@@ -256,8 +259,11 @@ class KitWorld:
         run_triton: bool = False,
         seed: int = 0,
         pool_requests: int | None = None,
+        heads: int = HEADS,
+        topk: int = TOPK,
     ) -> None:
         up = _upstream()
+        self.heads, self.topk = heads, topk
         self.up, self.route, self.mode_on, self.seed = up, route, mode_on, seed
         self.device = torch.device(device)
         self.cp_size, self.cp_rank, self.run_triton = cp_size, cp_rank, run_triton
@@ -265,7 +271,7 @@ class KitWorld:
         self.max_context = -(-longest // PAGE) * PAGE
         shape = BatchCase(PAGE, 1, ((1,),) * max_requests, (0,) * max_requests, (longest,) * max_requests)
         model_config = kit.TinyDSAModelConfig(
-            num_heads=HEADS,
+            num_heads=heads,
             num_kv_heads=1,
             head_dim=NOPE + ROPE,
             hidden_size=dense_kit.DEFAULT_HIDDEN_SIZE,
@@ -273,13 +279,13 @@ class KitWorld:
             qk_nope_head_dim=NOPE,
             qk_rope_head_dim=ROPE,
             kv_lora_rank=NOPE,
-            index_topk=TOPK,
+            index_topk=topk,
         )
         from sglang.srt.runtime_context import get_context, get_parallel
 
         published = get_context()._server_args  # the server's args (CP runs), put back after the kit's own
         runner = kit.DSAMockModelRunner(
-            case=_kit_case(up, shape),
+            case=_kit_case(up, shape, heads),
             model_config=model_config,
             dtype=torch.bfloat16,
             device=str(self.device),
@@ -321,7 +327,7 @@ class KitWorld:
         for layer in range(route.num_layers):
             module = kit.ProjectedDSASparseAttention(
                 hidden_size=dense_kit.DEFAULT_HIDDEN_SIZE,
-                num_heads=HEADS,
+                num_heads=heads,
                 qk_nope_head_dim=NOPE,
                 qk_rope_head_dim=ROPE,
                 dtype=torch.bfloat16,
@@ -392,7 +398,7 @@ class KitWorld:
         self._check(case)
         up, route, device, backend = self.up, self.route, self.device, self.backend
         forward_batch = up["dense_kit"]._make_forward_batch(
-            _kit_case(up, case), self.runner, max_context_len=self.max_context, device=str(device), loc_fn=case.pool_loc
+            _kit_case(up, case, self.heads), self.runner, max_context_len=self.max_context, device=str(device), loc_fn=case.pool_loc
         )
         cur_locs = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
         local_tokens, metadata_cp = _cp_split(case, forward_batch, self.cp_rank)
@@ -412,7 +418,7 @@ class KitWorld:
                     q_nope, q_rope = _pad_rows(q_nope, metadata_cp), _pad_rows(q_rope, metadata_cp)
                     k_nope, k_rope = module.project_k(hidden)
                     topk = _fused_topk(
-                        backend, metadata, case, local_tokens, q_nope.shape[0], route, device, up["extend"]
+                        backend, metadata, case, local_tokens, q_nope.shape[0], route, device, up["extend"], self.topk
                     )
                     module.attn(q_nope, k_nope, k_nope, forward_batch, k_rope=k_rope, q_rope=q_rope, topk_indices=topk)
                     kernel_reads.append(capture.calls.pop())
@@ -432,7 +438,7 @@ class KitWorld:
         if route.prefill_backend != "triton_sparse_mla" or device.type != "cuda":
             raise ValueError("time_layers runs the real triton_sparse_mla kernel on a GPU")
         forward_batch = up["dense_kit"]._make_forward_batch(
-            _kit_case(up, case), self.runner, max_context_len=self.max_context, device=str(device), loc_fn=case.pool_loc
+            _kit_case(up, case, self.heads), self.runner, max_context_len=self.max_context, device=str(device), loc_fn=case.pool_loc
         )
         cur_locs = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
         local_tokens, metadata_cp = _cp_split(case, forward_batch, self.cp_rank)
@@ -446,7 +452,9 @@ class KitWorld:
         with torch.no_grad(), up["context"](backend):
             backend.init_forward_metadata(forward_batch)  # the top-k below depends on the batch's tables only
             rows = inputs[0][0].shape[0]
-            topk = _fused_topk(backend, backend.forward_metadata, case, local_tokens, rows, route, device, up["extend"])
+            topk = _fused_topk(
+                backend, backend.forward_metadata, case, local_tokens, rows, route, device, up["extend"], self.topk
+            )
             for _ in range(reps + 1):  # the first forward warms every kernel and buffer
                 torch.cuda.synchronize()
                 start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
@@ -514,8 +522,9 @@ def _fused_topk(
     route: KitRoute,
     device: torch.device,
     forward_mode: Any,
+    topk: int,
 ) -> torch.Tensor:
-    """What the indexer's top-k hands attention for each local query row: the trailing ``TOPK`` causal
+    """What the indexer's top-k hands attention for each local query row: the trailing ``topk`` causal
     positions of its request (the kit's pattern), transformed as upstream's fused top-k kernel does (or
     left as positions when top-k is unfused: ``forward_extend`` transforms them)."""
     from sglang.srt.layers.attention.dsa.dsa_topk_backend import TopkTransformMethod
@@ -528,10 +537,10 @@ def _fused_topk(
             for p in range(case.prefix_lens[r], case.prefix_lens[r] + case.extend_lens[r])
         ]
     )
-    positions = torch.full((rows, TOPK), -1, dtype=torch.int64)
+    positions = torch.full((rows, topk), -1, dtype=torch.int64)
     for i, t in enumerate(local_tokens.tolist()):
         visible = int(token_pos[t]) + 1
-        window = torch.arange(max(0, visible - TOPK), visible)
+        window = torch.arange(max(0, visible - topk), visible)
         positions[i, : window.numel()] = window
     if not route.fused_topk:
         return positions.to(torch.int32).to(device)
@@ -603,3 +612,29 @@ def publish_prefill_cp_server_args(model_dir: str, cp_size: int, mode_on: bool) 
     server_args.resolve_once()
     set_global_server_args_for_scheduler(server_args)
     init_cp_strategy(enable_prefill_cp=True, cp_size=cp_size, cp_strategy="interleave")
+
+
+def init_cp_rank(rank: int, cp_size: int, device: str, init_method: str, model_dir: str) -> str:
+    """Make this process CP rank ``rank`` of ``cp_size`` as a prefill server does: the kit's single-rank pin
+    lifted, the server's args published (the mode on), upstream's distributed init (gloo on CPU, NCCL with
+    rank ``k`` on GPU ``k``) and the patched ``initialize_model_parallel`` (which makes the mode's exchange
+    group). Returns the rank's device."""
+    _upstream()["kit"]._parallel_override.__exit__(None, None, None)  # the kit pins cp 1 when imported
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.runtime_context import get_parallel
+
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    publish_prefill_cp_server_args(model_dir, cp_size, mode_on=True)
+    get_parallel().override_permanently(tp_rank=rank, attn_cp_rank=rank, attn_dcp_size=1, attn_dcp_rank=0)
+    parallel_state.init_distributed_environment(
+        world_size=cp_size,
+        rank=rank,
+        distributed_init_method=init_method,
+        local_rank=rank if cuda else 0,
+        backend="nccl" if cuda else "gloo",
+    )
+    parallel_state.initialize_model_parallel()
+    return device

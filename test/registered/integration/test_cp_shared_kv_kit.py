@@ -290,25 +290,16 @@ CP = 2
 def _gloo_rank(rank, model_dir, init_method, out_dir):
     """One CP rank: upstream's distributed init and (patched) model-parallel groups, then every scenario with
     the mode off and on; writes what each forward read."""
-    from sglang_cpkv.testing.dsa_kit import _upstream, publish_prefill_cp_server_args
+    from sglang_cpkv.testing.dsa_kit import init_cp_rank, publish_prefill_cp_server_args
 
-    # The kit pins a single-rank CP topology when imported (its unit tests run without distributed init); this
-    # process is a CP rank of two, so that pin is lifted before the server's args are published.
-    _upstream()["kit"]._parallel_override.__exit__(None, None, None)
     torch.set_num_threads(1)
     from sglang.srt.distributed import parallel_state
-    from sglang.srt.runtime_context import get_parallel
 
     from sglang_cpkv.hooks import dsa_extend, exchange_group
     from sglang_cpkv.hooks.reservation import published
 
     results = {}
-    publish_prefill_cp_server_args(model_dir, CP, mode_on=True)
-    get_parallel().override_permanently(tp_rank=rank, attn_cp_rank=rank, attn_dcp_size=1, attn_dcp_rank=0)
-    parallel_state.init_distributed_environment(
-        world_size=CP, rank=rank, distributed_init_method=init_method, local_rank=0, backend="gloo"
-    )
-    parallel_state.initialize_model_parallel()  # patched: makes the mode's exchange group
+    init_cp_rank(rank, CP, "cpu", init_method, model_dir)
     attn_cp = parallel_state.get_attn_cp_group()
     group = exchange_group.exchange_group()
     results["group"] = (group.cp_size, group.cp_rank, group.group is not attn_cp.device_group)

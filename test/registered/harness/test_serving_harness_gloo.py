@@ -1,0 +1,77 @@
+"""The serving-path harness on CPU: upstream's DSA attention kit through the patched backend at cp 2 over gloo.
+
+Two ranks, each a process with upstream's distributed init and the patched model-parallel groups; bs 2; both
+scenarios (radix hits with CURRENT_REUSE, a chunked continuation whose history the mode persisted
+owner-sharded); the PAGED bf16 route of ``triton_sparse_mla`` (captured: the interpreter cannot run its bf16
+products). Every check of the report must pass: the kernel reads the same KV bytes with the mode on
+as off, each request of the batch reads what it reads alone, and the ranks' dense views are byte-equal. The
+judge is shown to fail on a planted fault of each kind.
+"""
+
+import copy
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from sglang_cpkv.harness import serving
+from sglang_cpkv.testing.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=60, suite="cpkv-cpu")
+
+# The PAGED bf16 route: on CPU upstream's FP8 writers run in the Triton interpreter (about 40 s a scenario here);
+# the RAGGED FP8 route at cp 2 over gloo is test_cp_shared_kv_kit.py's, every route runs in the GPU suites.
+JOB = serving.HarnessJob(routes=("triton_sparse_mla-bf16-paged",), scenarios=serving.SCENARIO_NAMES, bs_list=(2,))
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return serving.run_ranks(JOB, 2, "cpu", log=print)
+
+
+def test_every_check_passes_at_cp2(ranks):
+    checks = serving.judge(JOB, 2, ranks)
+    assert [c for c in checks if not c["passed"]] == []
+    assert len(checks) == len(JOB.routes) * len(JOB.scenarios) * 3  # mode_off, bs1, ranks
+    for c in checks:
+        assert c["rows"] == sum(sum(case.extend_lens) for case in serving.scenarios(2, 2, 2)[c["scenario"]].forwards)
+
+
+def test_the_scenarios_are_what_they_claim():
+    shared = serving.scenarios(2, 2, 2)["shared-prefix"].forwards[0]
+    assert shared.page_tables[0][:2] == shared.page_tables[1][:2]  # a radix hit on two shared pages
+    assert shared.prefix_lens[1] % serving.PAGE != 0  # a history that ends mid-page, continued by the chunk
+    chunk1, chunk2 = serving.scenarios(2, 2, 2)["chunked"].forwards
+    assert chunk2.prefix_lens == tuple(p + e for p, e in zip(chunk1.prefix_lens, chunk1.extend_lens))
+    assert any(p % serving.PAGE for p in chunk2.prefix_lens)
+
+
+def _planted(ranks, key, mutate):
+    planted = copy.deepcopy(ranks)
+    mutate(planted[1][key])
+    return {(c["route"], c["scenario"], c["check"]) for c in serving.judge(JOB, 2, planted) if not c["passed"]}
+
+
+def test_the_judge_fails_on_a_planted_fault_of_each_kind(ranks):
+    route, scenario = JOB.routes[0], "chunked"
+
+    def other_bytes(run):  # one KV byte a row reads with the mode on, on rank 1
+        rows, valid, out = next(iter(run.reads.values()))[0]
+        rows[0, 0] ^= 1
+
+    def other_view(run):
+        run.dense_views[-1]["latent"][0, 0] ^= 1
+
+    assert _planted(ranks, (route, scenario, 2, "on"), other_bytes) == {
+        (route, scenario, "mode_off"),
+        (route, scenario, "bs1"),
+    }
+    assert _planted(ranks, (route, scenario, 2, 1), other_bytes) == {(route, scenario, "bs1")}
+    assert _planted(ranks, (route, scenario, 2, "on"), other_view) == {(route, scenario, "ranks")}
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q", "-s"]))
