@@ -67,18 +67,23 @@ if want harness && [ "$(python3 -c 'import torch; print(torch.cuda.device_count(
   step "CUDA suite, 2 GPUs"
   python3 test/run_suite.py --hw cuda --suite cpkv-test-2-gpu > "$OUT/suite_2gpu.log" 2>&1 || status=1
   grep -E '^(=== |files:|FAILED)|passed|failed|skipped' "$OUT/suite_2gpu.log"
+  step "multi-GPU serving-path harness (upstream's DSA kit through the patched backend)"
+  python3 scripts/run_cp_harness.py --stack serving --cp 1,2 --bs-list 2,4,8 --device cuda \
+    --out "$OUT/harness_serving.json" > "$OUT/harness_serving.log" 2>&1 || status=1
+  tail -n 3 "$OUT/harness_serving.log"
   for backend in cuda triton; do
-    step "multi-GPU harness, ops backend $backend"
-    python3 scripts/run_cp_harness.py --cp 1,2 --bs-list 2,4,8 --scenarios all --device cuda --backend "$backend" \
-      --out "$OUT/harness_$backend.json" > "$OUT/harness_$backend.log" 2>&1 || status=1
+    step "multi-GPU toy-model harness, ops backend $backend"
+    python3 scripts/run_cp_harness.py --stack toy --cp 1,2 --bs-list 2,4,8 --scenarios all --device cuda \
+      --backend "$backend" --out "$OUT/harness_$backend.json" > "$OUT/harness_$backend.log" 2>&1 || status=1
     tail -n 3 "$OUT/harness_$backend.log"
   done
 fi
 
 if want kit-layer; then
   step "upstream's kit layer (triton_sparse_mla), per-layer time, mode off / on (layer-ahead, synchronous), cp 1"
-  # The kit's layer shape (4 heads, top-k 128, with each kernel's GPU time), then DeepSeek-V3.2's (128 heads, 2048).
-  for shape in "4 128 --profile" "128 2048"; do
+  # The kit's layer shape (4 heads, top-k 128), then the largest triton_sparse_mla takes: 32 heads per rank (it
+  # refuses more), top-k 2048 (DeepSeek-V3.2's). --profile adds each kernel's GPU time (minutes under the profiler).
+  for shape in "4 128" "32 2048"; do
     set -- $shape
     for pool in bf16 fp8; do
       name="kit_layer_${pool}_h$1_k$2"

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Multi-GPU CP correctness harness (bs>1 vs bs=1 byte equality, 1-D-inverse negative control): one command.
+"""Multi-GPU CP correctness harness (bs>1 vs bs=1 byte equality; --stack serving: upstream's DSA kit through the
+patched backend, the default; --stack toy: whole-model prefill with the 1-D-inverse negative control): one command.
 
     PYTHONPATH=python python scripts/run_cp_harness.py --cp 1,2 --bs-list 2,4,8 --scenarios all \
         --device cuda --backend auto --out harness.json

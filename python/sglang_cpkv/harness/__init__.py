@@ -1,6 +1,10 @@
-"""Multi-GPU CP correctness harness: bs>1 vs bs=1 byte equality through the real runtime and ops.
+"""Multi-GPU CP correctness harness: bs>1 vs bs=1 byte equality, on real CP ranks, in two stacks.
 
-A small DSA-like prefill stack (:mod:`.model`: exact integer arithmetic on an fp32/bf16 grid, so no
+**Serving** (:mod:`.serving`, the default of the CLI): upstream's DSA attention kit through the patched
+backend, every route a server can take; each rank has upstream's distributed init and the patched
+model-parallel groups. Needs the pinned upstream.
+
+**Toy** (the modules below; torch and triton only): a small DSA-like prefill stack (:mod:`.model`: exact integer arithmetic on an fp32/bf16 grid, so no
 bit depends on batch composition, row position or reduction order) runs scenario requests
 (:mod:`.scenarios`: shared prefixes, per-request marker suffixes) through a radix-style prefix-caching
 allocator (:mod:`.allocator`: reachable mode, and the collision modes of the seed's fork), with

@@ -63,7 +63,12 @@ class Scenario:
 
         def one(case: BatchCase) -> BatchCase:
             return BatchCase(
-                PAGE, case.capacity, (case.page_tables[r],), (case.prefix_lens[r],), (case.extend_lens[r],), case.cp_size
+                PAGE,
+                case.capacity,
+                (case.page_tables[r],),
+                (case.prefix_lens[r],),
+                (case.extend_lens[r],),
+                case.cp_size,
             )
 
         return Scenario(f"{self.name}/request {r}", tuple(one(c) for c in self.forwards))
@@ -93,7 +98,10 @@ def scenarios(bs: int, cp: int, max_bs: int) -> dict[str, Scenario]:
     chunk_tables = tables([SHARED_PREFIX + a + b for a, b in zip(first, second)])
     chunk1 = BatchCase(PAGE, capacity, chunk_tables, [SHARED_PREFIX] * bs, first, cp)
     chunk2 = BatchCase(PAGE, capacity, chunk_tables, [SHARED_PREFIX + a for a in first], second, cp)
-    return {"shared-prefix": Scenario("shared-prefix", (shared_case,)), "chunked": Scenario("chunked", (chunk1, chunk2))}
+    return {
+        "shared-prefix": Scenario("shared-prefix", (shared_case,)),
+        "chunked": Scenario("chunked", (chunk1, chunk2)),
+    }
 
 
 @dataclass
@@ -355,7 +363,10 @@ def run_serving_harness(
             "passed": len(checks) - len(failed),
             "failed": len(failed),
             "by_kind": {
-                k: {"passed": sum(c["passed"] for c in checks if c["check"] == k), "total": sum(c["check"] == k for c in checks)}
+                k: {
+                    "passed": sum(c["passed"] for c in checks if c["check"] == k),
+                    "total": sum(c["check"] == k for c in checks),
+                }
                 for k in kinds
             },
         },

@@ -398,7 +398,11 @@ class KitWorld:
         self._check(case)
         up, route, device, backend = self.up, self.route, self.device, self.backend
         forward_batch = up["dense_kit"]._make_forward_batch(
-            _kit_case(up, case, self.heads), self.runner, max_context_len=self.max_context, device=str(device), loc_fn=case.pool_loc
+            _kit_case(up, case, self.heads),
+            self.runner,
+            max_context_len=self.max_context,
+            device=str(device),
+            loc_fn=case.pool_loc,
         )
         cur_locs = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
         local_tokens, metadata_cp = _cp_split(case, forward_batch, self.cp_rank)
@@ -438,7 +442,11 @@ class KitWorld:
         if route.prefill_backend != "triton_sparse_mla" or device.type != "cuda":
             raise ValueError("time_layers runs the real triton_sparse_mla kernel on a GPU")
         forward_batch = up["dense_kit"]._make_forward_batch(
-            _kit_case(up, case, self.heads), self.runner, max_context_len=self.max_context, device=str(device), loc_fn=case.pool_loc
+            _kit_case(up, case, self.heads),
+            self.runner,
+            max_context_len=self.max_context,
+            device=str(device),
+            loc_fn=case.pool_loc,
         )
         cur_locs = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
         local_tokens, metadata_cp = _cp_split(case, forward_batch, self.cp_rank)

@@ -19,9 +19,9 @@ register_cuda_ci(est_time=240, stage="cpkv", runner_config="1-gpu")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 try:
-    from sglang_cpkv.harness import serving
-
     import sglang.test.kits.attention_unittest.attention_methods.dsa_attention  # noqa: F401
+
+    from sglang_cpkv.harness import serving
 except ImportError as exc:
     skip_or_fail(f"needs the pinned upstream sglang: {exc}")
 

@@ -15,7 +15,6 @@ import sys
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-import torch
 
 from sglang_cpkv.harness import serving
 from sglang_cpkv.testing.ci_register import register_cpu_ci
@@ -45,7 +44,7 @@ def test_the_scenarios_are_what_they_claim():
     assert shared.page_tables[0][:2] == shared.page_tables[1][:2]  # a radix hit on two shared pages
     assert shared.prefix_lens[1] % serving.PAGE != 0  # a history that ends mid-page, continued by the chunk
     chunk1, chunk2 = serving.scenarios(2, 2, 2)["chunked"].forwards
-    assert chunk2.prefix_lens == tuple(p + e for p, e in zip(chunk1.prefix_lens, chunk1.extend_lens))
+    assert list(chunk2.prefix_lens) == [p + e for p, e in zip(chunk1.prefix_lens, chunk1.extend_lens)]
     assert any(p % serving.PAGE for p in chunk2.prefix_lens)
 
 
@@ -59,7 +58,7 @@ def test_the_judge_fails_on_a_planted_fault_of_each_kind(ranks):
     route, scenario = JOB.routes[0], "chunked"
 
     def other_bytes(run):  # one KV byte a row reads with the mode on, on rank 1
-        rows, valid, out = next(iter(run.reads.values()))[0]
+        rows, _valid, _out = next(iter(run.reads.values()))[0]
         rows[0, 0] ^= 1
 
     def other_view(run):
