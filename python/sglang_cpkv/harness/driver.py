@@ -280,7 +280,10 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         print(f"CUDA ops available: {cuda_ops.is_available()} ({time.perf_counter() - start:.1f} s)", flush=True)
     start = time.perf_counter()
-    log = lambda m: print(m, flush=True)  # noqa: E731
+
+    def log(message: str) -> None:
+        print(message, flush=True)
+
     if args.stack == "serving":
         routes = list(serving.ROUTES) if args.routes == "all" else [r for r in args.routes.split(",") if r]
         with _ops_backend(args.backend):

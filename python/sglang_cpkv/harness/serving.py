@@ -106,9 +106,9 @@ def scenarios(bs: int, cp: int, max_bs: int) -> dict[str, Scenario]:
 
 @dataclass
 class RankRun:
-    """One run of a scenario on one rank, reduced to what each real query row read, per (request, offset)."""
+    """One run of a scenario on one rank, reduced to what each real query row read."""
 
-    reads: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = field(
+    reads: dict[tuple[int, int, int], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = field(
         default_factory=dict
     )  # (request, token offset in its chunk, forward) -> per layer (KV bytes read, valid, kernel output row)
     index_k: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)  # per forward

@@ -241,9 +241,8 @@ class KitWorld:
         run_triton: also run the real ``triton_sparse_mla`` kernel (GPU).
         pool_requests: size the KV pool for this many requests of ``longest`` tokens instead of ``max_requests``
             (the kit's formula; a smaller pool than the batch's tokens needs prefix sharing).
-        heads, topk: attention heads of a layer and its top-k width (the kit's sparse cases: 4 and 128; a
-            DeepSeek-V3.2 layer has 128 heads and top-k 2048, all of them on every rank under prefill CP with
-            attention TP 1).
+        heads, topk: attention heads of a layer and its top-k width (the kit's sparse cases: 4 and 128;
+            DeepSeek-V3.2's top-k is 2048; upstream's ``triton_sparse_mla`` refuses more than 32 heads per rank).
     """
 
     def __init__(

@@ -493,8 +493,9 @@ def test_stop_leaves_a_recycled_pid_alone(stub_env, tmp_path):
 @pytest.mark.parametrize("mode, message", [("exit", "exited before it became healthy"), ("hang", "PD_HEALTH_TIMEOUT")])
 def test_failed_start_is_reported_and_cleaned_up(stub_env, tmp_path, mode, message):
     # A stub that exits is seen exiting whatever the timeout: a generous one keeps a loaded CI box from timing out
-    # first (the stub's interpreter start-up can take seconds there).
-    env = {**stub_env, "STUB_MODE": mode, "PD_HEALTH_TIMEOUT": "60" if mode == "exit" else "3"}
+    # first. A hanging stub is waited for the whole timeout, which must still cover its start-up (its first log
+    # line and child are asserted below; an interpreter start can take seconds on a loaded box).
+    env = {**stub_env, "STUB_MODE": mode, "PD_HEALTH_TIMEOUT": "60" if mode == "exit" else "10"}
     failed = launch(PD / "run_prefill.sh", env=env)
     assert failed.returncode == 2 and message in failed.stderr
     assert "stub server starting" in failed.stderr  # the log tail is shown
