@@ -14,7 +14,9 @@ layout as its ``loc_fn``) and its pool writer. What differs from the kit's own c
   index-K pool, as upstream's KV-cache configurator gives a layer that reuses another's top-k);
 * **CP**: on rank ``r`` of ``cp`` the query rows are upstream's interleave split (``attn_cp_metadata``
   from upstream's own strategy and padding), the current KV handed to ``forward_extend`` is the
-  all-gathered chunk; with the mode on the rank's pool holds only the pages it owns;
+  all-gathered chunk (:meth:`KitWorld.forward` projects every row on each rank, as upstream's attention-CP
+  all-gather - a CUDA-only op - would hand them; :meth:`KitWorld.time_layers` under CP runs that all-gather);
+  with the mode on the rank's pool holds only the pages it owns;
 * **top-k**: the indexer's fused transform is applied to request-local positions exactly as upstream's
   top-k kernel does (PAGED: ``page_table_1[row's request, position]``; RAGGED: ``position +
   topk_indices_offset[row]``), so the mode's remapped tables decide what the attention kernel reads;
@@ -419,7 +421,7 @@ class KitWorld:
                     hidden = self._hidden(cur_locs, layer)
                     q_nope, q_rope = module.project_q(hidden[local_tokens.to(device)])
                     q_nope, q_rope = _pad_rows(q_nope, metadata_cp), _pad_rows(q_rope, metadata_cp)
-                    k_nope, k_rope = module.project_k(hidden)
+                    k_nope, k_rope = module.project_k(hidden)  # the chunk's rows, as the all-gather hands them
                     topk = _fused_topk(
                         backend, metadata, case, local_tokens, q_nope.shape[0], route, device, up["extend"], self.topk
                     )
@@ -453,7 +455,7 @@ class KitWorld:
         for module in self.modules:
             hidden = self._hidden(cur_locs, module.attn.layer_id)
             q_nope, q_rope = module.project_q(hidden[local_tokens.to(device)])
-            k_nope, k_rope = module.project_k(hidden)
+            k_nope, k_rope = _project_current_k(module, hidden, local_tokens, metadata_cp)
             inputs.append((_pad_rows(q_nope, metadata_cp), _pad_rows(q_rope, metadata_cp), k_nope, k_rope))
         plan_ms, layer_ms = [], []
         with torch.no_grad(), up["context"](backend):
@@ -468,7 +470,9 @@ class KitWorld:
                 start.record()
                 backend.init_forward_metadata(forward_batch)
                 mid.record()
-                for module, (q_nope, q_rope, k_nope, k_rope) in zip(self.modules, inputs):
+                for module, (q_nope, q_rope, k_local, k_rope_local) in zip(self.modules, inputs):
+                    # Under CP upstream's all-gather of the current KV is on the critical path (the clock runs).
+                    k_nope, k_rope = _gather_current_kv(module, k_local, k_rope_local, forward_batch, metadata_cp)
                     module.attn(q_nope, k_nope, k_nope, forward_batch, k_rope=k_rope, q_rope=q_rope, topk_indices=topk)
                 end.record()
                 torch.cuda.synchronize()
@@ -508,6 +512,25 @@ def _cp_split(case: BatchCase, forward_batch: Any, cp_rank: int) -> tuple[torch.
     forward_batch.attn_cp_metadata = metadata
     forward_batch.global_num_tokens_cpu = None
     return torch.arange(cp_rank, n, case.cp_size), metadata
+
+
+def _project_current_k(module: Any, hidden: torch.Tensor, local_tokens: torch.Tensor, metadata: Any):
+    """The current K rows this rank projects: its own under CP, every row un-split."""
+    if metadata is None:
+        return module.project_k(hidden)
+    return module.project_k(hidden[local_tokens.to(hidden.device)])
+
+
+def _gather_current_kv(module: Any, k_nope: torch.Tensor, k_rope: torch.Tensor, forward_batch: Any, metadata: Any):
+    """The chunk's current KV as ``forward_extend`` receives it: under CP upstream's strategy all-gathers every
+    rank's own rows on the attention-CP group (``materialize_full_mla_kv``, the collective a server runs every
+    layer, beside the mode's history exchange; a CUDA-only op); un-split, the rows as projected."""
+    if metadata is None:
+        return k_nope, k_rope
+    from sglang.srt.layers.cp.base import get_cp_strategy
+
+    k_nope, k_rope = get_cp_strategy().materialize_full_mla_kv(forward_batch, module.attn, k_nope.unsqueeze(1), k_rope)
+    return k_nope.squeeze(1), k_rope
 
 
 def _pad_rows(x: torch.Tensor, metadata: Any) -> torch.Tensor:
