@@ -298,6 +298,7 @@ def _check_ranks(ranks: list[dict], key: tuple) -> list[str]:
 
 
 def judge(job: HarnessJob, cp: int, ranks: list[dict]) -> list[dict]:
+    """The report rows (module docstring: ``mode_off``, ``bs1``, ``ranks``) of every rank's results at ``cp``."""
     checks = []
     for route_name in job.routes:
         for bs in job.bs_list:
