@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run of everything that needs a GPU, in one call: the AOT build of our CUDA ops
 # (the image's archs), the registered CUDA suites (1 GPU; 2 GPUs when present), the multi-GPU
-# bs>1-vs-bs=1 harness on both kernel backends, the op benchmark against the measured copy
+# bs>1-vs-bs=1 harnesses and the kit layer at cp 2 (when 2 GPUs are present), the op benchmark against the measured copy
 # roofline, a SASS check of the copy loop and a compute-sanitizer memcheck of a slice of the ops
 # tests. Needs torch+triton+pytest on the machine. Upstream-backed tests must run (a skip fails them,
 # SGLANG_CPKV_REQUIRE_UPSTREAM=1): with wheels in .whl/ (scripts/gpu_env/prepare_wheels.sh, run on a CPU
@@ -71,6 +71,13 @@ if want harness && [ "$(python3 -c 'import torch; print(torch.cuda.device_count(
   python3 scripts/run_cp_harness.py --stack serving --cp 1,2 --bs-list 2,4,8 --device cuda \
     --out "$OUT/harness_serving.json" > "$OUT/harness_serving.log" 2>&1 || status=1
   tail -n 3 "$OUT/harness_serving.log"
+  step "kit layer at cp 2 over NCCL: layer-ahead prefetch beside upstream's all-gather vs synchronous vs mode off"
+  for pool in bf16 fp8; do
+    python3 benchmark/bench_kit_layer.py --cp 2 --requests 8 --history 8192,16384,32768 --extend 4096 --layers 4 \
+      --heads 32 --topk 2048 $([ "$pool" = fp8 ] && echo --fp8) --out "$OUT/kit_layer_cp2_$pool.json" \
+      > "$OUT/kit_layer_cp2_$pool.log" 2>&1 || status=1
+    grep -vE '^\[20|[Ww]arn' "$OUT/kit_layer_cp2_$pool.log" | tail -n 12
+  done
   for backend in cuda triton; do
     step "multi-GPU toy-model harness, ops backend $backend"
     python3 scripts/run_cp_harness.py --stack toy --cp 1,2 --bs-list 2,4,8 --scenarios all --device cuda \
