@@ -67,10 +67,7 @@ if want harness && [ "$(python3 -c 'import torch; print(torch.cuda.device_count(
   step "CUDA suite, 2 GPUs"
   python3 test/run_suite.py --hw cuda --suite cpkv-test-2-gpu > "$OUT/suite_2gpu.log" 2>&1 || status=1
   grep -E '^(=== |files:|FAILED)|passed|failed|skipped' "$OUT/suite_2gpu.log"
-  step "multi-GPU serving-path harness (upstream's DSA kit through the patched backend)"
-  python3 scripts/run_cp_harness.py --stack serving --cp 1,2 --bs-list 2,4,8 --device cuda \
-    --out "$OUT/harness_serving.json" > "$OUT/harness_serving.log" 2>&1 || status=1
-  tail -n 3 "$OUT/harness_serving.log"
+  # (the suite above runs the serving-path harness at cp 1,2 over NCCL: test_cp_harness_cuda.py)
   step "kit layer at cp 2 over NCCL: layer-ahead prefetch beside upstream's all-gather vs synchronous vs mode off"
   for pool in bf16 fp8; do
     python3 benchmark/bench_kit_layer.py --cp 2 --requests 8 --history 8192,16384,32768 --extend 4096 --layers 4 \
@@ -95,7 +92,7 @@ if want kit-layer; then
     for pool in bf16 fp8; do
       name="kit_layer_${pool}_h$1_k$2"
       python3 benchmark/bench_kit_layer.py --requests 8 --history 8192 --extend 1024 --layers 4 --heads "$1" \
-        --topk "$2" ${3:-} $([ "$pool" = fp8 ] && echo --fp8) --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
+        --topk "$2" $([ "$pool" = fp8 ] && echo --fp8) --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
       grep -vE '^\[20|[Ww]arn' "$OUT/$name.log" | tail -n 40
     done
   done
