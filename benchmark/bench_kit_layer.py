@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from sglang_cpkv.testing.batches import BatchCase
-from sglang_cpkv.testing.dsa_kit import PAGE, KitRoute, KitWorld, kit_capacity
+from sglang_cpkv.testing.dsa_kit import PAGE, KitRoute, KitWorld, distinct_page_tables, kit_capacity
 
 CONFIGS = (("mode off", False, "1"), ("mode on, layer-ahead", True, "1"), ("mode on, synchronous", True, "0"))
 
@@ -35,9 +35,7 @@ CONFIGS = (("mode off", False, "1"), ("mode on, layer-ahead", True, "1"), ("mode
 def _case(args, history: int, cp: int) -> BatchCase:
     longest = history + args.extend
     capacity = kit_capacity(args.requests, longest)
-    pages = -(-longest // PAGE)
-    order = torch.randperm(capacity - 1, generator=torch.Generator().manual_seed(0)).add(1).tolist()
-    tables = tuple(tuple(order[r * pages : (r + 1) * pages]) for r in range(args.requests))
+    tables = distinct_page_tables([longest] * args.requests, capacity, seed=0)
     return BatchCase(PAGE, capacity, tables, (history,) * args.requests, (args.extend,) * args.requests, cp)
 
 
@@ -107,10 +105,10 @@ def main(argv=None) -> int:
 
         import torch.multiprocessing as mp
 
-        from sglang_cpkv.testing.dsa_kit import DSA_CONFIG
+        from sglang_cpkv.testing.dsa_kit import write_dsa_model_dir
 
         with tempfile.TemporaryDirectory() as tmp:
-            Path(tmp, "config.json").write_text(json.dumps(DSA_CONFIG))  # the model the server args resolve
+            write_dsa_model_dir(tmp)
             mp.spawn(_rank, args=(args, tmp), nprocs=args.cp, join=True)
             per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.cp)]
         # The critical path of a layer is its slowest rank's.

@@ -33,6 +33,7 @@ from sglang_cpkv.harness import serving
 from sglang_cpkv.harness.compare import compare_request, judge_run
 from sglang_cpkv.harness.engine import HarnessJob, RunTrace, run_job_on_rank
 from sglang_cpkv.harness.model import ToyDsaConfig
+from sglang_cpkv.harness.report import device_line, summarize
 from sglang_cpkv.harness.scenarios import SCENARIO_NAMES, build_scenarios
 from sglang_cpkv.ops import BACKEND_ENV, BACKENDS
 from sglang_cpkv.runtime import SingleRankGroup
@@ -210,7 +211,7 @@ def run_harness(
             )
     failed = [c for c in checks if not c["passed"]]
     return {
-        "device": device if device == "cpu" else f"cuda ({torch.cuda.get_device_name(0)} x{torch.cuda.device_count()})",
+        "device": device_line(device),
         "ops_backends": sorted(backends),
         "cp_list": cp_list,
         "bs_list": bs_list,
@@ -219,18 +220,7 @@ def run_harness(
         "model": vars(model),
         "checked": checked,
         "timings": timings,
-        "summary": {
-            "checks": len(checks),
-            "passed": len(checks) - len(failed),
-            "failed": len(failed),
-            "by_kind": {
-                k: {
-                    "passed": sum(c["passed"] for c in checks if c["check"] == k),
-                    "total": sum(c["check"] == k for c in checks),
-                }
-                for k in ("golden", "batch", "negative_control")
-            },
-        },
+        "summary": summarize(checks, ("golden", "batch", "negative_control")),
         "failures": failed,
         "checks": checks,
     }

@@ -26,7 +26,6 @@ Checks (one report row each, ``passed`` true or false), per scenario x route x b
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import time
@@ -37,8 +36,9 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from sglang_cpkv.harness.report import device_line, summarize
 from sglang_cpkv.testing.batches import BatchCase, same_bytes
-from sglang_cpkv.testing.dsa_kit import DSA_CONFIG, INDEX_HEAD_DIM, PAGE, KitRoute, KitRun, kit_capacity
+from sglang_cpkv.testing.dsa_kit import INDEX_HEAD_DIM, PAGE, KitRoute, KitRun, kit_capacity, write_dsa_model_dir
 
 ROUTES = {
     "triton_sparse_mla-bf16-paged": KitRoute("triton_sparse_mla"),
@@ -229,7 +229,7 @@ def run_ranks(job: HarnessJob, cp: int, device: str, log) -> list[dict]:
         dev = "cuda:0" if device == "cuda" else "cpu"
         return [run_job(job, dev, 1, 0, "", log=log)]
     with tempfile.TemporaryDirectory() as tmp:
-        Path(tmp, "config.json").write_text(json.dumps(DSA_CONFIG))  # the model dir the server args resolve
+        write_dsa_model_dir(tmp)
         init = Path(tmp, "dist_init").as_uri()
         mp.spawn(_rank_process, args=(cp, device, init, tmp, job), nprocs=cp, join=True)
         return [torch.load(Path(tmp, f"rank{rank}.pt"), weights_only=False) for rank in range(cp)]
@@ -350,27 +350,15 @@ def run_serving_harness(
         checks += cp_checks
         log(f"cp={cp}: {timings[f'cp{cp}_seconds']} s, {sum(c['passed'] for c in cp_checks)}/{len(cp_checks)} passed")
     failed = [c for c in checks if not c["passed"]]
-    kinds = sorted({c["check"] for c in checks})
     return {
         "stack": "serving",
-        "device": device if device == "cpu" else f"cuda ({torch.cuda.get_device_name(0)} x{torch.cuda.device_count()})",
+        "device": device_line(device),
         "cp_list": cp_list,
         "bs_list": bs_list,
         "scenarios": scenario_names,
         "routes": route_names,
         "timings": timings,
-        "summary": {
-            "checks": len(checks),
-            "passed": len(checks) - len(failed),
-            "failed": len(failed),
-            "by_kind": {
-                k: {
-                    "passed": sum(c["passed"] for c in checks if c["check"] == k),
-                    "total": sum(c["check"] == k for c in checks),
-                }
-                for k in kinds
-            },
-        },
+        "summary": summarize(checks, sorted({c["check"] for c in checks})),
         "failures": failed,
         "checks": checks,
     }

@@ -35,10 +35,12 @@ only on a CPU-only machine, to build the backend as on Hopper).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -91,6 +93,24 @@ def kit_capacity(num_requests: int, longest: int) -> int:
     drawn from ``[1, capacity)``)."""
     max_context = -(-longest // PAGE) * PAGE
     return 3 + num_requests * max_context // PAGE
+
+
+def distinct_page_tables(lengths, capacity: int, seed: int) -> tuple[tuple[int, ...], ...]:
+    """Each request of ``lengths`` tokens its own pages, drawn across the pool's ``[1, capacity)`` (page 0 is
+    reserved) so that requests interleave in it."""
+    pages = torch.randperm(capacity - 1, generator=torch.Generator().manual_seed(seed)).add(1).tolist()
+    tables = []
+    for n in lengths:
+        count = -(-n // PAGE)
+        tables.append(tuple(pages[:count]))
+        pages = pages[count:]
+    return tuple(tables)
+
+
+def write_dsa_model_dir(directory) -> str:
+    """``directory`` as the model path a server's args resolve: a ``config.json`` of :data:`DSA_CONFIG`."""
+    Path(directory, "config.json").write_text(json.dumps(DSA_CONFIG))
+    return str(directory)
 
 
 @dataclass(frozen=True)
@@ -394,19 +414,25 @@ class KitWorld:
         if self.mode_on and self.cp_size > 1:
             _keep_owned_pages(self.pool, case, self.cp_rank, self.route)
 
-    def forward(self, case: BatchCase) -> KitRun:
-        """One extend forward of ``case`` through the patched backend (this rank's share under CP)."""
+    def _extend_batch(self, case: BatchCase):
+        """The kit's forward batch of ``case`` (our page layout), the chunk's pool locations, and this rank's
+        real local tokens with upstream's ``attn_cp_metadata`` under CP (else None)."""
         self._check(case)
-        up, route, device, backend = self.up, self.route, self.device, self.backend
-        forward_batch = up["dense_kit"]._make_forward_batch(
-            _kit_case(up, case, self.heads),
+        forward_batch = self.up["dense_kit"]._make_forward_batch(
+            _kit_case(self.up, case, self.heads),
             self.runner,
             max_context_len=self.max_context,
-            device=str(device),
+            device=str(self.device),
             loc_fn=case.pool_loc,
         )
         cur_locs = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
         local_tokens, metadata_cp = _cp_split(case, forward_batch, self.cp_rank)
+        return forward_batch, cur_locs, local_tokens, metadata_cp
+
+    def forward(self, case: BatchCase) -> KitRun:
+        """One extend forward of ``case`` through the patched backend (this rank's share under CP)."""
+        up, route, device, backend = self.up, self.route, self.device, self.backend
+        forward_batch, cur_locs, local_tokens, metadata_cp = self._extend_batch(case)
         capture = _Capture(up, backend, self.run_triton)
         kernel_reads, index_reads = [], {}
         try:
@@ -442,15 +468,7 @@ class KitWorld:
         up, route, device, backend = self.up, self.route, self.device, self.backend
         if route.prefill_backend != "triton_sparse_mla" or device.type != "cuda":
             raise ValueError("time_layers runs the real triton_sparse_mla kernel on a GPU")
-        forward_batch = up["dense_kit"]._make_forward_batch(
-            _kit_case(up, case, self.heads),
-            self.runner,
-            max_context_len=self.max_context,
-            device=str(device),
-            loc_fn=case.pool_loc,
-        )
-        cur_locs = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
-        local_tokens, metadata_cp = _cp_split(case, forward_batch, self.cp_rank)
+        forward_batch, cur_locs, local_tokens, metadata_cp = self._extend_batch(case)
         inputs = []
         for module in self.modules:
             hidden = self._hidden(cur_locs, module.attn.layer_id)

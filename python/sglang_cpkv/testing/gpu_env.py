@@ -21,7 +21,6 @@ Imports only the standard library and the overlay tool at module level (``packag
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib
 import importlib.metadata
 import json
@@ -32,7 +31,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_cpkv.overlay.common import OverlayError
+from sglang_cpkv.overlay.common import OverlayError, sha256_file
 from sglang_cpkv.overlay.pin import find_queue_root, load_pin
 from sglang_cpkv.testing.upstream_env import REQUIRE_UPSTREAM_ENV
 
@@ -97,14 +96,6 @@ def wheel_name_version(filename: str) -> tuple[str, str]:
     if not filename.endswith(".whl") or len(parts) < 5:
         raise GpuEnvError(f"{filename}: not a wheel file name")
     return normalize(parts[0]), parts[1]
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def pinned_upstream(repo: Path, tag: str = PY_TAG):

@@ -19,7 +19,6 @@ route with a radix hit asserted on the pool capacity; c) the fused-indexer store
 MTP seed export of a no-prefix RAGGED CP cut mapped dense top-k through pool locations.
 """
 
-import json
 import os
 import sys
 
@@ -31,7 +30,14 @@ import torch.multiprocessing as mp
 
 from sglang_cpkv.testing.batches import BatchCase, same_bytes
 from sglang_cpkv.testing.ci_register import register_cpu_ci
-from sglang_cpkv.testing.dsa_kit import DSA_CONFIG, PAGE, KitRoute, KitWorld, kit_capacity
+from sglang_cpkv.testing.dsa_kit import (
+    PAGE,
+    KitRoute,
+    KitWorld,
+    distinct_page_tables,
+    kit_capacity,
+    write_dsa_model_dir,
+)
 from sglang_cpkv.testing.host_reads import HostReadCounter
 
 register_cpu_ci(est_time=320, suite="cpkv-cpu")
@@ -51,17 +57,6 @@ INDEX_SHARE = (False, True, False)  # layer 1 reuses layer 0's top-k: no index-K
 def _world(route, case_or_shape, mode_on, **kw):
     max_requests, longest = case_or_shape
     return KitWorld(route, max_requests=max_requests, longest=longest, mode_on=mode_on, device="cpu", **kw)
-
-
-def _distinct_pages(lengths, capacity, seed):
-    """Each request its own pages (drawn across the pool, so requests interleave in it)."""
-    pages = torch.randperm(capacity - 1, generator=torch.Generator().manual_seed(seed)).add(1).tolist()
-    tables = []
-    for n in lengths:
-        count = -(-n // PAGE)
-        tables.append(tuple(pages[:count]))
-        pages = pages[count:]
-    return tuple(tables)
 
 
 def _assert_same_reads(off, on, what):
@@ -111,7 +106,7 @@ def test_kit_sparse_prefill_cases_read_the_same_kv_with_the_mode_on(route_name, 
         seq = [p + e for p, e in zip(kit_case.prefix_lens, kit_case.extend_lens)]
         shape = (len(seq), max(seq))
         capacity = kit_capacity(*shape)
-        tables = _distinct_pages(seq, capacity, seed=i)
+        tables = distinct_page_tables(seq, capacity, seed=i)
         case = BatchCase(PAGE, capacity, tables, kit_case.prefix_lens, kit_case.extend_lens)
         off, on = _run_pair(route, case, shape)
         assert off.kernel[0].kernel == "_forward_" + route.prefill_backend
@@ -372,7 +367,7 @@ def _cp2_scenarios():
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kit_cp2")
-    (tmp / "config.json").write_text(json.dumps(DSA_CONFIG))
+    write_dsa_model_dir(tmp)
     mp.spawn(_gloo_rank, args=(str(tmp), f"file://{tmp / 'dist_init'}", str(tmp)), nprocs=CP, join=True)
     return [torch.load(tmp / f"rank{rank}.pt", weights_only=False) for rank in range(CP)]
 

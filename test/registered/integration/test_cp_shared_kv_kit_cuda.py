@@ -26,7 +26,7 @@ register_cuda_ci(est_time=240, stage="cpkv", runner_config="1-gpu")
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 try:
-    from sglang_cpkv.testing.dsa_kit import PAGE, KitRoute, KitWorld, kit_capacity
+    from sglang_cpkv.testing.dsa_kit import PAGE, KitRoute, KitWorld, distinct_page_tables, kit_capacity
 
     KitWorld  # noqa: B018 - imported for the tests below; the import itself needs upstream
     import sglang.test.kits.attention_unittest.attention_methods.dsa_attention  # noqa: F401
@@ -71,16 +71,6 @@ def _assert_same(off, on, what):
             assert same_bytes(x, y), f"{what} layer {layer}: index K differs"
 
 
-def _distinct_pages(lengths, capacity, seed):
-    pages = torch.randperm(capacity - 1, generator=torch.Generator().manual_seed(seed)).add(1).tolist()
-    tables = []
-    for n in lengths:
-        count = -(-n // PAGE)
-        tables.append(tuple(pages[:count]))
-        pages = pages[count:]
-    return tuple(tables)
-
-
 @pytest.mark.parametrize("route_name", list(ROUTES))
 def test_kit_sparse_prefill_cases(route_name):
     from sglang_cpkv.testing.dsa_kit import _upstream
@@ -90,7 +80,9 @@ def test_kit_sparse_prefill_cases(route_name):
         seq = [p + e for p, e in zip(kit_case.prefix_lens, kit_case.extend_lens)]
         shape = (len(seq), max(seq))
         capacity = kit_capacity(*shape)
-        case = BatchCase(PAGE, capacity, _distinct_pages(seq, capacity, i), kit_case.prefix_lens, kit_case.extend_lens)
+        case = BatchCase(
+            PAGE, capacity, distinct_page_tables(seq, capacity, i), kit_case.prefix_lens, kit_case.extend_lens
+        )
         off, on = _pair(ROUTES[route_name], case, shape)
         if route_name in TRITON:
             assert off.kernel[0].output is not None, "triton_sparse_mla must run for real here"

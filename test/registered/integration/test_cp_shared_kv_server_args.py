@@ -20,40 +20,13 @@ from pathlib import Path
 import pytest
 
 from sglang_cpkv.testing.ci_register import register_cpu_ci
+from sglang_cpkv.testing.dsa_kit import DSA_CONFIG
 
 register_cpu_ci(est_time=30, suite="cpkv-cpu")
 
 FLAG = "--enable-cp-shared-kv"
 ALL_RANKS_ENV = {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1"}
 DRAFT_ENV = {**ALL_RANKS_ENV, "SGLANG_CP_DRAFT_SHARED_KV": "1"}
-DSA_CONFIG = {
-    "architectures": ["DeepseekV32ForCausalLM"],
-    "model_type": "deepseek_v32",
-    "index_topk": 2048,
-    "index_head_dim": 128,
-    "index_n_heads": 64,
-    "hidden_size": 7168,
-    "num_attention_heads": 128,
-    "num_hidden_layers": 61,
-    "num_key_value_heads": 128,
-    "kv_lora_rank": 512,
-    "q_lora_rank": 1536,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 128,
-    "vocab_size": 129280,
-    "max_position_embeddings": 163840,
-    "intermediate_size": 18432,
-    "moe_intermediate_size": 2048,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 8,
-    "first_k_dense_replace": 3,
-    "torch_dtype": "bfloat16",
-    "rope_theta": 10000,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
-}
 LLAMA_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",

@@ -22,6 +22,7 @@ from sglang_cpkv.testing.batches import (
     REACHABLE,
     BatchCase,
     check_against_truth,
+    host_plan,
     make_pool_and_current,
     padded_page_table,
     random_topk,
@@ -35,21 +36,6 @@ from sglang_cpkv.testing.value_keyed_inverse import value_keyed_pipeline
 register_cpu_ci(est_time=15, suite="cpkv-cpu")
 
 GROUP = SingleRankGroup()
-
-
-def _plan(case: BatchCase, **kw):
-    return build_plan(
-        [list(t) for t in case.page_tables],
-        case.prefix_lens,
-        case.extend_lens,
-        torch.tensor(case.out_cache_loc(), dtype=torch.int64),
-        capacity=case.capacity,
-        page_size=case.page_size,
-        cp_size=1,
-        cp_rank=0,
-        strategy="interleave",
-        **kw,
-    )
 
 
 def _pipeline(plan, pool, *, layer_ahead=False, pools=None):
@@ -72,7 +58,7 @@ SHARED_5 = BatchCase(page_size=4, capacity=16, page_tables=((1, 5), (9, 5)), pre
 def test_shared_page_5_each_request_keeps_its_own_slot_and_current_write():
     case = SHARED_5
     assert case.state_class == COLLISION
-    plan = _plan(case)
+    plan = host_plan(case, 0)
     C = case.capacity
     # Ragged layout: request 0's slots are 0, 1 and request 1's 2, 3.
     assert plan.slot_starts == (0, 2) and plan.slot_pages.tolist() == [1, 5, 9, 5]
@@ -125,14 +111,14 @@ def test_bs_gt_1_shared_prefix_and_current_reuse_equal_bs_1():
     assert case.state_class == REACHABLE
     for dtype, width in ((torch.bfloat16, 576), (torch.uint8, 656)):  # bf16 rows, packed FP8 rows as bytes
         pool, current = make_pool_and_current(case, dtype, width, seed=2)
-        plan = _plan(case)
+        plan = host_plan(case, 0)
         dense = _pipeline(plan, pool).dense_view("kv", 0, current)
         start = 0
         for r in range(3):
             alone = BatchCase(4, 16, (case.page_tables[r],), (case.prefix_lens[r],), (case.extend_lens[r],))
             cur = current[start : start + case.extend_lens[r]]
             start += case.extend_lens[r]
-            solo_plan = _plan(alone)
+            solo_plan = host_plan(alone, 0)
             solo = _pipeline(solo_plan, pool).dense_view("kv", 0, cur)
             for p in range(case.prefix_lens[r] + case.extend_lens[r]):
                 assert same_bytes(dense[plan.dense_location(r, p)], solo[solo_plan.dense_location(0, p)]), (dtype, r, p)
@@ -147,7 +133,7 @@ def test_c2_valid_history_loc_not_dropped_when_another_request_writes_that_page(
     case = BatchCase(page_size=4, capacity=8, page_tables=((6,), (6, 2)), prefix_lens=(3, 0), extend_lens=(1, 6))
     assert case.state_class == COLLISION
     pool, current = make_pool_and_current(case, torch.bfloat16, 8, seed=4)
-    plan = _plan(case)
+    plan = host_plan(case, 0)
     pipe = _pipeline(plan, pool.clone())
     dense = pipe.dense_view("kv", 0, current)
     pipe.persist_owned("kv", 0, current)
@@ -286,7 +272,7 @@ def test_layer_ahead_matches_synchronous_and_refuses_early_persist():
     synchronous one (fused materialize_and_fill) gives; layers 0 and 2 share a buffer; owned rows are
     refused before their layer's history was taken."""
     case = BatchCase(page_size=2, capacity=12, page_tables=((3, 7, 2), (3, 8)), prefix_lens=(5, 3), extend_lens=(1, 1))
-    plan = _plan(case)
+    plan = host_plan(case, 0)
     pools = [make_pool_and_current(case, torch.bfloat16, 4, seed=10 + layer)[0] for layer in range(3)]
     currents = [make_pool_and_current(case, torch.bfloat16, 4, seed=20 + layer)[1] for layer in range(3)]
     ahead = _pipeline(plan, None, layer_ahead=True, pools=[p.clone() for p in pools])
@@ -314,7 +300,7 @@ def test_dense_rounding_is_bounded():
         rounded = round_dense_slots(slots)
         assert slots <= rounded <= slots * (1 + MAX_ROUNDING), slots
     assert [round_dense_slots(n) for n in (0, 1, 63, 64, 65, 100, 4097)] == [1, 1, 63, 64, 66, 100, 4224]
-    assert _plan(SHARED_5).num_slots == 4  # 2 + 2 pages, nothing to round below 64 slots
+    assert host_plan(SHARED_5, 0).num_slots == 4  # 2 + 2 pages, nothing to round below 64 slots
 
 
 if __name__ == "__main__":
