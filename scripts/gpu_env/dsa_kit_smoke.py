@@ -45,9 +45,9 @@ def test_sparse_prefill_triton_sparse_mla(case, fp8_kv_cache):
     kit.run_dsa_sparse_attention_case(
         kit_testcase(), case, dsa_prefill_backend="triton_sparse_mla", fp8_kv_cache=fp8_kv_cache
     )
-    from sglang_cpkv.hooks import dsa_extend
+    from sglang_cpkv.hooks import settings
 
-    assert not dsa_extend.enabled(), "the CP shared-KV mode was on: this smoke runs upstream's path with it off"
+    assert not settings.enabled(), "the CP shared-KV mode was on: this smoke runs upstream's path with it off"
 
 
 if __name__ == "__main__":

@@ -43,11 +43,11 @@ from typing import Any
 
 import torch
 
-from sglang_cpkv.env import env_flag
 from sglang_cpkv.hooks.cache_write import check_cache_write_rows, check_split_matches_upstream, owned_pool_write_locs
 from sglang_cpkv.hooks.exchange_group import exchange_group
 from sglang_cpkv.hooks.reservation import published as reserved_buffers
-from sglang_cpkv.ops.errors import CpSharedKvError, raise_if_errors
+from sglang_cpkv.hooks.settings import FLAG, enabled
+from sglang_cpkv.ops.errors import CpSharedKvError, describe_errors
 from sglang_cpkv.runtime import (
     CpGroup,
     CpSharedKvPlan,
@@ -62,32 +62,9 @@ from sglang_cpkv.runtime.reservation import Reservation
 
 # The backend attribute that holds its BackendState (absent: the mode never ran on it).
 STATE_ATTR = "cp_shared_kv"
-# The layer-ahead history prefetch is on unless this is set to 0 (then each layer materializes its own).
-LAYER_AHEAD_ENV = "SGLANG_CPKV_LAYER_AHEAD"
 LATENT, INDEX_K = "latent", "index_k"
 
 _side_streams: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def enabled() -> bool:
-    """Whether this server runs with ``--enable-cp-shared-kv`` (its published args; off until they are published)."""
-    from sglang.srt.runtime_context import get_server_args
-
-    try:
-        server_args = get_server_args()
-    except ValueError:  # not published in this process (yet)
-        return False
-    return bool(getattr(server_args, "enable_cp_shared_kv", False))
-
-
-def layer_ahead(cp_size: int) -> bool:
-    """Whether histories are prefetched one layer ahead or materialized by their own layer (one fused op).
-
-    ``SGLANG_CPKV_LAYER_AHEAD`` decides when set (read at start-up: the reservation holds two dense views per kind
-    for it, one without); by default layer-ahead under CP, where
-    the history is an all-gather worth overlapping with the layer before, and synchronous at cp 1, where it is a
-    local copy and the side stream costs more than it hides (benchmark/RESULTS.md, kit layer)."""
-    return env_flag(LAYER_AHEAD_ENV, default=cp_size > 1)
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -179,14 +156,14 @@ class BackendState:
         self._in_transit: list[_ErrorsInTransit] = []
 
     def surface_errors(self) -> None:
-        """Raise for any earlier batch whose counter has reached the host and shows dropped ids."""
-        pending = []
-        for errors in self._in_transit:
-            if errors.landed():
-                raise_if_errors(errors.host, errors.where)
-            else:
-                pending.append(errors)
-        self._in_transit = pending
+        """Raise, once, for the earlier batches whose counters have reached the host and show dropped ids; the
+        counters still in transit stay for a later batch. A batch's error is raised by one later batch only."""
+        landed = [errors.landed() for errors in self._in_transit]
+        arrived = [errors for errors, done in zip(self._in_transit, landed) if done]
+        self._in_transit = [errors for errors, done in zip(self._in_transit, landed) if not done]
+        messages = [m for m in (describe_errors(errors.host, errors.where) for errors in arrived) if m]
+        if messages:
+            raise CpSharedKvError("; ".join(messages))
 
     def begin(
         self, backend: Any, forward_batch: Any, plan: CpSharedKvPlan, group: CpGroup, reservation: Reservation
@@ -302,9 +279,22 @@ def backend_state(backend: Any) -> BackendState:
 
 
 def extend_batch(backend: Any, forward_batch: Any) -> ExtendBatch | None:
-    """The mode's batch for this forward of ``backend``; None when the mode is off for it."""
+    """The mode's batch for this extend forward of ``backend``; None when the mode is off.
+
+    Raises:
+        CpSharedKvError: the mode is on and the plan hook did not begin this ``forward_batch`` on ``backend``:
+            under the mode the pool holds only this rank's owned pages and the metadata tables (built for the
+            batch the plan began) hold dense locations, so upstream's pool path would read wrong rows.
+    """
     state = getattr(backend, STATE_ATTR, None)
-    return None if state is None else state.batch_of(forward_batch)
+    batch = None if state is None else state.batch_of(forward_batch)
+    if batch is None and enabled():
+        began = "no batch" if state is None or state.batch is None else f"batch {state.batch.number}"
+        raise CpSharedKvError(
+            f"{FLAG}: an extend forward ran with a forward batch the CP shared-KV plan hook did not begin on this "
+            f"backend (it began {began}); its KV would be read from the owner-sharded pool"
+        )
+    return batch
 
 
 def _indexer_batch(forward_batch: Any) -> ExtendBatch | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sglang_cpkv.hooks.settings import enabled
 from sglang_cpkv.ops.errors import CpSharedKvError
 from sglang_cpkv.runtime.group import TorchDistCpGroup
 
@@ -55,8 +56,6 @@ def exchange_group() -> TorchDistCpGroup:
 
 def on_attn_cp_group_created(attn_cp_group: Any) -> None:
     """Mode on and ``attn_cp_size > 1``: make the exchange group and warm the ops up (see the module docstring)."""
-    from sglang_cpkv.hooks.dsa_extend import enabled
-
     if not enabled() or attn_cp_group.world_size <= 1:
         return
     import torch

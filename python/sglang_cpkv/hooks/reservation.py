@@ -22,8 +22,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from sglang_cpkv.hooks.settings import layer_ahead, max_batch_tokens
 from sglang_cpkv.ops.errors import CpSharedKvError
-from sglang_cpkv.runtime.reservation import SETTING, Reservation, default_max_batch_tokens, page_rounded
+from sglang_cpkv.runtime.reservation import SETTING, Reservation, page_rounded
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +49,6 @@ def published() -> Reservation:
     return _published
 
 
-def max_batch_tokens(limit: int | None, context_len: int, chunk_tokens: int, page_size: int) -> int:
-    """The limit: ``--cp-shared-kv-max-batch-tokens`` when set, else the default of the context length and chunk."""
-    return int(limit) if limit is not None else default_max_batch_tokens(context_len, chunk_tokens, page_size)
-
-
 def index_k_token_bytes(hf_config: Any) -> int:
     """Bytes of one token of the DSA index-K pool: FP8 keys and one fp32 scale per quantization block."""
     from sglang.srt.configs.model_config import get_dsa_index_head_dim
@@ -71,8 +67,6 @@ def pool_overhead_bytes(kvc: Any) -> int:
     from sglang.srt.arg_groups.model_override_base import resolving_view
     from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
     from sglang.srt.runtime_context import get_parallel, get_schedule
-
-    from sglang_cpkv.hooks.dsa_extend import layer_ahead
 
     cp_size = get_parallel().attn_cp_size
     chunk_tokens = get_schedule().chunked_prefill_size  # the resolved value (the field may still read None)

@@ -13,9 +13,12 @@ DSA ``forward_extend`` path of the interleave strategy with page size 64.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-FLAG = "--enable-cp-shared-kv"
+from sglang_cpkv.hooks.settings import FLAG
+
 REQUIRED_PAGE_SIZE = 64
 REQUIRED_CP_STRATEGY = "interleave"
 # DSA prefill backends whose cache write and KV read go through DeepseekSparseAttnBackend.forward_extend
@@ -30,6 +33,162 @@ ALL_CP_RANKS_TRANSFER_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
 
 def _refuse(reason: str) -> None:
     raise ValueError(f"{FLAG}: {reason}")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A server feature the mode cannot serve (or has never run beside): refused at start-up when ``active``.
+
+    ``docs/design/cp-shared-kv-compatibility.md`` lists every feature a P/D prefill server can turn on beside the
+    mode as proven (a test drives upstream's objects through the patched path) or refused (a row here, or a check
+    of :func:`validate_cp_shared_kv_args`); the start-up test proves each refusal.
+    """
+
+    flag: str
+    why: str
+    active: Callable[[Any], bool]
+
+
+REFUSED_FEATURES: tuple[Refusal, ...] = (
+    Refusal(
+        "--enable-hierarchical-cache",
+        "a host hit is loaded back into fresh page ids (HiCacheController.load), whose owner rank never wrote the "
+        "rows its host copy holds, and the dense views read the pool before HiCache's per-layer load is awaited",
+        lambda c: bool(c.enable_hierarchical_cache),
+    ),
+    Refusal(
+        "--enable-flexkv",
+        "FlexKV loads KV from outside into page ids whose owner rank did not write it (as HiCache does)",
+        lambda c: bool(c.enable_flexkv),
+    ),
+    Refusal(
+        "--enable-unified-cache-external-linker",
+        "the linker loads KV from outside into page ids whose owner rank did not write it (as HiCache does)",
+        lambda c: bool(c.enable_unified_cache_external_linker),
+    ),
+    Refusal(
+        "--enable-hisparse",
+        "HiSparse swaps the DSA pool and allocator for a logical-to-device page translation that the mode's dense-"
+        "view tables do not go through",
+        lambda c: bool(c.enable_hisparse),
+    ),
+    Refusal(
+        "--enable-two-batch-overlap",
+        "TboAttnBackend runs the DSA backend as a primary and two children, each of which would plan the batch and "
+        "hold its own buffers, while the KV budget is charged one reserved set",
+        lambda c: bool(c.enable_two_batch_overlap),
+    ),
+    Refusal(
+        "--enable-dp-attention",
+        "attention DP beside CP (attn_dp_size > 1: idle and padded DP batches, the P/D rank mapping of dp x cp) "
+        "has not run with the mode",
+        lambda c: c.attn_dp_size > 1,
+    ),
+    Refusal(
+        "--attn-cp-size",
+        "attention TP inside a CP rank (attn_cp_size x attn_dp_size < tp_size) has not run with the mode: set "
+        "--attn-cp-size to the TP size",
+        lambda c: c.attn_cp_size * c.attn_dp_size != c.tp_size,
+    ),
+    Refusal(
+        "CP-TP group sharing (Glm5Next resolves it on)",
+        "the CP group as the TP group has not run with the mode",
+        lambda c: bool(c.enable_cp_tp_group_sharing),
+    ),
+    Refusal(
+        "--cuda-graph-backend-prefill",
+        "a captured prefill replays without the mode's per-batch plan (host inputs, buffers)",
+        lambda c: c.cuda_graph_config.prefill.backend != "disabled",
+    ),
+    Refusal(
+        "--enable-torch-compile",
+        "a compiled forward would trace the mode's per-batch host state; not run with the mode",
+        lambda c: bool(c.enable_torch_compile),
+    ),
+    Refusal(
+        "--enable-mixed-chunk",
+        "the mode plans EXTEND batches only (a MIXED batch would read the owner-sharded pool); a P/D prefill server "
+        "has no decoding requests to mix in",
+        lambda c: bool(c.enable_mixed_chunk),
+    ),
+    Refusal(
+        "--enable-dynamic-chunking",
+        "the chunk size would vary per step, while the mode's current-row buffers are reserved for "
+        "--chunked-prefill-size",
+        lambda c: bool(c.enable_dynamic_chunking),
+    ),
+    Refusal(
+        "--enable-lora",
+        "LoRA adapters have not run with the mode",
+        lambda c: bool(c.enable_lora) or bool(c.lora_paths),
+    ),
+    Refusal(
+        "--enable-priority-scheduling",
+        "priority scheduling and its preemption have not run with the mode's admission hook",
+        lambda c: bool(c.enable_priority_scheduling),
+    ),
+    Refusal(
+        "--disaggregation-enable-kv-checksum",
+        "each rank would digest every page of a request, but holds only the pages it owns",
+        lambda c: bool(c.disaggregation_enable_kv_checksum),
+    ),
+    Refusal(
+        "--enable-pd-role-switch",
+        "a switch to decode would decode from an owner-sharded pool; the mode needs the prefill role for the life "
+        "of the server",
+        lambda c: bool(c.enable_pd_role_switch),
+    ),
+    Refusal(
+        "--enable-return-indexer-topk",
+        "the returned top-k would be dense-view locations of the mode, not pool locations",
+        lambda c: bool(c.enable_return_indexer_topk),
+    ),
+    Refusal(
+        "--dsa-triton-union",
+        "a union of adjacent queries' top-k indices spans request boundaries of the batch; not run with the mode",
+        lambda c: bool(c.dsa_triton_union),
+    ),
+    Refusal(
+        "--enable-cp-decode-attn-tp",
+        "a decode-side setting; a server of the mode only prefills",
+        lambda c: bool(c.enable_cp_decode_attn_tp),
+    ),
+    Refusal(
+        "--enable-memory-saver",
+        "the mode's reserved buffers are outside the saver's KV region, so a release would free less than it says",
+        lambda c: bool(c.enable_memory_saver),
+    ),
+    Refusal(
+        "--kv-canary",
+        "the KV canary sweeps every page of the pool, of which a rank holds only the pages it owns",
+        lambda c: c.kv_canary != "none" or c.kv_canary_real_data != "none",
+    ),
+    Refusal(
+        "--speculative-draft-kv-cache-dtype",
+        "the draft's pool must have the target's layout (its extend runs the mode's hooks on it)",
+        lambda c: c.speculative_draft_kv_cache_dtype is not None,
+    ),
+    Refusal(
+        "--speculative-draft-attention-backend",
+        "the draft's extend must run the target's DSA backend (the mode's hooks)",
+        lambda c: c.speculative_draft_attention_backend is not None,
+    ),
+    Refusal(
+        "--enable-multi-layer-eagle",
+        "only the one-layer EAGLE/NextN draft has run with the mode",
+        lambda c: bool(c.enable_multi_layer_eagle),
+    ),
+    Refusal(
+        "--speculative-adaptive",
+        "a varying number of draft steps has not run with the mode",
+        lambda c: bool(c.speculative_adaptive),
+    ),
+    Refusal(
+        "--decoupled-spec-role",
+        "decoupled speculative decoding has not run with the mode",
+        lambda c: c.decoupled_spec_role != "null",
+    ),
+)
 
 
 def _validate_draft(algorithm_name: str) -> None:
@@ -95,6 +254,11 @@ def validate_cp_shared_kv_args(server_args: Any) -> None:
 
     cfg = resolving_view(server_args)
     if not cfg.enable_cp_shared_kv:
+        if cfg.cp_shared_kv_max_batch_tokens is not None:
+            raise ValueError(
+                f"--cp-shared-kv-max-batch-tokens {cfg.cp_shared_kv_max_batch_tokens} needs {FLAG}: it sizes that "
+                "mode's buffers, and without the mode it would be ignored"
+            )
         return
 
     if cfg.disaggregation_mode != "prefill":
@@ -131,6 +295,9 @@ def validate_cp_shared_kv_args(server_args: Any) -> None:
         _refuse("cannot be combined with --enable-dsa-cache-layer-split (layer ownership over the same pool)")
     if cfg.speculative_algorithm is not None:
         _validate_draft(cfg.speculative_algorithm)
+    for refusal in REFUSED_FEATURES:
+        if refusal.active(cfg):
+            _refuse(f"cannot be combined with {refusal.flag}: {refusal.why}")
     if cfg.disaggregation_transfer_backend not in SUPPORTED_TRANSFER_BACKENDS:
         _refuse(
             f"supports --disaggregation-transfer-backend in {SUPPORTED_TRANSFER_BACKENDS} (the owned-page filter "

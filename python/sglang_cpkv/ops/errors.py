@@ -36,12 +36,18 @@ class CpSharedKvError(RuntimeError):
     """Bad input met by a CP shared-KV op or plan (never a silent cross-request write)."""
 
 
+def describe_errors(errors: torch.Tensor, where: str) -> str | None:
+    """``"<where>: dropped bad ids: ..."`` naming every non-zero kind of the counter, None when all are zero
+    (synchronizes: call only at a natural sync point, or on a host copy)."""
+    bad = [f"{n} x {ERROR_NAMES[k]}" for k, n in enumerate(errors.tolist()) if n]
+    return f"{where}: dropped bad ids: " + ", ".join(bad) if bad else None
+
+
 def raise_if_errors(errors: torch.Tensor, where: str) -> None:
     """Synchronize, and raise :class:`CpSharedKvError` naming every non-zero kind.
 
     Call only at a natural sync point (or in checked mode).
     """
-    counts = errors.tolist()
-    bad = [f"{n} x {ERROR_NAMES[k]}" for k, n in enumerate(counts) if n]
-    if bad:
-        raise CpSharedKvError(f"{where}: dropped bad ids: " + ", ".join(bad))
+    message = describe_errors(errors, where)
+    if message:
+        raise CpSharedKvError(message)

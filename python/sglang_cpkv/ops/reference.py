@@ -55,8 +55,8 @@ def check_inverse(inverse: torch.Tensor, num_requests: int, capacity: int) -> No
 
 def check_row_divides_page(current: torch.Tensor, dense: torch.Tensor) -> None:
     """A current row must tile a dense page exactly, or its rows would straddle pages."""
-    row = current[0].numel() if current.dim() > 1 else 1
-    page = dense[0].numel() if dense.dim() > 1 else 1
+    row = current.shape[1:].numel() if current.dim() > 1 else 1
+    page = dense.shape[1:].numel() if dense.dim() > 1 else 1
     if current.dim() < 2 or row == 0 or page % row:
         raise CpSharedKvError(
             f"current rows {tuple(current.shape)} do not tile the dense pages {tuple(dense.shape)}: "
@@ -121,12 +121,14 @@ def remap_locs(
     ``loc`` of request ``r`` -> ``inverse[r * C + loc // page_size] * page_size + loc % page_size``.
 
     Args:
-        locs: int32 or int64 ``[N]`` or ``[N, K]`` pool token locations; ``-1`` is padding.
+        locs: int32 or int64 ``[N]`` or ``[N, K]`` pool token locations; ``-1`` is padding, any other
+            negative location is a bad id.
         req_id: int64 ``[N]``, the request row of each row of ``locs`` (``-1``: padding row).
         inverse: int32 ``[R * C]`` from :func:`build_page_inverse`.
         num_requests: ``R``. capacity: ``C``; ``inverse`` must hold exactly ``R * C`` entries.
         page_size: tokens per page.
-        errors: int32 counter: request ids outside ``[-1, R)``, pages outside ``[0, C)``.
+        errors: int32 counter: request ids outside ``[-1, R)``; locations below -1 and pages ``>= C``
+            (:data:`ERR_PAGE_OUT_OF_RANGE`).
 
     Returns:
         int32, the shape of ``locs``: dense locations, ``-1`` for padding, a padding row, an
@@ -148,9 +150,9 @@ def remap_locs(
     req = req_id.to(torch.int64).reshape(-1, 1).expand_as(loc)
     page = torch.div(loc, page_size, rounding_mode="floor")
 
-    padding = (loc < 0) | (req == PADDING_ID)
+    padding = (loc == PADDING_ID) | (req == PADDING_ID)
     bad_req = ~padding & ((req < PADDING_ID) | (req >= rows))
-    bad_page = ~padding & ~bad_req & (page >= capacity)
+    bad_page = ~padding & ~bad_req & ((loc < 0) | (page >= capacity))
     errors[ERR_REQ_OUT_OF_RANGE] += bad_req.sum().to(torch.int32)
     errors[ERR_PAGE_OUT_OF_RANGE] += bad_page.sum().to(torch.int32)
 

@@ -70,7 +70,8 @@ class CpSharedKvPlan:
         exchange_pages_per_rank: ``M``, the most distinct history pages any rank owns (0 when
             ``cp_size == 1`` or the batch has no history).
         exchange_pages_per_round: ``K``, pages each rank contributes to one round of the history
-            all-gather (``M`` unless the caller bounds it: reserved exchange buffers); 0 without exchange.
+            all-gather (``M``, or the caller's bound when ``M`` exceeds it: reserved exchange buffers); 0 without
+            exchange.
         checked: checked mode (:mod:`.checked`), fixed at build.
 
     Device tensors (all on the device of ``out_cache_loc``):
@@ -241,7 +242,8 @@ def _exchange_layout(
     owner = page_owner(unique_pages, cp_size)
     owned = [unique_pages[owner == k] for k in range(cp_size)]
     pages_per_rank = max(int(t.numel()) for t in owned)
-    per_round = pages_per_rank if pages_per_round is None else pages_per_round
+    # A round never carries more than the batch needs: the bound only splits a larger exchange into rounds.
+    per_round = pages_per_rank if pages_per_round is None else min(pages_per_rank, pages_per_round)
     slot_owner = page_owner(history_page_ids, cp_size)
     index_in_owner = torch.empty_like(history_page_ids)
     for k in range(cp_size):
@@ -300,8 +302,8 @@ def build_plan(
         checked: checked mode; default from ``SGLANG_CPKV_CHECKED`` (:mod:`.checked`).
 
     Raises:
-        CpSharedKvError: page ids outside ``[0, C)`` or repeated within a request (host table),
-            lengths that do not fit the page table, a dense view past int32 locations,
+        CpSharedKvError: page ids outside ``[0, C)`` or repeated within a request (host table), a batch
+            without current tokens, lengths that do not fit the page table, a dense view past int32 locations,
             ``out_cache_loc`` length != ``sum(extend_lens)``, a CP split that does not apply, a rank
             outside ``[0, cp_size)``; in checked mode also every device-side error and broken invariant.
     """
@@ -315,6 +317,9 @@ def build_plan(
     num_requests = len(prefix)
     split = build_cp_split(strategy, extend, cp_size, cp_rank)
     num_tokens = split.num_tokens
+    if num_tokens == 0:
+        # Every per-layer op fills or persists current rows; upstream never runs an extend without them.
+        raise CpSharedKvError(f"the batch has no current tokens (extend_lens {list(extend)}): nothing to extend")
 
     pages_needed = [-(-(p + e) // page_size) for p, e in zip(prefix, extend)]
     starts = [0]
@@ -341,7 +346,7 @@ def build_plan(
         raise CpSharedKvError(f"out_cache_loc has {out_cache_loc.numel()} entries, sum(extend_lens) = {num_tokens}")
     if out_cache_loc.dtype not in (torch.int32, torch.int64):
         raise CpSharedKvError(f"out_cache_loc must be int32 or int64, got {out_cache_loc.dtype}")
-    if out_cache_loc.device.type == "cpu" and num_tokens:
+    if out_cache_loc.device.type == "cpu":
         _validate_host_locations(out_cache_loc, capacity, page_size)
 
     device = out_cache_loc.device
@@ -439,8 +444,8 @@ def dense_to_pool_locs(plan: CpSharedKvPlan, dense_locs: torch.Tensor) -> torch.
     """Dense-view locations back to pool locations through the plan (-1 stays -1); dtype of ``dense_locs``.
 
     Dense location ``d`` is slot ``d // page_size`` at offset ``d % page_size``; the slot's page is
-    ``plan.slot_pages[slot]``. A location outside the dense view, or on a slot no page fills, maps to -1
-    and is counted as a bad id in the plan's error counter (no host sync).
+    ``plan.slot_pages[slot]``. A location outside the dense view (below -1 included), or on a slot no page
+    fills, maps to -1 and is counted as a bad id in the plan's error counter (no host sync).
     """
     page_size = plan.page_size
     locs = dense_locs.to(torch.int64)
@@ -448,6 +453,6 @@ def dense_to_pool_locs(plan: CpSharedKvPlan, dense_locs: torch.Tensor) -> torch.
     slot = torch.div(torch.where(in_view, locs, torch.zeros_like(locs)), page_size, rounding_mode="floor")
     page = plan.slot_pages.to(torch.int64)[slot]
     mapped = in_view & (page >= 0)
-    plan.errors[ERR_LOC_OUT_OF_RANGE] += ((locs >= 0) & ~mapped).sum().to(plan.errors.dtype)
+    plan.errors[ERR_LOC_OUT_OF_RANGE] += ((locs != PADDING_ID) & ~mapped).sum().to(plan.errors.dtype)
     pool = page * page_size + locs % page_size
     return torch.where(mapped, pool, torch.full_like(pool, PADDING_ID)).to(dense_locs.dtype)

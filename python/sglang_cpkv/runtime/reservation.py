@@ -4,7 +4,7 @@ One limit bounds every buffer of the mode, ``max_batch_tokens`` (server flag
 ``--cp-shared-kv-max-batch-tokens``): the KV tokens one extend batch's dense view may hold - each
 request's history and current chunk, rounded up to whole pages, summed over the batch. The default,
 :func:`default_max_batch_tokens`, is one request of the full context length plus a full chunk of other
-requests' tokens. The scheduler admits requests against it (``hooks/reservation.py``: a request that
+requests' tokens, each request's page rounding counted. The scheduler admits requests against it (``hooks/reservation.py``: a request that
 would exceed it waits for a later batch); a batch that still exceeds it is refused at plan build with a
 message naming the setting (:meth:`Reservation.check_batch`), never an out-of-memory error in a forward.
 
@@ -38,8 +38,15 @@ def page_rounded(tokens: int, page_size: int) -> int:
 
 
 def default_max_batch_tokens(context_len: int, chunk_tokens: int, page_size: int) -> int:
-    """One request of ``context_len`` tokens plus a chunk of ``chunk_tokens`` more, page-rounded."""
-    return page_rounded(context_len, page_size) + page_rounded(chunk_tokens, page_size)
+    """One request of ``context_len`` tokens plus a chunk of ``chunk_tokens`` more in up to
+    ``ceil(chunk_tokens / page_size)`` other requests, each page-rounded.
+
+    Each request occupies whole pages of the dense view, so ``k`` requests holding ``T`` tokens need up to
+    ``T + k * (page_size - 1)``: the default counts that rounding for as many other requests as the chunk has
+    pages (one request of the full context beside 31 requests of 224 tokens in a 8192-token chunk fits). More,
+    smaller requests than that may wait for a later batch (the admission hook counts each one's rounding)."""
+    others = chunk_tokens + -(-chunk_tokens // page_size) * (page_size - 1)
+    return page_rounded(context_len, page_size) + page_rounded(others, page_size)
 
 
 @dataclass(frozen=True)

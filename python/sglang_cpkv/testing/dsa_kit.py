@@ -376,8 +376,8 @@ class KitWorld:
     def _reserve(self, max_requests: int, longest: int) -> None:
         """Publish the mode's reservation for this world, as the pool-sizing hook does at a server's start-up:
         a batch of up to ``max_requests`` requests of up to ``longest`` tokens (row sizes from the pool)."""
-        from sglang_cpkv.hooks.dsa_extend import layer_ahead
         from sglang_cpkv.hooks.reservation import publish
+        from sglang_cpkv.hooks.settings import layer_ahead
         from sglang_cpkv.runtime.reservation import Reservation
 
         pool = self.pool
@@ -429,10 +429,14 @@ class KitWorld:
         local_tokens, metadata_cp = _cp_split(case, forward_batch, self.cp_rank)
         return forward_batch, cur_locs, local_tokens, metadata_cp
 
-    def forward(self, case: BatchCase) -> KitRun:
-        """One extend forward of ``case`` through the patched backend (this rank's share under CP)."""
+    def forward(self, case: BatchCase, *, layers_see_another_forward_batch: bool = False) -> KitRun:
+        """One extend forward of ``case`` through the patched backend (this rank's share under CP).
+
+        ``layers_see_another_forward_batch``: the layers run with a second forward batch of the same case, not the
+        one ``init_forward_metadata`` was given (the state the mode must refuse)."""
         up, route, device, backend = self.up, self.route, self.device, self.backend
         forward_batch, cur_locs, local_tokens, metadata_cp = self._extend_batch(case)
+        layers_batch = self._extend_batch(case)[0] if layers_see_another_forward_batch else forward_batch
         capture = _Capture(up, backend, self.run_triton)
         kernel_reads, index_reads = [], {}
         try:
@@ -442,7 +446,7 @@ class KitWorld:
                 for layer, module in enumerate(self.modules):
                     if not route.skip_topk_layers[layer]:
                         index_reads[layer] = _index_k_store_and_read(
-                            up, backend, forward_batch, layer, self._keys(cur_locs, layer), self.act_quant
+                            up, backend, layers_batch, layer, self._keys(cur_locs, layer), self.act_quant
                         )
                     hidden = self._hidden(cur_locs, layer)
                     q_nope, q_rope = module.project_q(hidden[local_tokens.to(device)])
@@ -451,7 +455,7 @@ class KitWorld:
                     topk = _fused_topk(
                         backend, metadata, case, local_tokens, q_nope.shape[0], route, device, up["extend"], self.topk
                     )
-                    module.attn(q_nope, k_nope, k_nope, forward_batch, k_rope=k_rope, q_rope=q_rope, topk_indices=topk)
+                    module.attn(q_nope, k_nope, k_nope, layers_batch, k_rope=k_rope, q_rope=q_rope, topk_indices=topk)
                     kernel_reads.append(capture.calls.pop())
         finally:
             capture.restore()

@@ -41,8 +41,9 @@ cudaError_t build_page_inverse(const PageIdT* slot_pages,  // [S] pool page of e
                                cudaStream_t stream);
 
 // dense[n, k] = inverse[req_id[n] * C + locs[n, k] / page_size] * page_size + locs[n, k] % page_size, or -1
-// when locs[n, k] < 0, req_id[n] == -1, the page is absent from request req_id[n]'s table, or the id is
-// bad: req_id outside [-1, R) counts errors[kErrReqOutOfRange], a page >= C counts errors[kErrPageOutOfRange]
+// when locs[n, k] == -1, req_id[n] == -1, the page is absent from request req_id[n]'s table, or the id is
+// bad: req_id outside [-1, R) counts errors[kErrReqOutOfRange], a location < -1 or a page >= C counts
+// errors[kErrPageOutOfRange]
 // (one count per element, as the reference). Request ids are compact, one per row (never broadcast).
 // LocT: int32_t, int64_t.
 template <typename LocT>

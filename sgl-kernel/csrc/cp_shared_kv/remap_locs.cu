@@ -25,9 +25,10 @@ struct Lookup {
 
 __device__ __forceinline__ Lookup
 classify(int64_t loc, int64_t req, int64_t num_requests, int64_t capacity, int64_t page_size, int page_shift) {
-  // A negative location or a padding row (-1) is padding: -1, nothing counted.
-  if (loc < 0 || req == -1) return {-1, 0, -1};
+  // Location -1 or a padding row (-1) is padding: -1, nothing counted. Any other negative location is a bad id.
+  if (loc == -1 || req == -1) return {-1, 0, -1};
   if (req < -1 || req >= num_requests) return {-1, 0, kErrReqOutOfRange};
+  if (loc < 0) return {-1, 0, kErrPageOutOfRange};
   const int64_t page = page_shift >= 0 ? loc >> page_shift : loc / page_size;
   if (page >= capacity) return {-1, 0, kErrPageOutOfRange};
   return {req * capacity + page, loc - page * page_size, -1};

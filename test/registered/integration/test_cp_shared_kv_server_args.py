@@ -11,10 +11,13 @@ local DSA ``config.json`` and a Hopper device capability. Checked:
 * each unsupported combination: refused with the error naming it.
 """
 
+import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -61,7 +64,8 @@ def models(tmp_path_factory):
     paths = {}
     # DSA pages are 64 * index_kpool tokens (upstream forces it over --page-size): kpool 2 -> 128.
     kpool2 = {**DSA_CONFIG, "index_kpool": 2}
-    for name, config in (("dsa", DSA_CONFIG), ("dsa_kpool2", kpool2), ("llama", LLAMA_CONFIG)):
+    glm_dsa = {**DSA_CONFIG, "architectures": ["GlmMoeDsaForCausalLM"]}
+    for name, config in (("dsa", DSA_CONFIG), ("dsa_kpool2", kpool2), ("glm_dsa", glm_dsa), ("llama", LLAMA_CONFIG)):
         path = tmp_path_factory.mktemp(name)
         (path / "config.json").write_text(json.dumps(config))
         paths[name] = str(path)
@@ -89,14 +93,17 @@ def _start_resolving(tree: Path, cases: list[dict]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{python_dir}"}
     for name in DRAFT_ENV:
         env.pop(name, None)
+    # stderr to a file: upstream logs warnings per case, more than a pipe holds while stdout is read.
+    err = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed with the process: read once it exits)
     proc = subprocess.Popen(
         [sys.executable, "-m", "sglang_cpkv.testing.resolve_server_args"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=err,
         text=True,
         env=env,
     )
+    proc.err_file = err
     proc.stdin.write(json.dumps(cases))
     proc.stdin.close()
     return proc
@@ -104,8 +111,10 @@ def _start_resolving(tree: Path, cases: list[dict]) -> subprocess.Popen:
 
 def _results(proc: subprocess.Popen) -> list[dict]:
     out = proc.stdout.read()
-    err = proc.stderr.read()
-    assert proc.wait(timeout=600) == 0, err[-4000:]
+    code = proc.wait(timeout=600)
+    if code:
+        proc.err_file.seek(0)
+        raise AssertionError(proc.err_file.read()[-4000:])
     return json.loads(out)
 
 
@@ -143,6 +152,14 @@ def _limit_case(models):
     """The mode with an explicit limit for its reserved buffers."""
     return {
         "argv": _argv(models, "dsa", *CP, *PREFILL, "--cp-shared-kv-max-batch-tokens", "1000000", FLAG),
+        "env": ALL_RANKS_ENV,
+    }
+
+
+def _limit_without_mode_case(models):
+    """The limit of the mode's buffers without the mode."""
+    return {
+        "argv": _argv(models, "dsa", *CP, *PREFILL, "--cp-shared-kv-max-batch-tokens", "1000000"),
         "env": ALL_RANKS_ENV,
     }
 
@@ -208,6 +225,105 @@ BAD_CASES = [
 ]
 
 
+def _refused(flag: str) -> str:
+    """The start of the message of a feature refused beside the mode (``hooks/server_args.REFUSED_FEATURES``)."""
+    return f"cannot be combined with {flag}: "
+
+
+# Each feature refused beside the mode, turned on by one command line: (name, model, extra argv, env, fragment);
+# the name is the case the compatibility table (docs/design/cp-shared-kv-compatibility.md) cites.
+REFUSED_FEATURE_CASES = [
+    ("hierarchical cache", "dsa", ["--enable-hierarchical-cache"], ALL_RANKS_ENV, "--enable-hierarchical-cache"),
+    (
+        "hierarchical cache with a storage backend",
+        "dsa",
+        ["--enable-hierarchical-cache", "--hicache-storage-backend", "file", "--hicache-write-policy", "write_back"],
+        ALL_RANKS_ENV,
+        "--enable-hierarchical-cache",
+    ),
+    ("FlexKV", "dsa", ["--enable-flexkv"], ALL_RANKS_ENV, "--enable-flexkv"),
+    (
+        "unified cache linker",
+        "dsa",
+        ["--enable-unified-cache-external-linker"],
+        ALL_RANKS_ENV,
+        "--enable-unified-cache-external-linker",
+    ),
+    ("HiSparse", "dsa", ["--enable-hisparse", "--disable-radix-cache"], ALL_RANKS_ENV, "--enable-hisparse"),
+    (
+        "two-batch overlap",
+        "dsa",
+        ["--enable-two-batch-overlap", "--moe-a2a-backend", "deepep"],
+        ALL_RANKS_ENV,
+        "--enable-two-batch-overlap",
+    ),
+    ("DP attention", "dsa", ["--dp", "2", "--enable-dp-attention"], ALL_RANKS_ENV, "--enable-dp-attention"),
+    ("attention TP in a CP rank", "dsa", ["--attn-cp-size", "4"], ALL_RANKS_ENV, "--attn-cp-size"),
+    ("torch.compile", "dsa", ["--enable-torch-compile"], ALL_RANKS_ENV, "--enable-torch-compile"),
+    ("mixed chunk", "dsa", ["--enable-mixed-chunk"], ALL_RANKS_ENV, "--enable-mixed-chunk"),
+    ("dynamic chunking", "dsa", ["--enable-dynamic-chunking"], ALL_RANKS_ENV, "--enable-dynamic-chunking"),
+    ("LoRA", "dsa", ["--enable-lora"], ALL_RANKS_ENV, "--enable-lora"),
+    ("priority scheduling", "dsa", ["--enable-priority-scheduling"], ALL_RANKS_ENV, "--enable-priority-scheduling"),
+    (
+        "KV checksum",
+        "dsa",
+        ["--disaggregation-enable-kv-checksum"],
+        ALL_RANKS_ENV,
+        "--disaggregation-enable-kv-checksum",
+    ),
+    ("PD role switch", "dsa", ["--enable-pd-role-switch"], ALL_RANKS_ENV, "--enable-pd-role-switch"),
+    ("indexer top-k return", "dsa", ["--enable-return-indexer-topk"], ALL_RANKS_ENV, "--enable-return-indexer-topk"),
+    (
+        "triton union",
+        "dsa",
+        ["--dsa-prefill-backend", "triton_sparse_mla", "--dsa-triton-union", "2"],
+        ALL_RANKS_ENV,
+        "--dsa-triton-union",
+    ),
+    ("memory saver", "dsa", ["--enable-memory-saver"], ALL_RANKS_ENV, "--enable-memory-saver"),
+    ("KV canary", "dsa", ["--kv-canary", "log"], ALL_RANKS_ENV, "--kv-canary"),
+    (
+        "draft KV dtype",
+        "dsa",
+        [*EAGLE, "--speculative-draft-kv-cache-dtype", "fp8_e4m3"],
+        DRAFT_ENV,
+        "--speculative-draft-kv-cache-dtype",
+    ),
+    (
+        "draft attention backend",
+        "dsa",
+        [*EAGLE, "--speculative-draft-attention-backend", "dsa"],
+        DRAFT_ENV,
+        "--speculative-draft-attention-backend",
+    ),
+    ("multi-layer EAGLE", "dsa", [*EAGLE, "--enable-multi-layer-eagle"], DRAFT_ENV, "--enable-multi-layer-eagle"),
+    ("adaptive speculation", "dsa", [*EAGLE, "--speculative-adaptive"], DRAFT_ENV, "--speculative-adaptive"),
+    ("CP decode attention TP", "glm_dsa", ["--enable-cp-decode-attn-tp"], ALL_RANKS_ENV, "--enable-cp-decode-attn-tp"),
+    (
+        "decoupled speculative role",
+        "dsa",
+        ["--decoupled-spec-role", "verifier"],
+        ALL_RANKS_ENV,
+        "--decoupled-spec-role",
+    ),
+]
+BAD_CASES += [
+    (name, model, [*CP, *PREFILL, *extra, FLAG], env, _refused(flag))
+    for name, model, extra, env, flag in REFUSED_FEATURE_CASES
+]
+# Refused by upstream's own resolution beside the mode's base configuration (the message is upstream's).
+UPSTREAM_REFUSED_CASES = [
+    ("deterministic inference", ["--enable-deterministic-inference"], "deterministic"),
+    ("KV dtype fp8_e5m2", ["--kv-cache-dtype", "fp8_e5m2"], "fp8_e4m3"),
+    ("DCP", ["--dcp-size", "2"], "dcp"),
+    ("LMCache", ["--enable-lmcache"], "lmcache"),
+    ("page-major KV layout", ["--enable-page-major-kv-layout"], "page"),
+    ("unified memory", ["--enable-unified-memory"], "'dsa'"),
+    ("multi-item scoring", ["--enable-mis"], "flashinfer"),
+    ("NGRAM", ["--speculative-algorithm", "NGRAM"], "topk"),
+]
+
+
 @pytest.fixture(scope="module")
 def results(models, tmp_path_factory):
     from sglang_cpkv.testing.upstream_trees import patched_tree, pristine_tree
@@ -215,6 +331,10 @@ def results(models, tmp_path_factory):
     off = _flag_off_cases(models)
     non_dsa = {"argv": _argv(models, "llama", *CP, *PREFILL, FLAG), "env": ALL_RANKS_ENV}
     bad = [{"argv": _argv(models, model, *extra), "env": env} for _, model, extra, env, _ in BAD_CASES]
+    bad += [
+        {"argv": _argv(models, "dsa", *CP, *PREFILL, *extra, FLAG), "env": ALL_RANKS_ENV}
+        for _, extra, _ in UPSTREAM_REFUSED_CASES
+    ]
     # Both trees resolve at once (two processes; the imports dominate).
     patched_proc = _start_resolving(
         patched_tree(tmp_path_factory.mktemp("patched")),
@@ -223,8 +343,10 @@ def results(models, tmp_path_factory):
         + bad
         + _speculative_cases(models)
         + [_triton_case(models)]
-        + [_limit_case(models)],
+        + [_limit_case(models)]
+        + [_limit_without_mode_case(models)],
     )
+    nbad = len(BAD_CASES) + len(UPSTREAM_REFUSED_CASES)
     pristine_proc = _start_resolving(pristine_tree(tmp_path_factory.mktemp("pristine")), off + [_valid_case(models)])
     patched, pristine = _results(patched_proc), _results(pristine_proc)
     n = len(off)
@@ -235,10 +357,14 @@ def results(models, tmp_path_factory):
         "patched_valid": patched[n],
         "non_dsa": patched[n + 1],
         "bad": dict(zip([name for name, *_ in BAD_CASES], patched[n + 2 : n + 2 + len(BAD_CASES)])),
-        "speculative": patched[n + 2 + len(BAD_CASES)],
-        "speculative_off": patched[n + 3 + len(BAD_CASES)],
-        "triton_sparse_mla": patched[n + 4 + len(BAD_CASES)],
-        "limit": patched[n + 5 + len(BAD_CASES)],
+        "upstream_refused": dict(
+            zip([name for name, *_ in UPSTREAM_REFUSED_CASES], patched[n + 2 + len(BAD_CASES) : n + 2 + nbad])
+        ),
+        "speculative": patched[n + 2 + nbad],
+        "speculative_off": patched[n + 3 + nbad],
+        "triton_sparse_mla": patched[n + 4 + nbad],
+        "limit": patched[n + 5 + nbad],
+        "limit_without_mode": patched[n + 6 + nbad],
     }
 
 
@@ -313,6 +439,64 @@ def test_unsupported_combination_is_refused(results, name, model, extra, env, fr
     assert got["error"] == "ValueError", got
     assert got["message"].startswith(FLAG), got
     assert fragment in got["message"], got
+
+
+@pytest.mark.parametrize("name", [c[0] for c in UPSTREAM_REFUSED_CASES])
+def test_refused_by_upstream_beside_the_mode(results, name):
+    got = results["upstream_refused"][name]
+    fragment = {c[0]: c[2] for c in UPSTREAM_REFUSED_CASES}[name]
+    assert "error" in got, f"{name}: accepted, expected upstream's refusal"
+    assert fragment.lower() in got["message"].lower(), got
+
+
+def test_the_limit_without_the_mode_is_refused(results):
+    got = results["limit_without_mode"]
+    assert got.get("error") == "ValueError", got
+    assert got["message"].startswith("--cp-shared-kv-max-batch-tokens 1000000 needs --enable-cp-shared-kv"), got
+
+
+# Only Glm5Next resolves these on, and upstream refuses that hybrid model on a CPU platform before the mode's
+# hook (its Mamba cache): the base configuration is resolved, then the value is declared the way upstream's model
+# hooks declare theirs (a resolved override), and the hook runs again on it.
+GLM5NEXT_ONLY = {
+    "CP-TP group sharing (Glm5Next resolves it on)": lambda view: {"enable_cp_tp_group_sharing": True},
+    "--cuda-graph-backend-prefill": lambda view: {
+        "cuda_graph_config": dataclasses.replace(
+            view.cuda_graph_config, prefill=dataclasses.replace(view.cuda_graph_config.prefill, backend="breakable")
+        )
+    },
+}
+
+
+@pytest.mark.parametrize("flag", list(GLM5NEXT_ONLY))
+def test_refusals_only_a_glm5next_server_reaches(models, flag, monkeypatch):
+    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+
+    install_torchvision_stub()
+    import torch
+    from sglang.srt.arg_groups.model_override_base import resolving_view
+    from sglang.srt.server_args import prepare_server_args
+
+    from sglang_cpkv.hooks.server_args import validate_cp_shared_kv_args
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    for name, value in ALL_RANKS_ENV.items():
+        monkeypatch.setenv(name, value)
+    server_args = prepare_server_args(_valid_case(models)["argv"])
+    server_args.resolve_once()
+    validate_cp_shared_kv_args(server_args)  # the base configuration is accepted
+    server_args._resolved_overrides.append(("glm5next", GLM5NEXT_ONLY[flag](resolving_view(server_args))))
+    with pytest.raises(ValueError, match=re.escape(_refused(flag))):
+        validate_cp_shared_kv_args(server_args)
+
+
+def test_every_refused_feature_has_a_case():
+    """A refusal added to the hook without a command line that proves it fails here."""
+    from sglang_cpkv.hooks.server_args import REFUSED_FEATURES
+
+    tested = {flag for *_, flag in REFUSED_FEATURE_CASES} | set(GLM5NEXT_ONLY)
+    missing = [r.flag for r in REFUSED_FEATURES if r.flag not in tested]
+    assert not missing, f"no REFUSED_FEATURE_CASES entry turns these on: {missing}"
 
 
 if __name__ == "__main__":

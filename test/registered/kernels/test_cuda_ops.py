@@ -139,7 +139,7 @@ def _locs_and_req(
     loc_dtype: torch.dtype,
 ):
     """Per row a request (or -1 padding, or a bad id); per element a location of a page the request holds, of
-    a page it does not hold, -1 / other negatives (padding), or a page >= capacity (bad)."""
+    a page it does not hold, -1 (padding), another negative or a page >= capacity (bad)."""
     rows = table.shape[0]
     req = torch.randint(0, rows, (num_rows,), generator=gen)
     kind = torch.rand(num_rows, generator=gen)

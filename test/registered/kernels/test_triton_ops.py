@@ -127,16 +127,21 @@ def test_remap_counts_bad_request_and_page_ids():
     inverse = reference.build_page_inverse(
         *flat_slots(torch.tensor([[1, 5], [9, 5]], dtype=torch.int32)), 2, 12, new_error_counter("cpu")
     )
-    # rows: request 0, padding row, request 7 (>= R), request -3 (< -1), request 1
-    locs = torch.tensor([[4, 48, -1], [4, 99, 7], [4, -1, 8], [21, -5, 36], [47, 50, 23]], dtype=torch.int32)
-    req = torch.tensor([0, -1, 7, -3, 1])
+    # rows: request 0, padding row, request 7 (>= R), request -3 (< -1), request 1, request 0 again
+    locs = torch.tensor(
+        [[4, 48, -1], [4, 99, 7], [4, -1, 8], [21, -5, 36], [47, 50, 23], [-2, -1, -64]], dtype=torch.int32
+    )
+    req = torch.tensor([0, -1, 7, -3, 1, 0])
     (ref, ref_err), (tri, tri_err) = _both("remap_locs", locs, req, inverse, 2, 12, 4)
     assert torch.equal(ref, tri)
     expected = [0] * 3
-    expected[ERR_REQ_OUT_OF_RANGE] = 4  # two real locations in each of the rows of requests 7 and -3
-    expected[ERR_PAGE_OUT_OF_RANGE] = 2  # loc 48 (page 12) and loc 50 (page 12) with C = 12
+    # request 7's row: two locations (its -1 is padding); request -3's: three (-5 is no padding)
+    expected[ERR_REQ_OUT_OF_RANGE] = 5
+    # loc 48 (page 12) and loc 50 (page 12) with C = 12; locs -2 and -64 (only -1 is padding)
+    expected[ERR_PAGE_OUT_OF_RANGE] = 4
     assert tri_err.tolist() == ref_err.tolist() == expected
     assert tri[0].tolist() == [0, -1, -1] and tri[4].tolist() == [-1, -1, 15]  # page 11: not request 1's
+    assert tri[5].tolist() == [-1, -1, -1]
 
 
 @pytest.mark.parametrize("loc_dtype", INDEX_DTYPES)

@@ -50,10 +50,10 @@ def _remap_locs_kernel(
     req = tl.load(req_id_ptr + rows, mask=row_in, other=-1).to(tl.int64)[:, None]
     loc = tl.load(locs_ptr + rows[:, None] * locs_stride + cols[None, :], mask=tile_in, other=-1).to(tl.int64)
 
-    padding = (loc < 0) | (req == -1)
+    padding = (loc == -1) | (req == -1)
     bad_req = ~padding & ((req < -1) | (req >= batch_rows))
     page = loc // PAGE_SIZE
-    bad_page = ~padding & ~bad_req & (page >= capacity)
+    bad_page = ~padding & ~bad_req & ((loc < 0) | (page >= capacity))
     ok = ~padding & ~bad_req & ~bad_page
 
     slot = tl.load(inverse_ptr + req * capacity + page, mask=ok, other=-1).to(tl.int64)
@@ -82,12 +82,12 @@ def remap_locs(
     """Map token locations to dense locations (contract: :func:`sglang_cpkv.ops.reference.remap_locs`).
 
     Args:
-        locs: int32 or int64 ``[N]`` or ``[N, K]``; ``-1`` is padding.
+        locs: int32 or int64 ``[N]`` or ``[N, K]``; ``-1`` is padding, another negative location a bad id.
         req_id: int32/int64 ``[N]`` request row of each row of ``locs`` (``-1``: padding row).
         inverse: int32 ``[R * C]``.
         num_requests: ``R``. capacity: ``C``.
         page_size: tokens per page.
-        errors: int32 counter (request ids outside ``[-1, R)``, pages ``>= C``).
+        errors: int32 counter (request ids outside ``[-1, R)``, locations below -1, pages ``>= C``).
         block_k: locations per tile along a row (power of two). 0 = auto:
             ``next_power_of_2(K)``, at most 1024 on a GPU.
         block_n: rows per tile (power of two). 0 = auto: a tile of 4096 locations on a GPU, of

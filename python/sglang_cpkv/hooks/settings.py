@@ -1,0 +1,45 @@
+"""The CP shared-KV mode's settings in a server process, read in one place.
+
+Every hook module asks here whether the mode is on and how it runs; none of them imports another
+hook module for a setting (so the hooks form no import circle).
+
+* :func:`enabled` - ``--enable-cp-shared-kv`` of this process's published server args.
+* :func:`layer_ahead` - ``SGLANG_CPKV_LAYER_AHEAD``: whether each layer's history is prefetched one
+  layer ahead on a side stream, or materialized by its own layer.
+* :func:`max_batch_tokens` - ``--cp-shared-kv-max-batch-tokens``, or its default.
+"""
+
+from __future__ import annotations
+
+from sglang_cpkv.env import env_flag
+from sglang_cpkv.runtime.reservation import default_max_batch_tokens
+
+FLAG = "--enable-cp-shared-kv"
+# The layer-ahead history prefetch is on unless this is set to 0 (then each layer materializes its own).
+LAYER_AHEAD_ENV = "SGLANG_CPKV_LAYER_AHEAD"
+
+
+def enabled() -> bool:
+    """Whether this server runs with ``--enable-cp-shared-kv`` (its published args; off until they are published)."""
+    from sglang.srt.runtime_context import get_server_args
+
+    try:
+        server_args = get_server_args()
+    except ValueError:  # not published in this process (yet)
+        return False
+    return bool(getattr(server_args, "enable_cp_shared_kv", False))
+
+
+def layer_ahead(cp_size: int) -> bool:
+    """Whether histories are prefetched one layer ahead or materialized by their own layer (one fused op).
+
+    ``SGLANG_CPKV_LAYER_AHEAD`` decides when set (read at start-up: the reservation holds two dense views per kind
+    for it, one without); by default layer-ahead under CP, where the history is an all-gather worth overlapping
+    with the layer before, and synchronous at cp 1, where it is a local copy and the side stream costs more than
+    it hides (benchmark/RESULTS.md, kit layer)."""
+    return env_flag(LAYER_AHEAD_ENV, default=cp_size > 1)
+
+
+def max_batch_tokens(limit: int | None, context_len: int, chunk_tokens: int, page_size: int) -> int:
+    """The limit: ``--cp-shared-kv-max-batch-tokens`` when set, else the default of the context length and chunk."""
+    return int(limit) if limit is not None else default_max_batch_tokens(context_len, chunk_tokens, page_size)

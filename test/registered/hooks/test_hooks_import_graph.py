@@ -1,0 +1,85 @@
+"""The hook modules import each other without a circle (issue 21, item 5).
+
+``dsa_extend`` <-> ``exchange_group`` <-> ``reservation`` once imported each other for the mode's settings
+(``enabled``, ``layer_ahead``): every import of another hook module, at module level or inside a function, is an
+edge here, and the graph must have no cycle. The settings live in ``hooks/settings.py``.
+"""
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_cpkv.testing.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=5, suite="cpkv-cpu")
+
+HOOKS = Path(__file__).resolve().parents[3] / "python" / "sglang_cpkv" / "hooks"
+PACKAGE = "sglang_cpkv.hooks"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(HOOKS).with_suffix("").parts
+    return ".".join((PACKAGE, *parts)).removesuffix(".__init__")
+
+
+def _imported_hook_modules(path: Path, names: set[str]) -> set[str]:
+    """Hook modules ``path`` imports anywhere in its body (``from pkg import mod`` counts ``pkg.mod``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            candidates = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        else:
+            continue
+        found |= {c for c in candidates if c in names}
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in HOOKS.rglob("*.py")}
+    names = set(files)
+    return {name: _imported_hook_modules(path, names) - {name} for name, path in files.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_graph_sees_the_imports():
+    graph = _graph()
+    assert f"{PACKAGE}.settings" in graph[f"{PACKAGE}.dsa_extend"]
+    assert f"{PACKAGE}.reservation" in graph[f"{PACKAGE}.dsa_extend"]
+
+
+def test_no_hook_module_imports_itself_back():
+    cycle = _cycle(_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+def test_a_circle_is_found():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
