@@ -101,7 +101,7 @@ def _run(args: argparse.Namespace) -> int:
         ok, report = rebase(root, args.version, args.report)
         sys.stdout.write(report)
         if not ok:
-            log("rebase failed: nothing was changed (see the conflicts above)")
+            log("rebase failed: nothing was changed; the report's Next steps are the commands to run")
             return 1
     return 0
 

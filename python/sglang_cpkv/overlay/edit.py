@@ -6,6 +6,8 @@ redo that patch; ``diff --patch`` then rewrites it in place, keeping its header 
 sections of the files it is not given). ``--upstream VERSION`` takes the files from another release
 instead, to redo a patch that conflicted in a rebase; the patches before ``--patch`` then meet it as
 the rebase meets them (with offsets allowed; one already contained upstream leaves the files alone).
+Only their sections of the files asked for count: a file is refused only while an earlier patch's
+section of that very file conflicts, so conflicting patches can be redone in any order their files allow.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from sglang_cpkv.overlay.common import OverlayError
-from sglang_cpkv.overlay.patches import apply_patch, classify, make_diff, parse_patch, split_lines
+from sglang_cpkv.overlay.patches import Patch, apply_patch, classify, make_diff, parse_patch, split_lines
 from sglang_cpkv.overlay.pin import load_pin
 from sglang_cpkv.overlay.queue import load_queue
 from sglang_cpkv.overlay.wheels import cache_dir, default_tag, fetch_release, pinned_wheel, read_wheel_files
@@ -46,21 +48,25 @@ def base_texts(
         patches = queue.parsed()[: queue.series.index(before_patch)]
     else:
         patches = [] if other_release else queue.parsed()
-    wanted = sorted(set(rel_paths) | {p for patch in patches for p in patch.touches})
-    data = read_wheel_files(wheel, wanted)
+    data = read_wheel_files(wheel, rel_paths)
     missing = [rel for rel in rel_paths if data[rel] is None]
     if missing:
         raise OverlayError(f"not in {source} wheel: {', '.join(missing)}")
     files = {rel: split_lines(blob.decode()) for rel, blob in data.items() if blob is not None}
     for patch in patches:
-        if not other_release:
-            apply_patch(files, patch)  # the queue applies strictly to its pin (`overlay check`)
+        sections = Patch(patch.name, patch.header, [fp for fp in patch.files if fp.path in files])
+        if not sections.files:
             continue
-        verdict = classify(files, patch)  # as the rebase meets it: a contained patch leaves the files as they are
+        if not other_release:
+            apply_patch(files, sections)  # the queue applies strictly to its pin (`overlay check`)
+            continue
+        verdict = classify(files, sections)  # as the rebase meets it: a contained patch leaves the files alone
         if verdict.kind == "conflict":
+            conflicting = ", ".join(dict.fromkeys(f.path for f in verdict.failures))
             raise OverlayError(
-                f"{patch.name} comes before {before_patch} in the series and conflicts with {source} "
-                f"({verdict.detail}): redo it first"
+                f"{patch.name} comes before {before_patch} in the series and its section of {conflicting} "
+                f"conflicts with {source} ({verdict.detail}): redo it first "
+                f"(show --upstream {upstream} --patch {patch.name} --file {conflicting.split(', ')[0]})"
             )
     return {rel: "".join(files[rel]) for rel in rel_paths}
 

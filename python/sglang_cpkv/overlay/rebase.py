@@ -4,14 +4,17 @@ Every patch is tried in series order against the new release's files: strictly (
 with offsets (refreshed, its header comment kept), then reversed (already contained upstream: retired
 into the manifest's history); a patch that passes none of these conflicts, and the report lists every
 hunk that fails with offsets allowed, in every file. GNU ``patch --dry-run -F0`` cross-checks each
-verdict when it is installed. Files change only when every patch survives; a rebase onto the pinned
-version itself changes nothing.
+verdict when it is installed. The requirement files that pin upstream's import closure move with the pin
+(:mod:`sglang_cpkv.overlay.closure`). Files change only when every patch survives and every closure pin
+that must move has a version to move to; else the report ends with the commands to run next. A rebase
+onto the pinned version itself changes nothing.
 """
 
 from __future__ import annotations
 
 import difflib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
+from sglang_cpkv.overlay.closure import ClosureEntry, closure_files, plan_closure, rewrite_closure
 from sglang_cpkv.overlay.common import OverlayError, log, sha256_bytes, sha256_file, write_if_changed
 from sglang_cpkv.overlay.patches import Patch, Verdict, classify, make_diff, split_lines
 from sglang_cpkv.overlay.pin import PIN_FILE, WheelPin, load_pin
@@ -27,7 +31,9 @@ from sglang_cpkv.overlay.pin_rewrite import rewrite_pin_toml, rewrite_version_re
 from sglang_cpkv.overlay.queue import Queue, dump_manifest, load_queue, require_valid
 from sglang_cpkv.overlay.wheels import (
     cache_dir,
+    fetch_pinned,
     fetch_release,
+    index_files,
     read_wheel_files,
     tree_version,
     unpack_subset,
@@ -100,9 +106,12 @@ def render_report(
     ok: bool,
     disagreements: dict[str, str] | None,
     unpinned_kernels: list[str],
+    closure: list[ClosureEntry] | None,
     changes_diff: str,
+    next_steps: list[str],
 ) -> str:
-    """The markdown report; ``disagreements`` is ``None`` when GNU patch did not run."""
+    """The markdown report; ``disagreements`` is ``None`` when GNU patch did not run, ``closure`` when the
+    pin has no ``[closure]`` table."""
     if disagreements is None:
         checked = "not run: GNU patch is not installed"
     elif disagreements:
@@ -110,10 +119,20 @@ def render_report(
     else:
         checked = "`patch --dry-run -F0` agrees with every verdict"
     result = (
-        "SUCCESS: UPSTREAM.toml, manifest, refreshed patches and version references updated"
+        "SUCCESS: UPSTREAM.toml, manifest, refreshed patches, version references and closure pins updated"
         if ok
-        else "FAILED: nothing was changed"
+        else "FAILED: nothing was changed (see Next steps)"
     )
+    if closure is None:
+        requirements = f"not checked: {PIN_FILE} has no [closure] table"
+    else:
+        counts = {action: sum(e.action == action for e in closure) for action in ("moved", "flagged", "kept")}
+        requirements = (
+            f"{counts['moved']} closure pins {'moved' if ok else 'to move'}, {counts['flagged']} FLAGGED, "
+            f"{counts['kept']} kept as deliberate divergences (see Requirements)"
+            if closure
+            else f"every closure pin ({PIN_FILE} [closure]) is allowed by the {new} wheel's Requires-Dist"
+        )
     lines = [
         f"# Rebase report: sglang {old} -> {new}",
         "",
@@ -124,6 +143,7 @@ def render_report(
         ],
         f"- result: {result}",
         f"- cross-check: {checked}",
+        f"- requirements: {requirements}",
         *(
             [
                 f"- [kernels] not pinned by the {new} wheel's metadata, left as they were (check them): {', '.join(unpinned_kernels)}"
@@ -155,9 +175,68 @@ def render_report(
                 failure.hunk.render().rstrip("\n"),
                 "```",
             ]
+    if closure:
+        lines += [
+            "",
+            "## Requirements",
+            "",
+            f"Pins of upstream's import closure ({PIN_FILE} [closure]) that the {new} wheel's Requires-Dist does not allow.",
+            "",
+            f"| pin | package | pinned | {new} requires | action |",
+            "|---|---|---|---|---|",
+        ]
+        for e in closure:
+            action = {
+                "moved": f"{'moved' if ok else 'to move'} to {e.version}: {e.detail}",
+                "kept": f"kept: {old} required {e.detail}, which this pin did not meet either (a deliberate divergence)",
+                "flagged": f"FLAGGED: {e.detail}; pin a version that `{e.required}` allows by hand",
+            }[e.action]
+            where = f"`{e.pin.file}:{e.pin.line}`"
+            lines.append(f"| {where} | {e.pin.name} | {e.pin.version} | `{e.required}` | {action} |")
     if ok:
         lines += ["", "## Changes", "", "```diff", changes_diff.rstrip("\n"), "```"]
+    else:
+        lines += ["", "## Next steps", "", *next_steps]
     return "\n".join(lines) + "\n"
+
+
+def next_steps(
+    root: Path, new: str, verdicts: list[Verdict], closure: list[ClosureEntry], report_path: Path | None
+) -> list[str]:
+    """The commands a maintainer runs after a failed rebase: redo each conflicting patch, pin each flagged
+    requirement, run the rebase again (markdown lines)."""
+    tool = f"python -m sglang_cpkv.overlay --queue-root {shlex.quote(str(root))}"
+    commands = []
+    for v in verdicts:
+        if v.kind != "conflict":
+            continue
+        if not v.failures:  # a file of the patch is not in the new release: nothing to show
+            commands += [f"# {v.patch}: {v.detail}: redo it by hand, or drop it from series and the manifest"]
+            continue
+        files = list(dict.fromkeys(f.path for f in v.failures))
+        redo = root / ".cache" / "rebase-redo" / new / v.patch.removesuffix(".patch")
+        edited = {rel: shlex.quote(str(redo / rel)) for rel in files}
+        commands += [
+            f"# {v.patch}: {', '.join(files)}",
+            "mkdir -p " + " ".join(sorted({shlex.quote(str((redo / rel).parent)) for rel in files})),
+            *[f"{tool} show --upstream {new} --patch {v.patch} --file {rel} > {edited[rel]}" for rel in files],
+            *[f"$EDITOR {edited[rel]}  # make the patch's change to {rel} again" for rel in files],
+            f"{tool} diff --upstream {new} --patch {v.patch} "
+            + " ".join(f"--file {rel} --edited {edited[rel]}" for rel in files),
+        ]
+    for e in closure:
+        if e.action == "flagged":
+            commands.append(
+                f"# {e.pin.file}:{e.pin.line}: pin {e.pin.name} to a version that `{e.required}` allows "
+                f"(now {e.pin.version}{', with its --hash' if e.pin.hashed else ''})"
+            )
+    report = f" --report {shlex.quote(str(report_path))}" if report_path is not None else ""
+    commands.append(f"{tool} rebase --to {new}{report}")
+    intro = (
+        f"Redo each conflicting patch against {new} in series order (`show` of a file waits only for the "
+        "earlier conflicting patches that touch that file), pin each flagged requirement, then run the rebase again:"
+    )
+    return [intro, "", "```sh", *commands, "```"]
 
 
 def _try_queue(
@@ -253,6 +332,12 @@ def rebase(root: Path, version: str, report_path: Path | None = None) -> tuple[b
     ok = all(v.kind != "conflict" for v in verdicts)
 
     pin_text = (root / PIN_FILE).read_text(encoding="utf-8")
+    closure_table = closure_files(pin_text, pin)
+    closure = None
+    if closure_table:
+        old_wheel = fetch_pinned(pin, first_tag, cache_dir(root))
+        closure = plan_closure(root, pin, closure_table, old_wheel, first, index_files)
+        ok = ok and all(e.action != "flagged" for e in closure)
     requirements = wheel_requirements(first, first_tag, new_wheels[first_tag].platform)
     kernels_table = tomllib.loads(pin_text).get("kernels", {})
     kernels = {k: requirements[canonicalize_name(k)] for k in kernels_table if canonicalize_name(k) in requirements}
@@ -261,9 +346,21 @@ def rebase(root: Path, version: str, report_path: Path | None = None) -> tuple[b
     _check_pin_text(new_pin_text, version, new_wheels, kernels)
     rewrites = {root / PIN_FILE: (pin_text, new_pin_text)} if new_pin_text != pin_text else {}
     rewrites.update(rewrite_version_references(root, pin.version, version))
+    rewrites.update(rewrite_closure(root, closure or []))
     changes_diff = "".join(_diff(a, b, path.relative_to(root).as_posix()) for path, (a, b) in rewrites.items())
+    steps = [] if ok else next_steps(root, version, verdicts, closure or [], report_path)
     report = render_report(
-        pin.version, version, root, new_wheels, verdicts, ok, disagreements, unpinned_kernels, changes_diff
+        pin.version,
+        version,
+        root,
+        new_wheels,
+        verdicts,
+        ok,
+        disagreements,
+        unpinned_kernels,
+        closure,
+        changes_diff,
+        steps,
     )
     if report_path is not None:
         report_path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,7 @@ for that file (``$SGLANG_CPKV_INDEX_URL``, default PyPI's simple API), cached co
 
 from __future__ import annotations
 
+import dataclasses
 import email.parser
 import html.parser
 import json
@@ -47,32 +48,51 @@ def default_python_tag() -> str:
 # ---------------------------------------------------------------------------------- the index
 
 
+@dataclasses.dataclass(frozen=True)
+class IndexFile:
+    """One file of a project page of the package index."""
+
+    filename: str
+    sha256: str | None
+    requires_python: str | None
+    yanked: bool
+
+
 class _LinkCollector(html.parser.HTMLParser):
-    """``href`` of every anchor of a PEP 503 project page."""
+    """The anchors of a PEP 503 project page: ``href``, ``data-requires-python``, ``data-yanked``."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.hrefs: list[str] = []
+        self.anchors: list[dict[str, str | None]] = []
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
-        if tag == "a":
-            self.hrefs.extend(value for name, value in attrs if name == "href" and value)
+        if tag == "a" and dict(attrs).get("href"):
+            self.anchors.append(dict(attrs))
 
 
-def _html_sha256s(page: str) -> dict[str, str | None]:
+def _html_files(page: str) -> list[IndexFile]:
     collector = _LinkCollector()
-    collector.feed(page)
-    hashes: dict[str, str | None] = {}
-    for href in collector.hrefs:
-        parts = urllib.parse.urlsplit(href)
-        name = urllib.parse.unquote(parts.path.rsplit("/", 1)[-1])
+    collector.feed(page)  # HTMLParser unescapes attribute values (``&gt;=3.9``)
+    files = []
+    for anchor in collector.anchors:
+        parts = urllib.parse.urlsplit(anchor["href"])
         algorithm, _, digest = parts.fragment.partition("=")
-        hashes[name] = digest if algorithm == "sha256" and digest else None
-    return hashes
+        files.append(
+            IndexFile(
+                urllib.parse.unquote(parts.path.rsplit("/", 1)[-1]),
+                digest if algorithm == "sha256" and digest else None,
+                anchor.get("data-requires-python") or None,
+                "data-yanked" in anchor,
+            )
+        )
+    return files
 
 
-def published_sha256(package: str, filename: str) -> str:
-    """The sha256 the package index publishes for ``filename`` (PEP 691 JSON or PEP 503 ``#sha256=``)."""
+def index_files(package: str) -> list[IndexFile]:
+    """Every file the package index lists for ``package`` (PEP 691 JSON, else PEP 503 HTML).
+
+    The one place the overlay tool reads the index (``$SGLANG_CPKV_INDEX_URL``, default PyPI's simple API).
+    """
     base = (os.environ.get(INDEX_URL_ENV) or DEFAULT_INDEX_URL).rstrip("/")
     url = f"{base}/{canonicalize_name(package)}/"
     request = urllib.request.Request(url, headers={"Accept": f"{SIMPLE_JSON}, text/html;q=0.1"})
@@ -82,18 +102,30 @@ def published_sha256(package: str, filename: str) -> str:
             body = response.read()
     except OSError as exc:  # URLError, timeouts, refused connections
         raise OverlayError(
-            f"cannot read {url} ({getattr(exc, 'reason', exc)}): the sha256 the index publishes for {filename} "
-            f"is checked before the wheel is used (another index: ${INDEX_URL_ENV})"
+            f"cannot read {url} ({getattr(exc, 'reason', exc)}): the overlay tool reads the sha256 of upstream "
+            f"wheels and the versions of the packages it pins there (another index: ${INDEX_URL_ENV})"
         ) from exc
-    if content_type == SIMPLE_JSON:
-        files = json.loads(body)["files"]
-        hashes = {entry["filename"]: entry.get("hashes", {}).get("sha256") for entry in files}
-    else:
-        hashes = _html_sha256s(body.decode("utf-8", "replace"))
+    if content_type != SIMPLE_JSON:
+        return _html_files(body.decode("utf-8", "replace"))
+    return [
+        IndexFile(
+            entry["filename"],
+            entry.get("hashes", {}).get("sha256"),
+            entry.get("requires-python") or None,
+            bool(entry.get("yanked")),  # false, true or the reason
+        )
+        for entry in json.loads(body)["files"]
+    ]
+
+
+def published_sha256(package: str, filename: str) -> str:
+    """The sha256 the package index publishes for ``filename``."""
+    hashes = {f.filename: f.sha256 for f in index_files(package)}
+    where = f"the index's page of {canonicalize_name(package)}"
     if filename not in hashes:
-        raise OverlayError(f"{url} lists no {filename}")
+        raise OverlayError(f"{where} lists no {filename}")
     if not hashes[filename]:
-        raise OverlayError(f"{url} publishes no sha256 for {filename}")
+        raise OverlayError(f"{where} publishes no sha256 for {filename}")
     return hashes[filename]
 
 
@@ -218,12 +250,12 @@ def _marker_environment(tag: str, platform: str) -> dict[str, str]:
     return env
 
 
-def wheel_requirements(wheel: Path, tag: str, platform: str) -> dict[str, str]:
-    """``name -> version`` for every ``Requires-Dist`` of a plain install that pins exactly one version.
+def plain_requirements(wheel: Path, tag: str, platform: str) -> list[Requirement]:
+    """The ``Requires-Dist`` of a plain install of ``wheel`` (no extra) on a ``tag``/``platform`` machine.
 
-    Parsed with ``packaging``: names are normalized, extras (``name[cu13]==1.0``) and the old
-    parenthesized form are understood, markers are evaluated for the wheel's own Python and platform,
-    and requirements of an extra (``; extra == "test"``) or of another platform are left out.
+    Parsed with ``packaging``: extras of a dependency (``name[cu13]==1.0``) and the old parenthesized
+    form are understood, markers are evaluated for the wheel's own Python and platform, and
+    requirements of an extra (``; extra == "test"``) or of another platform are left out.
     """
     with zipfile.ZipFile(wheel) as zf:
         meta = next((n for n in zf.namelist() if n.endswith(".dist-info/METADATA")), None)
@@ -231,14 +263,21 @@ def wheel_requirements(wheel: Path, tag: str, platform: str) -> dict[str, str]:
             raise OverlayError(f"{wheel.name}: no .dist-info/METADATA")
         message = email.parser.BytesParser().parsebytes(zf.read(meta))
     env = _marker_environment(tag, platform)
-    pins: dict[str, str] = {}
+    requirements = []
     for line in message.get_all("Requires-Dist") or []:
         try:
             req = Requirement(line)
         except InvalidRequirement as exc:
             raise OverlayError(f"{wheel.name}: unreadable Requires-Dist {line!r} ({exc})") from exc
-        if req.marker is not None and not req.marker.evaluate(env):
-            continue
+        if req.marker is None or req.marker.evaluate(env):
+            requirements.append(req)
+    return requirements
+
+
+def wheel_requirements(wheel: Path, tag: str, platform: str) -> dict[str, str]:
+    """``name -> version`` (names normalized) for every :func:`plain_requirements` entry that pins exactly one version."""
+    pins: dict[str, str] = {}
+    for req in plain_requirements(wheel, tag, platform):
         exact = [s.version for s in req.specifier if s.operator in ("==", "===") and "*" not in s.version]
         if len(exact) == 1:
             pins.setdefault(canonicalize_name(req.name), exact[0])

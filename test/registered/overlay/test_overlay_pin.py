@@ -2,7 +2,7 @@
 
 Covers the copies outside ``UPSTREAM.toml`` (docker/, python/pyproject.toml, README.md), the tomlkit
 rewrite of the pin itself (comments and quoting forms kept), ``Requires-Dist`` read with packaging, and
-a rebase of the real queue onto the pinned version, which must change no byte. Trees a test changes are
+a rebase of the real queue onto the pinned version, which must change no byte (the closure files included). Trees a test changes are
 temporary copies; the repo is only read.
 """
 
@@ -36,13 +36,13 @@ def _shared_cache(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _copy_repo_files(dest: Path, with_queue: bool) -> Path:
-    """The pin, the files that copy its version and (``with_queue``) the queue, under ``dest``."""
+    """The pin, the files that copy its version, the closure files and (``with_queue``) the queue, under ``dest``."""
     dest.mkdir(parents=True)
     shutil.copy(REPO / PIN_FILE, dest / PIN_FILE)
     for rel in SCANNED_FILES:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / rel, dest / rel)
-    for rel in [*SCANNED_DIRS, *(["patches"] if with_queue else [])]:
+    for rel in [*SCANNED_DIRS, "requirements", *(["patches"] if with_queue else [])]:
         shutil.copytree(REPO / rel, dest / rel)
     return dest
 
@@ -157,6 +157,9 @@ def test_a_rebase_onto_the_pinned_version_changes_no_byte(tmp_path: Path) -> Non
     ok, report = rebase(root, PIN.version)
     assert ok, report
     assert "result: SUCCESS" in report and "CONFLICT" not in report and "applies with offsets" not in report
+    assert "requirements: 0 closure pins moved, 0 FLAGGED" in report, (
+        "the CPU torch is only listed: it diverges on purpose"
+    )
     assert _snapshot(root) == before, "a no-op rebase must leave UPSTREAM.toml, the queue and every copy as they are"
 
 
