@@ -21,7 +21,7 @@ import pytest
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 from sglang_cpkv.testing.pd_stub import free_port, wait_for, write_stub_python
 
-register_cpu_ci(est_time=25, suite="cpkv-cpu")
+register_cpu_ci(est_time=20, suite="cpkv-cpu")
 
 REPO = Path(__file__).resolve().parents[3]
 PD = REPO / "scripts" / "pd"
