@@ -44,6 +44,7 @@ PID_FILE_MODE = 0o600
 KILL_WAIT_S = 10.0  # after SIGKILL: how long the kernel may take to reap the group
 SUPERVISOR_EXIT_WAIT_S = 10.0  # after its role's group ended: how long the supervisor may take to drain and exit
 HEALTH_REQUEST_TIMEOUT_S = 5.0
+RECORD_WAIT_S = 60.0  # `start --no-wait`: how long the supervisor may take to start the role and record it
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -473,6 +474,15 @@ def start(role: str, cfg: PDConfig, wait: bool = True) -> None:
         )
     _log(f"started {role}: supervisor pid {supervisor.pid}, log {log_path}")
     if not wait:
+        # Return once the role is recorded, so that a `stop` right after finds it.
+        deadline = time.monotonic() + RECORD_WAIT_S
+        while supervisor.poll() is None and time.monotonic() < deadline:
+            record = _read_pid_record(cfg, role)
+            if record is not None and record.get("supervisor") == supervisor.pid:
+                return
+            time.sleep(0.1)
+        if supervisor.poll() is not None:
+            raise PDLaunchError(f"{role} exited at once (see {log_path})")
         return
     try:
         wait_healthy(role, cfg, supervisor)
