@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
 import os
 import random
 import sys
@@ -198,6 +199,8 @@ async def complete(session: aiohttp.ClientSession, url: str, model: str, prompt:
         completion = Completion(choice["text"], choice.get("finish_reason"))
     except (KeyError, IndexError, TypeError, AttributeError):
         raise ClientError(f"POST {COMPLETIONS_PATH}: no choices[0].text in {text[:200]}") from None
+    if not isinstance(completion.text, str):  # e.g. "text": null: nothing to compare
+        raise ClientError(f"POST {COMPLETIONS_PATH}: choices[0].text is not a string in {text[:200]}")
     if completion.finish_reason == ABORT_FINISH_REASON:
         # An HTTP 200 whose generation the server aborted: no completion to compare.
         raise ClientError(f"POST {COMPLETIONS_PATH}: the server aborted the request (finish_reason abort)")
@@ -209,6 +212,17 @@ def check_url(url: str) -> str:
     if parts.scheme not in ("http", "https") or not parts.netloc or parts.path not in ("", "/"):
         raise UsageError(f"--url {url!r}: expected http(s)://HOST:PORT (the server or router root)")
     return url.rstrip("/")
+
+
+def positive_seconds(raw: str) -> float:
+    """``--timeout``: a positive, finite number of seconds (0, negatives and nan would mean no timeout)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{raw!r} must be a positive, finite number of seconds")
+    return value
 
 
 def check_settings(num_requests: int, rounds: int, max_tokens: int, prefix_words: int) -> None:
@@ -383,7 +397,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefix-words", type=int, default=3000, help="length of the shared prefix in words")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prefix text and the markers")
     parser.add_argument("--model", default=None, help="model name (default: the first id of GET /v1/models)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--timeout", type=positive_seconds, default=600.0, help="seconds per request (> 0)")
     parser.add_argument("--out", default=None, help="also write the JSON report to this file (checked before the run)")
     return parser
 

@@ -37,10 +37,10 @@ pd_usage() {
 usage: $(basename "$0") [--dry-run | --foreground | --no-wait | stop | status]
   (no option)   start the $1 in the background, log to \$PD_LOG_DIR, wait for /health
   --dry-run     print the command and run the server's start-up checks with \$PD_PYTHON (CPU, no GPU)
-  --foreground  run in the foreground (output to stdout and the log)
+  --foreground  run in the foreground (output to stdout and the log; pid record for stop)
   --no-wait     start without waiting for /health
   stop          stop the $1 this launcher started (by its process group recorded in \$PD_LOG_DIR)
-  status        recorded pid and health
+  status        recorded pid and health (alive, on its port, /health 200; the router: and both servers)
 USAGE
 }
 

@@ -1,12 +1,6 @@
 #!/usr/bin/env bash
-# One host: start prefill, decode and router in order, each after the previous one is healthy.
-# On failure everything started so far is stopped again.
+# One host: start prefill, decode and router in order, each after the previous one is healthy; on a failure
+# everything started so far is stopped again. The servers' URLs must be loopback and their GPUs disjoint
+# (unset, PD_DECODE_BASE_GPU_ID follows the prefill's GPUs: PD_PREFILL_BASE_GPU_ID + PD_PREFILL_TP).
 set -euo pipefail
-here="$(dirname "${BASH_SOURCE[0]}")"
-for role in prefill decode router; do
-  if ! "$here/pd.sh" start "$role"; then
-    "$here/pd.sh" stop
-    exit 1
-  fi
-done
-"$here/pd.sh" status
+exec "$(dirname "${BASH_SOURCE[0]}")/pd.sh" up

@@ -7,16 +7,17 @@ CP8 (``--tp-size 8 --attn-cp-size 8 --enable-prefill-cp --cp-strategy interleave
 
     python -m sglang_cpkv.pd_launch dry-run [ROLE ...]   # print the commands; run the servers' start-up checks
     python -m sglang_cpkv.pd_launch print ROLE           # the command, shell-quoted (secrets redacted)
-    python -m sglang_cpkv.pd_launch start ROLE           # background, log file, pid file, health wait
-    python -m sglang_cpkv.pd_launch run ROLE             # foreground (container entry point), log tee'd
+    python -m sglang_cpkv.pd_launch start ROLE           # background, log file, pid record, health wait
+    python -m sglang_cpkv.pd_launch run ROLE             # foreground (container entry point), pid record, log tee'd
+    python -m sglang_cpkv.pd_launch up                   # one host: prefill, decode, router in order
     python -m sglang_cpkv.pd_launch wait ROLE            # health wait only
-    python -m sglang_cpkv.pd_launch status [ROLE ...]
-    python -m sglang_cpkv.pd_launch stop [ROLE ...]      # ends only the process groups ``start`` recorded
+    python -m sglang_cpkv.pd_launch status [ROLE ...]    # healthy: our process alive, on its port, /health 200
+    python -m sglang_cpkv.pd_launch stop [ROLE ...]      # ends only the process groups the pid records name
 
 Modules, by job: :mod:`.config` (the ``PD_*`` settings), :mod:`.commands` (each role's argv and
 environment), :mod:`.redaction` (secret values out of everything printed or logged), :mod:`.dry_run`
-and :mod:`.startup_check` (the checks, run by ``PD_PYTHON``), :mod:`.lifecycle` (processes, pid
-records, logs), :mod:`.cli`.
+and :mod:`.startup_check` (the checks, run by ``PD_PYTHON``), :mod:`.lifecycle` (the supervisor,
+processes, pid records, health), :mod:`.logs` (rotated logs that never block a server), :mod:`.cli`.
 
 ``dry-run`` runs, with ``PD_PYTHON`` (the interpreter that will serve) and each role's environment, what
 the servers run at start-up before they touch a GPU: upstream's own ``ServerArgs`` parser (so a patched
@@ -37,16 +38,23 @@ agree on the KV row layout):
   the decode follows the mode the prefill publishes), PD_PREFILL_EXTRA_ARGS,
   PD_DECODE_HOST, PD_DECODE_PORT, PD_DECODE_TP, PD_DECODE_DP, PD_DECODE_BASE_GPU_ID,
   PD_DECODE_CUDA_GRAPH_MAX_BS, PD_DECODE_EXTRA_ARGS,
-  PD_ROUTER_HOST, PD_ROUTER_PORT, PD_PREFILL_URL, PD_DECODE_URL (how the router reaches the servers),
-  PD_ROUTER_EXTRA_ARGS,
+  PD_ROUTER_HOST, PD_ROUTER_PORT, PD_PREFILL_URL, PD_DECODE_URL (how the router reaches the servers; both
+  or neither, default loopback: the router hands the prefill URL's host to every decode request as the
+  prefill's bootstrap address, so a loopback URL beside a remote one is refused, and a loopback URL must
+  name the role's port), PD_ROUTER_EXTRA_ARGS,
   PD_LOG_DIR (logs and pid records; an absolute path, so that ``stop`` and ``status`` find the records from
-  any directory), PD_HEALTH_TIMEOUT, PD_STOP_TIMEOUT (seconds: SIGTERM, then SIGKILL after it, in every mode),
+  any directory), PD_LOG_MAX_BYTES (rotate a log at this size; K/M/G suffixes; default 256M), PD_LOG_KEEP
+  (rotated files and launch logs kept per role; default 5), PD_HEALTH_TIMEOUT, PD_STOP_TIMEOUT (seconds:
+  SIGTERM, then SIGKILL after it, in every mode; SIGHUP to a foreground role counts as SIGTERM),
   PD_GPU_CAPABILITY (MAJOR.MINOR of the serving GPUs, for the dry-run's resolution; default: this machine's
   GPU, else 10.3, the B300 of the documented deployment).
 NCCL, InfiniBand and transfer-engine settings (``NCCL_*``, ``MC_*``, ``UCX_*``, ``SGLANG_*``) are passed
 through from the environment unchanged and written into each log's header. Values of secret-looking flags
-(``--api-key``, ``--admin-api-key``, ``--*-key``, ``--*token*``, ``--*secret*``, ``--*password*``) and of
-secret-named variables are redacted in everything printed or logged; pid records are 0600, logs 0640.
+(``--api-key``, ``--admin-api-key``, ``--control-plane-api-keys`` and all its values, ``--*-key(s)``,
+``--*token*``, ``--*secret*``, ``--*password*``) and of secret-named variables (``HF_TOKEN``, ...) are
+redacted in everything printed or logged, the servers' own output included (:mod:`.redaction`); pid
+records are 0600, logs 0640. Ports are 1-65535, no two roles of one host on one port; ``start`` refuses
+a port in use and GPUs that a running role of this host uses.
 
 The launcher imports only the standard library; sglang and sglang_router are imported by
 :mod:`.startup_check`, in a ``PD_PYTHON`` process of its own.

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import sglang_cpkv.pd_launch as package
 from sglang_cpkv.pd_launch.commands import shell_command
 from sglang_cpkv.pd_launch.config import ROLES, PDConfig, PDLaunchError, require_role
 from sglang_cpkv.pd_launch.dry_run import dry_run
-from sglang_cpkv.pd_launch.lifecycle import run_foreground, start, status, stop, wait_healthy
+from sglang_cpkv.pd_launch.lifecycle import run_role, start, status, stop, up, wait_healthy
 
 EXIT_REFUSED = 2  # a PDLaunchError: bad settings, a refused command, a role that did not start or stop
 
@@ -29,6 +31,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--no-wait", action="store_true", help="return once started, without the health wait")
     p = sub.add_parser("run", help="run a role in the foreground (container entry point)")
     p.add_argument("role")
+    # What `start` launches: no copy of the output on stdout, into the log `start` created.
+    p.add_argument("--detached", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--log", type=Path, default=None, help=argparse.SUPPRESS)
+    sub.add_parser("up", help="one host: start prefill, decode and router in order (decode GPUs after the prefill's)")
     p = sub.add_parser("wait", help="wait until a role answers /health")
     p.add_argument("role")
     p = sub.add_parser("status", help="recorded pid and health of each role")
@@ -45,7 +51,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "start":
             start(args.role, cfg, wait=not args.no_wait)
         elif args.command == "run":
-            return run_foreground(require_role(args.role), cfg)
+            return run_role(require_role(args.role), cfg, echo=not args.detached, log_path=args.log)
+        elif args.command == "up":
+            if not os.environ.get("PD_DECODE_BASE_GPU_ID"):
+                # One host: the decode's GPUs follow the prefill's unless chosen (the roles inherit this).
+                os.environ["PD_DECODE_BASE_GPU_ID"] = str(cfg.prefill_base_gpu_id + cfg.prefill_tp)
+                cfg = PDConfig.from_env()
+            up(cfg)
         elif args.command == "wait":
             wait_healthy(require_role(args.role), cfg)
         elif args.command == "status":

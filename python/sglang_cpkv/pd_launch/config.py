@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import shlex
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from urllib.parse import urlsplit
 
 ROLES = ("prefill", "decode", "router")
 SERVER_ROLES = ("prefill", "decode")
@@ -49,10 +51,14 @@ ENV_DEFAULTS: dict[str, str] = {
     "PD_DECODE_EXTRA_ARGS": "",
     "PD_ROUTER_HOST": "0.0.0.0",
     "PD_ROUTER_PORT": "8000",
-    "PD_PREFILL_URL": "",  # default: http://127.0.0.1:$PD_PREFILL_PORT
-    "PD_DECODE_URL": "",  # default: http://127.0.0.1:$PD_DECODE_PORT
+    # How the router reaches the servers. The router hands the prefill URL's host to every decode as the
+    # address of the prefill's bootstrap server, so on two nodes both must be addresses the other nodes reach.
+    "PD_PREFILL_URL": "",  # default: http://127.0.0.1:$PD_PREFILL_PORT (one host)
+    "PD_DECODE_URL": "",  # default: http://127.0.0.1:$PD_DECODE_PORT (one host)
     "PD_ROUTER_EXTRA_ARGS": "",
     "PD_LOG_DIR": "",  # default: $XDG_STATE_HOME/sglang-cpkv/pd-logs (XDG_STATE_HOME defaults to ~/.local/state)
+    "PD_LOG_MAX_BYTES": "256M",  # a log file is rotated (<log>.1, .2, ...) when it would grow past this size
+    "PD_LOG_KEEP": "5",  # rotated files kept per log, and launch logs kept per role
     "PD_HEALTH_TIMEOUT": "1800",
     "PD_STOP_TIMEOUT": "60",
     "PD_GPU_CAPABILITY": "",  # default: this machine's GPU, else DEFAULT_GPU_CAPABILITY
@@ -77,6 +83,61 @@ def _int(env: Mapping[str, str], name: str, minimum: int = 0) -> int:
     if value < minimum:
         raise PDLaunchError(f"{name}={value} must be >= {minimum}")
     return value
+
+
+def _port(env: Mapping[str, str], name: str) -> int:
+    port = _int(env, name, 1)
+    if port > 65535:
+        raise PDLaunchError(f"{name}={port} is not a TCP port (1-65535)")
+    return port
+
+
+def _size(env: Mapping[str, str], name: str) -> int:
+    raw = _get(env, name).strip()
+    match = re.fullmatch(r"(\d+)([KMG]?)", raw.upper())
+    if not match or int(match.group(1)) == 0:
+        raise PDLaunchError(f"{name}={raw!r} must be a positive size in bytes, with an optional K, M or G suffix")
+    return int(match.group(1)) * 1024 ** " KMG".index(match.group(2) or " ")
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerURL:
+    """A URL the router reaches a server at, as the variable that set it (or its default) gave it."""
+
+    variable: str
+    url: str
+    host: str
+    port: int
+    defaulted: bool
+
+    def describe(self) -> str:
+        return f"{self.variable}={self.url}" + (" (its default)" if self.defaulted else "")
+
+
+def _server_url(env: Mapping[str, str], name: str, port: int) -> ServerURL:
+    raw = _get(env, name).strip()
+    url = raw or f"http://127.0.0.1:{port}"
+    parts = urlsplit(url)
+    try:
+        url_port = parts.port
+    except ValueError:
+        url_port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or url_port == -1 or parts.path not in ("", "/"):
+        raise PDLaunchError(f"{name}={raw!r} must be http(s)://HOST:PORT")
+    if parts.hostname in ("0.0.0.0", "::"):
+        raise PDLaunchError(f"{name}={raw!r}: {parts.hostname} is a listen address, not one the router can reach")
+    if url_port is None:
+        url_port = 443 if parts.scheme == "https" else 80
+    return ServerURL(name, url.rstrip("/"), parts.hostname, url_port, defaulted=not raw)
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
@@ -157,10 +218,12 @@ class PDConfig:
     decode_extra_args: tuple[str, ...]
     router_host: str
     router_port: int
-    prefill_url: str
-    decode_url: str
+    prefill_target: ServerURL
+    decode_target: ServerURL
     router_extra_args: tuple[str, ...]
     log_dir: Path
+    log_max_bytes: int
+    log_keep: int
     health_timeout: float
     stop_timeout: float
     gpu_capability: str  # "" for this machine's GPU
@@ -169,15 +232,15 @@ class PDConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> PDConfig:
         env = os.environ if env is None else env
-        prefill_port = _int(env, "PD_PREFILL_PORT", 1)
-        decode_port = _int(env, "PD_DECODE_PORT", 1)
+        prefill_port = _port(env, "PD_PREFILL_PORT")
+        decode_port = _port(env, "PD_DECODE_PORT")
         cfg = cls(
             model_path=_model_path(env),
             python=env.get("PD_PYTHON") or sys.executable,
             trust_remote_code=_flag(env, "PD_TRUST_REMOTE_CODE"),
             transfer_backend=_get(env, "PD_TRANSFER_BACKEND"),
             ib_device=_get(env, "PD_IB_DEVICE"),
-            bootstrap_port=_int(env, "PD_BOOTSTRAP_PORT", 1),
+            bootstrap_port=_port(env, "PD_BOOTSTRAP_PORT"),
             dsa_prefill_backend=_get(env, "PD_DSA_PREFILL_BACKEND"),
             dsa_decode_backend=_get(env, "PD_DSA_DECODE_BACKEND"),
             prefill_host=_get(env, "PD_PREFILL_HOST"),
@@ -198,11 +261,13 @@ class PDConfig:
             decode_cuda_graph_max_bs=_int(env, "PD_DECODE_CUDA_GRAPH_MAX_BS", 1),
             decode_extra_args=tuple(_args(env, "PD_DECODE_EXTRA_ARGS")),
             router_host=_get(env, "PD_ROUTER_HOST"),
-            router_port=_int(env, "PD_ROUTER_PORT", 1),
-            prefill_url=_get(env, "PD_PREFILL_URL") or f"http://127.0.0.1:{prefill_port}",
-            decode_url=_get(env, "PD_DECODE_URL") or f"http://127.0.0.1:{decode_port}",
+            router_port=_port(env, "PD_ROUTER_PORT"),
+            prefill_target=_server_url(env, "PD_PREFILL_URL", prefill_port),
+            decode_target=_server_url(env, "PD_DECODE_URL", decode_port),
             router_extra_args=tuple(_args(env, "PD_ROUTER_EXTRA_ARGS")),
             log_dir=_log_dir(env),
+            log_max_bytes=_size(env, "PD_LOG_MAX_BYTES"),
+            log_keep=_int(env, "PD_LOG_KEEP", 1),
             health_timeout=float(_int(env, "PD_HEALTH_TIMEOUT", 1)),
             stop_timeout=float(_int(env, "PD_STOP_TIMEOUT", 1)),
             gpu_capability=_gpu_capability(env),
@@ -210,7 +275,77 @@ class PDConfig:
         )
         cfg._check_layout()
         cfg._check_cp_shared_kv()
+        cfg._check_topology()
         return cfg
+
+    @property
+    def prefill_url(self) -> str:
+        return self.prefill_target.url
+
+    @property
+    def decode_url(self) -> str:
+        return self.decode_target.url
+
+    def _check_topology(self) -> None:
+        """The router's view of the two servers and the ports: what cannot work on any set of nodes."""
+        prefill, decode = self.prefill_target, self.decode_target
+        if prefill.defaulted != decode.defaulted:
+            given, missing = (decode, prefill) if prefill.defaulted else (prefill, decode)
+            raise PDLaunchError(
+                f"{given.variable} is set but {missing.variable} is not (it would default to {missing.url}): the "
+                "router needs both servers' addresses, and hands the prefill URL's host to every decode request "
+                "as the prefill's bootstrap address. Set both (on two nodes: addresses every node reaches)"
+            )
+        if is_loopback(prefill.host) != is_loopback(decode.host):
+            local, remote = (prefill, decode) if is_loopback(prefill.host) else (decode, prefill)
+            why = (
+                "the router hands the prefill URL's host to every decode request as the prefill's bootstrap "
+                "address, so a decode on another node would look for the prefill on its own host"
+                if local is prefill
+                else "a loopback URL means the host the router runs on, which is not the node of a remote prefill"
+            )
+            raise PDLaunchError(
+                f"{local.describe()} is a loopback address but {remote.describe()} names another host: {why}. "
+                "On two nodes set both PD_PREFILL_URL and PD_DECODE_URL to addresses every node reaches "
+                "(on one host leave both loopback)"
+            )
+        for target, port_var, port in (
+            (prefill, "PD_PREFILL_PORT", self.prefill_port),
+            (decode, "PD_DECODE_PORT", self.decode_port),
+        ):
+            if is_loopback(target.host) and target.port != port:
+                raise PDLaunchError(
+                    f"{target.describe()} is this host, port {target.port}, but the server listens on {port_var}={port}"
+                )
+        one_host = prefill.host == decode.host or (is_loopback(prefill.host) and is_loopback(decode.host))
+        ports = [("PD_PREFILL_PORT", self.prefill_port), ("PD_BOOTSTRAP_PORT", self.bootstrap_port)]
+        ports += [("PD_DECODE_PORT", self.decode_port)] if one_host else []
+        # The router runs on one of the nodes: its port must not clash with either server's.
+        ports += [("PD_ROUTER_PORT", self.router_port)]
+        for i, (name_a, port_a) in enumerate(ports):
+            for name_b, port_b in ports[i + 1 :]:
+                if port_a == port_b:
+                    raise PDLaunchError(f"{name_a} and {name_b} are both {port_a}: each needs a port of its own")
+        if not one_host and self.decode_port == self.router_port:
+            raise PDLaunchError(
+                f"PD_DECODE_PORT and PD_ROUTER_PORT are both {self.decode_port}: each needs a port of its own"
+            )
+
+    def gpu_ids(self, role: str) -> list[str]:
+        """The GPUs ``role`` (prefill or decode) uses on its host, as the host names them.
+
+        ``--base-gpu-id`` and ``--tp-size`` count within ``CUDA_VISIBLE_DEVICES`` when it is set.
+        """
+        base, count = {
+            "prefill": (self.prefill_base_gpu_id, self.prefill_tp),
+            "decode": (self.decode_base_gpu_id, self.decode_tp),
+        }[role]
+        visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        ids = range(base, base + count)
+        return [visible[i] if i < len(visible) else f"#{i}" for i in ids] if visible else [str(i) for i in ids]
+
+    def role_port(self, role: str) -> int:
+        return {"prefill": self.prefill_port, "decode": self.decode_port, "router": self.router_port}[role]
 
     def _check_cp_shared_kv(self) -> None:
         """What PD_CP_SHARED_KV=1 needs of the launcher's own settings (the server checks the rest at start-up)."""
@@ -240,6 +375,7 @@ class PDConfig:
             raise PDLaunchError(f"PD_DECODE_TP={self.decode_tp} must be divisible by PD_DECODE_DP={self.decode_dp}")
 
     def health_url(self, role: str) -> str:
+        require_role(role)
         host, port = {
             "prefill": (self.prefill_host, self.prefill_port),
             "decode": (self.decode_host, self.decode_port),

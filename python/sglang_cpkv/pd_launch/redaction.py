@@ -1,23 +1,33 @@
-"""Secret values out of every argument list, environment line and message the launcher prints or logs.
+"""Secret values out of every argument list, environment line, message and server output the launcher handles.
 
-A flag is secret-looking when its name has a word ``key`` (``--api-key``, ``--admin-api-key``,
-``--hf-key``), contains ``token`` other than in ``tokens``/``tokenizer`` (``--hf-token``,
-``--authtoken``; not ``--max-new-tokens``, ``--tokenizer-path``), or contains ``secret``,
-``password`` or ``passwd``. Its value is redacted in both forms, ``--flag value`` (the next argument,
-unless that is another ``--flag``) and ``--flag=value``. An environment variable is secret when its name
-has one of those words (``HF_TOKEN``, ``SGLANG_API_KEY``). Free text (a parser's error, a log tail) is
-scrubbed of every secret value found in the argument lists it may quote.
+A flag is secret-looking when its name has a word ``key`` or ``keys`` (``--api-key``, ``--admin-api-key``,
+``--control-plane-api-keys``), contains ``token`` other than in ``tokens``/``tokenizer`` (``--hf-token``,
+``--authtoken``; not ``--max-new-tokens``, ``--tokenizer-path``), contains ``secret``, ``password`` or
+``passwd``, or holds a URL that carries credentials (the router's ``--postgres-db-url``, ``--redis-url``).
+Its values are redacted in both forms: ``--flag value ...`` (every argument up to the next ``--flag``:
+some secret flags take several values) and ``--flag=value``. An environment variable is secret when a
+``_``-separated word of its name ends in ``TOKEN``, ``KEY``, ``KEYS``, ``SECRET``, ``PASSWORD`` or
+``PASSWD`` (``HF_TOKEN``, ``SGLANG_API_KEY``; not ``MAX_TOKENS``). Free text (a parser's error, a log
+tail, the servers' own output, which upstream starts by printing its ``server_args``) is scrubbed of
+every known secret value: the secret flags' values and the secret variables' values, as written and as
+Python's ``repr`` and JSON would quote them. Values shorter than ``MIN_SCRUB_CHARS`` are redacted in
+commands but not scrubbed from free text: they cannot be told from ordinary text.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 import shlex
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 REDACTED = "<redacted>"
+MIN_SCRUB_CHARS = 4
 _TOKEN = re.compile(r"token(?!s|izer)")
-_SECRET_ENV_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD")
+_SECRET_ENV_WORD = re.compile(r"(TOKEN|KEYS?|SECRET|PASSWORD|PASSWD)$")
+# Flags whose value is a connection URL that may carry a password (user:password@host).
+_CREDENTIAL_URL_FLAGS = frozenset({"postgres-db-url", "redis-url"})
 # Variables holding argument lists (PD_PREFILL_EXTRA_ARGS, ...): redacted as arguments, not as one value.
 _ARGS_ENV_SUFFIX = "_EXTRA_ARGS"
 
@@ -27,41 +37,53 @@ def is_secret_flag(flag: str) -> bool:
     if not flag.startswith("--"):
         return False
     name = flag[2:].split("=", 1)[0].lower()
+    words = name.split("-")
     return (
-        "key" in name.split("-")
+        "key" in words
+        or "keys" in words
         or bool(_TOKEN.search(name))
         or any(word in name for word in ("secret", "password", "passwd"))
+        or name in _CREDENTIAL_URL_FLAGS
     )
 
 
 def is_secret_env(name: str) -> bool:
-    upper = name.upper()
-    return any(word in upper for word in _SECRET_ENV_WORDS)
+    return any(_SECRET_ENV_WORD.search(word) for word in name.upper().split("_"))
 
 
-def secret_values(argv: Sequence[str]) -> list[str]:
-    """The values of the secret-looking flags in ``argv``."""
-    values = []
+def _secret_spans(argv: Sequence[str]) -> list[tuple[int, bool]]:
+    """(index, inline) of every secret value in ``argv``: ``inline`` for ``--flag=value``."""
+    spans = []
     for i, arg in enumerate(argv):
         if not is_secret_flag(arg):
             continue
         if "=" in arg:
-            values.append(arg.split("=", 1)[1])
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            values.append(argv[i + 1])
+            spans.append((i, True))
+            continue
+        j = i + 1
+        while j < len(argv) and not argv[j].startswith("--"):
+            spans.append((j, False))
+            j += 1
+    return spans
+
+
+def secret_values(argv: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
+    """The values of the secret-looking flags in ``argv`` and of the secret variables in ``env``."""
+    values = [argv[i].split("=", 1)[1] if inline else argv[i] for i, inline in _secret_spans(argv)]
+    for name, value in (env or {}).items():
+        if is_secret_env(name):
+            values.append(value)
+        elif name.endswith(_ARGS_ENV_SUFFIX):
+            with contextlib.suppress(ValueError):  # not splittable: the launcher refuses it before anything runs
+                values += secret_values(shlex.split(value))
     return [v for v in values if v]
 
 
 def redact_argv(argv: Sequence[str]) -> list[str]:
-    """``argv`` with the value of every secret-looking flag replaced by ``<redacted>``."""
+    """``argv`` with every value of every secret-looking flag replaced by ``<redacted>``."""
     out = list(argv)
-    for i, arg in enumerate(argv):
-        if not is_secret_flag(arg):
-            continue
-        if "=" in arg:
-            out[i] = arg.split("=", 1)[0] + "=" + REDACTED
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            out[i + 1] = REDACTED
+    for i, inline in _secret_spans(argv):
+        out[i] = argv[i].split("=", 1)[0] + "=" + REDACTED if inline else REDACTED
     return out
 
 
@@ -76,8 +98,49 @@ def redact_env_value(name: str, value: str) -> str:
     return value
 
 
+def scrub_forms(secrets: Iterable[str]) -> list[str]:
+    """Each secret as written and as ``repr`` and JSON quote it, longest first (one may contain another)."""
+    forms = set()
+    for secret in secrets:
+        if len(secret) >= MIN_SCRUB_CHARS:
+            forms.update({secret, repr(secret)[1:-1], json.dumps(secret)[1:-1]})
+    return sorted(forms, key=len, reverse=True)
+
+
 def scrub(text: str, secrets: Iterable[str]) -> str:
-    """``text`` with every occurrence of each secret value replaced (longest first: one may contain another)."""
-    for secret in sorted(set(secrets), key=len, reverse=True):
-        text = text.replace(secret, REDACTED)
+    """``text`` with every occurrence of each secret value replaced."""
+    for form in scrub_forms(secrets):
+        text = text.replace(form, REDACTED)
     return text
+
+
+class StreamScrubber:
+    """Scrubs a byte stream that arrives in arbitrary chunks: a secret split across two chunks is still found.
+
+    ``feed`` returns what is safe to emit: complete lines, or (for a long run without a newline) all but
+    the last ``longest secret - 1`` bytes, which may be the start of a secret; ``flush`` returns the rest.
+    """
+
+    MAX_PENDING = 64 * 1024
+
+    def __init__(self, secrets: Iterable[str]):
+        self._forms = [form.encode() for form in scrub_forms(secrets)]
+        self._hold = max((len(f) for f in self._forms), default=1) - 1
+        self._pending = b""
+
+    def _scrub(self, data: bytes) -> bytes:
+        for form in self._forms:
+            data = data.replace(form, REDACTED.encode())
+        return data
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._scrub(self._pending + chunk)
+        cut = data.rfind(b"\n") + 1
+        if cut == 0 and len(data) > self.MAX_PENDING:
+            cut = len(data) - self._hold
+        self._pending = data[cut:]
+        return data[:cut]
+
+    def flush(self) -> bytes:
+        data, self._pending = self._pending, b""
+        return data

@@ -1,8 +1,9 @@
-"""Logs stay out of the image and out of git: the compose log volume, the build context and the ignore files.
+"""Secrets, wheels, environments, caches and logs stay out of the image and out of git.
 
-The compose file mounts a host directory for the P/D logs; a host path inside the repository would be
-part of the image's build context (``docker build ... .`` copies the tree) unless
-``docker/Dockerfile.dockerignore`` excludes it, and would show up in ``git status``. Checked here
+The image's build context is the repository root (``docker build -f docker/Dockerfile .``) and ``COPY``
+bakes what it copies into a layer: the operator's ``docker/.env`` (where ``HF_TOKEN`` goes), the GPU
+wheels of ``.whl/``, a virtual environment or a log directory inside the tree must be excluded by the
+root ``.dockerignore`` (read by the classic builder and BuildKit alike) and ignored by git. Checked here
 with Docker's own rules for the context (paths relative to the context root, ``**`` for any depth, a
 pattern that matches a directory excludes what is under it, ``!`` re-includes) and ``git check-ignore``.
 """
@@ -47,7 +48,7 @@ def _pattern_regex(pattern: str) -> re.Pattern:
 
 def excluded_from_context(relpath: str) -> bool:
     """Docker's .dockerignore rule: the last matching pattern wins; a matched parent excludes its children."""
-    lines = (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
+    lines = (REPO / ".dockerignore").read_text().splitlines()
     patterns = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
     parts = relpath.strip("/").split("/")
     excluded = False
@@ -71,7 +72,50 @@ def test_ignore_rules_behave_like_dockers():
     # The matcher itself: root-anchored plain names, ** at any depth, children of an excluded directory.
     assert excluded_from_context(".git/config") and excluded_from_context("python/x.egg-info/PKG-INFO")
     assert excluded_from_context("a/b/__pycache__/m.pyc") and not excluded_from_context("python/sglang_cpkv/env.py")
-    assert excluded_from_context(".venv/bin/python") and not excluded_from_context("docker/.venv")  # root-anchored
+    assert excluded_from_context(".venv/bin/python") and not excluded_from_context("python/sglang_cpkv/logs.py")
+    assert not excluded_from_context("python/sglang_cpkv/pd_launch/config.py")
+
+
+def test_no_dockerfile_specific_ignore_file_shadows_the_root_one():
+    # BuildKit prefers docker/Dockerfile.dockerignore over the root file when it exists: one file, one rule set.
+    assert not (DOCKER / "Dockerfile.dockerignore").exists()
+
+
+# What must never reach the image: (path, whether git must ignore it too; tracked benchmark logs are git's business).
+KEPT_OUT = [
+    ("docker/.env", True),
+    (".env", True),
+    ("scripts/pd/.env.local", True),
+    (".whl/torch-2.14.1-cp311-cp311-linux_x86_64.whl", True),
+    ("dist/sglang_cpkv-0.1.0-py3-none-any.whl", True),
+    (".venv/bin/python", True),
+    ("python/.venv/bin/python", True),
+    (".cache/sglang_cpkv/cuda/lib.so", True),
+    ("python/sglang_cpkv/__pycache__/env.cpython-311.pyc", True),
+    (".pytest_cache/v/cache/lastfailed", True),
+    ("certs/server.key", True),
+    ("pd-logs/prefill.pid", True),
+    ("benchmark/results/x/bench.log", False),
+]
+
+
+@pytest.mark.parametrize("path, git_ignores", KEPT_OUT, ids=[p for p, _ in KEPT_OUT])
+def test_secrets_wheels_envs_caches_and_logs_are_kept_out(path, git_ignores):
+    assert excluded_from_context(path), f"{path} would be copied into the image"
+    if git_ignores:
+        ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", path], cwd=REPO, timeout=30)
+        assert ignored.returncode == 0, f"{path} is not ignored by git"
+
+
+def test_what_the_image_needs_is_in_the_context():
+    for path in (
+        "UPSTREAM.toml",
+        "patches/series",
+        "docker/install.sh",
+        "scripts/pd/pd.sh",
+        "scripts/pd/glm51-fp8-b300.env",
+    ):
+        assert not excluded_from_context(path), path
 
 
 def test_compose_logs_are_outside_the_build_context_or_excluded():

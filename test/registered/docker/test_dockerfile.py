@@ -58,6 +58,62 @@ def test_hadolint_catches_a_bad_dockerfile(tmp_path):
     assert result.returncode != 0 and "DL3006" in result.stdout
 
 
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of docker/Dockerfile, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n\s*", " ", (DOCKER / "Dockerfile").read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line else "") for line in lines]
+
+
+def copied_before_the_build() -> list[str]:
+    """The sources of every COPY before `RUN docker/install.sh` (the AOT build)."""
+    sources = []
+    for instruction, args in dockerfile_instructions():
+        if instruction == "RUN" and args.startswith("docker/install.sh"):
+            return sources
+        if instruction == "COPY":
+            sources += args.split()[:-1]
+    raise AssertionError("no RUN docker/install.sh in docker/Dockerfile")
+
+
+def test_only_what_install_sh_reads_is_copied_before_the_cuda_build():
+    # `COPY .` before the build re-ran the CUDA AOT build on any doc edit (and copied the tree's secrets).
+    sources = copied_before_the_build()
+    assert (
+        "." not in sources
+        and "README.md" not in sources
+        and not any(s.startswith(("scripts", "test", "docs")) for s in sources)
+    )
+    # Enough: test_install_script_patches_installs_and_verifies runs install.sh from a tree holding only these.
+
+
+def test_image_labels_healthcheck_and_user():
+    instructions = dockerfile_instructions()
+    text = " ".join(args for instruction, args in instructions if instruction == "LABEL")
+    for label in ("source", "revision"):
+        assert f"org.opencontainers.image.{label}=" in text
+    (health,) = [args for instruction, args in instructions if instruction == "HEALTHCHECK"]
+    assert '"/opt/sglang-cpkv/docker/entrypoint.sh", "health"]' in health
+    users = [args for instruction, args in instructions if instruction == "USER"]
+    assert users and users[-1] not in ("root", "0")
+    # The base stays the tag `overlay rebase` rewrites, with an optional digest after it.
+    assert ("FROM", "${BASE_IMAGE}${BASE_IMAGE_DIGEST}") in instructions
+
+
+def test_entrypoint_health_checks_the_role_the_container_runs(tmp_path):
+    env = {
+        **os.environ,
+        "TMPDIR": str(tmp_path),
+        "PD_LAUNCH_PYTHON": sys.executable,
+        "PD_LOG_DIR": str(tmp_path / "logs"),
+    }
+    none = subprocess.run([DOCKER / "entrypoint.sh", "health"], capture_output=True, text=True, timeout=60, env=env)
+    assert none.returncode == 0 and "no P/D role runs in this container" in none.stdout
+    (tmp_path / "sglang-cpkv.role").write_text("decode\n")
+    dead = subprocess.run([DOCKER / "entrypoint.sh", "health"], capture_output=True, text=True, timeout=60, env=env)
+    assert dead.returncode == 1 and dead.stdout.startswith("decode: no pid record"), dead.stdout + dead.stderr
+
+
 def test_dockerfile_builds_on_the_pinned_release_and_runs_the_install_script():
     pin = tomllib.loads((REPO / "UPSTREAM.toml").read_text())
     text = (DOCKER / "Dockerfile").read_text()
@@ -100,10 +156,25 @@ def make_target_env(tmp_path: Path, wheel: Path) -> tuple[Path, Path]:
     return venv / "bin" / "python", site / "sglang"
 
 
-def run_install(python: Path, *extra: str) -> subprocess.CompletedProcess:
+def build_stage(tmp_path: Path) -> Path:
+    """The tree the image's build step sees: only what the Dockerfile copies before `RUN docker/install.sh`."""
+    stage = tmp_path / "stage"
+    for source in copied_before_the_build():
+        target = stage / source.rstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if (REPO / source).is_dir():
+            shutil.copytree(
+                REPO / source, target, symlinks=True, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
+            )
+        else:
+            shutil.copy2(REPO / source, target)
+    return stage
+
+
+def run_install(python: Path, *extra: str, repo: Path = REPO) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run(
-        [DOCKER / "install.sh", "--python", str(python), "--no-kernels", *extra],
+        [repo / "docker" / "install.sh", "--python", str(python), "--no-kernels", *extra],
         capture_output=True,
         text=True,
         timeout=900,
@@ -116,7 +187,7 @@ def test_install_script_patches_installs_and_verifies(tmp_path, pinned_wheel):
     editable_before = editable.read_text() if editable.is_file() else None
     python, sglang_root = make_target_env(tmp_path, pinned_wheel)
 
-    result = run_install(python)
+    result = run_install(python, repo=build_stage(tmp_path))  # from what the image's build step has
     assert result.returncode == 0, result.stderr
     assert f"sglang at {sglang_root}" in result.stderr  # found the interpreter's own sglang, like the image
     assert f"[overlay] verified {sglang_root}: sglang==" in result.stderr  # overlay verify, after the install
@@ -135,6 +206,7 @@ def test_install_script_patches_installs_and_verifies(tmp_path, pinned_wheel):
         text=True,
         cwd=tmp_path,
         check=True,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},  # what the interpreter itself imports
     )
     assert Path(where.stdout.strip()).is_relative_to(python.parents[1])  # installed, not the checkout
     assert not list((REPO / "python").glob("build"))  # built from a copy, nothing written in the checkout
@@ -201,6 +273,15 @@ def compose_defaults(environment: dict) -> dict:
 def test_compose_runs_one_prefill_one_decode_and_the_router():
     compose = yaml.safe_load((DOCKER / "compose.pd.yaml").read_text())
     services = compose["services"]
+    for role in ROLES:
+        service = services[role]
+        assert service["restart"] == "unless-stopped", role  # a dead role comes back
+        # Docker waits the launcher's own stop timeout before its SIGKILL.
+        assert service["stop_grace_period"] == "${PD_STOP_TIMEOUT:-60}s", role
+        assert compose_defaults(service["environment"])["PD_STOP_TIMEOUT"] == ENV_DEFAULTS["PD_STOP_TIMEOUT"]
+        assert service["user"] != "root" and not str(service["user"]).startswith("0")
+    # The router's own /health answers 200 with a dead worker; `status router` checks both.
+    assert services["router"]["healthcheck"]["test"][-2:] == ["status", "router"]
     gpus = {}
     for role in ROLES:
         service = services[role]

@@ -7,6 +7,7 @@ bs=N pass and never in its sequential bs=1 golden passes, the way a batching bug
   mismatch - one answer differs by a byte, no marker involved
   error    - one request gets HTTP 500
   abort    - one request gets HTTP 200 with finish_reason "abort" (the server gave up on it)
+  null     - one request gets HTTP 200 with "text": null
 and two faults of the whole server: "nondeterministic" answers differ from one call to the next even alone
 (bs=1), and "models-not-json" answers /v1/models with a page that is not JSON.
 """
@@ -89,6 +90,8 @@ class FakeServer:
                     return web.Response(status=500, text="planted failure")
                 elif self.mode == "abort":
                     text, finish_reason = text[:10], "abort"
+                elif self.mode == "null":
+                    text = None
         finally:
             self.in_flight.remove(prompt)
         return web.json_response(
@@ -202,6 +205,13 @@ def test_aborted_request_is_a_request_error_not_a_mismatch(tmp_path):
     assert summary["mismatched"] == [] and len(summary["results"]) == 3
 
 
+def test_a_null_text_is_a_request_error_not_an_internal_error(tmp_path):
+    with FakeServer("null") as server:
+        code, summary = run_client(server, tmp_path)
+    assert code == EXIT_REQUEST_ERROR and summary["verdict"] == "request_error", summary
+    assert len(summary["errors"]) == 1 and "choices[0].text is not a string" in summary["errors"][0]
+
+
 def test_server_nondeterministic_at_bs1_is_its_own_verdict(tmp_path):
     with FakeServer("nondeterministic") as server:
         code, summary = run_client(server, tmp_path)
@@ -233,6 +243,11 @@ def run_main(args) -> int:
         ["--rounds", "0"],
         ["-n", "x"],
         ["--no-such-flag"],
+        # 0, negatives and nan would each mean "no timeout" to aiohttp
+        ["--timeout", "0"],
+        ["--timeout", "-1"],
+        ["--timeout", "nan"],
+        ["--timeout", "inf"],
     ],
 )
 def test_usage_errors_exit_with_a_code_no_verdict_uses(args, capsys):

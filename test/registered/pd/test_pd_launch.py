@@ -17,11 +17,9 @@ import json
 import os
 import re
 import signal
-import socket
 import stat
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -41,10 +39,19 @@ from sglang_cpkv.pd_launch import (
     server_args,
     shell_command,
 )
-from sglang_cpkv.pd_launch.redaction import REDACTED, is_secret_flag, redact_argv, redact_env_value
+from sglang_cpkv.pd_launch.redaction import (
+    REDACTED,
+    StreamScrubber,
+    is_secret_flag,
+    redact_argv,
+    redact_env_value,
+    scrub,
+    secret_values,
+)
 from sglang_cpkv.testing.ci_register import register_cpu_ci
+from sglang_cpkv.testing.pd_stub import alive, free_port, listening, wait_for, write_stub_python
 
-register_cpu_ci(est_time=80, suite="cpkv-cpu")
+register_cpu_ci(est_time=90, suite="cpkv-cpu")
 
 REPO = Path(__file__).resolve().parents[3]
 PD = REPO / "scripts" / "pd"
@@ -115,6 +122,39 @@ def test_cp_shared_kv_flag_is_opt_in_and_only_the_prefill_gets_the_all_ranks_var
         ({"PD_LOG_DIR": "pd-logs"}, "PD_LOG_DIR='pd-logs' must be an absolute path"),
         ({"PD_CP_SHARED_KV": "1", "PD_PREFILL_CP": "1"}, "PD_CP_SHARED_KV=1 needs PD_PREFILL_CP > 1"),
         ({"PD_GPU_CAPABILITY": "sm100"}, "PD_GPU_CAPABILITY='sm100' must be MAJOR.MINOR"),
+        # The topology: the README's old two-node router (only PD_DECODE_URL) handed every decode the
+        # loopback as the prefill's bootstrap host.
+        ({"PD_DECODE_URL": "http://node-b:30001"}, "PD_DECODE_URL is set but PD_PREFILL_URL is not"),
+        ({"PD_PREFILL_URL": "http://node-a:30000"}, "PD_PREFILL_URL is set but PD_DECODE_URL is not"),
+        (
+            {"PD_PREFILL_URL": "http://127.0.0.1:30000", "PD_DECODE_URL": "http://node-b:30001"},
+            "PD_PREFILL_URL=http://127.0.0.1:30000 is a loopback address but PD_DECODE_URL=http://node-b:30001",
+        ),
+        (
+            {"PD_PREFILL_URL": "http://node-a:30000", "PD_DECODE_URL": "http://localhost:30001"},
+            "PD_DECODE_URL=http://localhost:30001 is a loopback address but PD_PREFILL_URL=http://node-a:30000",
+        ),
+        (
+            {"PD_PREFILL_URL": "http://0.0.0.0:30000", "PD_DECODE_URL": "http://node-b:30001"},
+            "0.0.0.0 is a listen address",
+        ),
+        ({"PD_PREFILL_URL": "node-a:30000", "PD_DECODE_URL": "http://node-b:30001"}, "must be http(s)://HOST:PORT"),
+        (
+            {"PD_PREFILL_URL": "http://127.0.0.1:30005", "PD_DECODE_URL": "http://127.0.0.1:30001"},
+            "is this host, port 30005, but the server listens on PD_PREFILL_PORT=30000",
+        ),
+        ({"PD_PREFILL_PORT": "65536"}, "PD_PREFILL_PORT=65536 is not a TCP port (1-65535)"),
+        ({"PD_ROUTER_PORT": "99999"}, "PD_ROUTER_PORT=99999 is not a TCP port"),
+        ({"PD_BOOTSTRAP_PORT": "30000"}, "PD_PREFILL_PORT and PD_BOOTSTRAP_PORT are both 30000"),
+        ({"PD_DECODE_PORT": "30000"}, "PD_PREFILL_PORT and PD_DECODE_PORT are both 30000"),
+        ({"PD_ROUTER_PORT": "30001"}, "PD_DECODE_PORT and PD_ROUTER_PORT are both 30001"),
+        (
+            # Two nodes: the router runs on one of them, beside either server.
+            {"PD_PREFILL_URL": "http://node-a:30000", "PD_DECODE_URL": "http://node-b:8000", "PD_DECODE_PORT": "8000"},
+            "PD_DECODE_PORT and PD_ROUTER_PORT are both 8000",
+        ),
+        ({"PD_LOG_MAX_BYTES": "lots"}, "PD_LOG_MAX_BYTES='lots' must be a positive size"),
+        ({"PD_LOG_KEEP": "0"}, "PD_LOG_KEEP=0 must be >= 1"),
     ],
 )
 def test_bad_environment_names_the_variable(env, message):
@@ -285,6 +325,7 @@ def test_a_refusal_reaches_the_user_with_the_servers_message_and_no_secret():
 
 def test_redaction_covers_both_flag_forms_and_argument_variables():
     secret_flags = ["--api-key", "--admin-api-key", "--hf-key", "--hf-token", "--authtoken", "--db-password"]
+    secret_flags += ["--ssl-keyfile-password", "--control-plane-api-keys", "--postgres-db-url"]
     plain_flags = ["--max-new-tokens", "--tokenizer-path", "--skip-tokenizer-init", "--tp-size", "--keyword"]
     assert all(map(is_secret_flag, secret_flags)) and not any(map(is_secret_flag, plain_flags))
     argv = ["--api-key", "a1", "--client-secret=b2", "--skip-tokenizer-init", "--tp", "8", "--hf-token", "--x"]
@@ -300,6 +341,36 @@ def test_redaction_covers_both_flag_forms_and_argument_variables():
     ]
     assert redact_env_value("PD_DECODE_EXTRA_ARGS", "--api-key a1 --tp 8") == f"--api-key '{REDACTED}' --tp 8"
     assert redact_env_value("HF_TOKEN", "hf_x") == REDACTED
+    # Several values after one flag (the router's --control-plane-api-keys ID:ROLE:KEY ...), and its `keys`.
+    router = ["--control-plane-api-keys", "a:admin:k-1", "b:user:k-2", "--host", "h", "--redis-url", "redis://u:p@h"]
+    assert redact_argv(router) == [
+        "--control-plane-api-keys",
+        REDACTED,
+        REDACTED,
+        "--host",
+        "h",
+        "--redis-url",
+        REDACTED,
+    ]
+    assert secret_values(router) == ["a:admin:k-1", "b:user:k-2", "redis://u:p@h"]
+    env = {
+        "HF_TOKEN": "hf_abcdef",
+        "SGLANG_API_KEY": "k-3-long",
+        "PD_MAX_TOKENS": "4096",
+        "PD_DECODE_EXTRA_ARGS": "--api-key k-4-long",
+    }
+    assert sorted(secret_values([], env)) == ["hf_abcdef", "k-3-long", "k-4-long"]  # not MAX_TOKENS' 4096
+    # Free text and a stream cut anywhere: the value as written and as repr/JSON quote it.
+    secret = "s3cr\\et-\u00e9x"  # repr doubles the backslash, JSON also escapes the e-acute
+    text = f"api_key={secret!r} {json.dumps({'k': secret})} plain {secret} short 1"
+    assert scrub(text, [secret, "1"]) == f'api_key=\'{REDACTED}\' {{"k": "{REDACTED}"}} plain {REDACTED} short 1'
+    for cut in range(len(text)):
+        scrubber = StreamScrubber([secret])
+        streamed = scrubber.feed(text[:cut].encode()) + scrubber.feed(text[cut:].encode() + b"\n") + scrubber.flush()
+        assert streamed.decode() == scrub(text, [secret]) + "\n"
+    long_line = StreamScrubber(["abcdef"])
+    assert long_line.feed(b"x" * (StreamScrubber.MAX_PENDING + 10) + b"abc") == b"x" * (StreamScrubber.MAX_PENDING + 8)
+    assert long_line.feed(b"def\n") == b"xx" + REDACTED.encode() + b"\n"
 
 
 def test_documented_env_file_sets_only_settings_the_launcher_reads():
@@ -327,65 +398,10 @@ def test_documented_env_file_sets_only_settings_the_launcher_reads():
 
 # ---------------------------------------------------------------------------------- lifecycle
 
-STUB = textwrap.dedent(
-    """\
-    # Stands in for `python -m sglang.launch_server ...`: serves /health on --port unless told not to,
-    # and spawns a child so that the test can see the whole process group end.
-    import http.server, os, signal, subprocess, sys, time
-    argv = sys.argv[1:]
-    port = int(argv[argv.index("--port") + 1])
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
-    with open(os.environ["STUB_CHILD_PID_FILE"], "w") as f:
-        f.write(str(child.pid))
-    print("stub server starting on", port, flush=True)
-    mode = os.environ.get("STUB_MODE", "serve")
-    if mode == "exit":
-        sys.exit(3)
-    if mode == "hang":
-        time.sleep(300)
-    if mode == "ignore-term":  # a server that does not stop on SIGTERM (its child does)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200 if self.path == "/health" else 404)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
-    """
-)
-
-
-def listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
 
 @pytest.fixture
 def stub_env(tmp_path):
-    stub = tmp_path / "stub_python"
-    stub.write_text(f"#!{sys.executable}\n" + STUB)
-    stub.chmod(0o755)
+    stub = write_stub_python(tmp_path)  # PD_PYTHON: the launchers run it as they would the serving interpreter
     env = {
         **os.environ,
         "PD_LAUNCH_PYTHON": sys.executable,
@@ -406,13 +422,6 @@ def stub_env(tmp_path):
 
 def no_secret_in(*texts: str) -> bool:
     return not any(secret in text for text in texts for secret in (*SECRET_VALUES, "do-not-log-me"))
-
-
-def wait_for(predicate, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return predicate()
 
 
 def launch(*args, env):
