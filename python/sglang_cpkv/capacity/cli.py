@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{model} on {args.tp} x {inputs.gpu.name.upper()} (TP {args.tp}), chunk {inputs.chunked_prefill_size}, "
         f"{inputs.kv_cache_dtype} KV"
     )
-    print(table(rows, title))
+    print(table(rows, title, inputs.request_tokens))
     echo = {**vars(args), "json": str(args.json) if args.json else None, "plot": str(args.plot) if args.plot else None}
     echo["gpu_figures"] = {
         "hbm_bytes": inputs.gpu.hbm_bytes,

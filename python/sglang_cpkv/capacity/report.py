@@ -15,9 +15,9 @@ def _us(seconds: float) -> str:
     return f"{seconds * 1e6:,.0f} us"
 
 
-def table(rows: list[dict[str, Any]], title: str) -> str:
+def table(rows: list[dict[str, Any]], title: str, request_tokens: int) -> str:
     """The per-cp table: capacity first, then the batch's per-layer bytes and their lower-bound times."""
-    lines = [title, ""]
+    lines = [title, f"(longest: the longest request that fits; concurrent: requests of {request_tokens} tokens)", ""]
     head = (
         f"{'cp':>3} {'attn_tp':>7} {'budget GiB':>10} {'mode KV':>9} {'replicated':>10} {'ratio':>6} "
         f"{'kv-sharding':>11} {'ratio':>6} {'reserved':>13} {'longest':>8} {'concurrent':>10}"
@@ -104,20 +104,24 @@ def plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
         right.plot(
             history, [p["floor_s"] * 1e3 for p in sweep], ":", color=line.get_color(), label=f"cp {row['cp']} floor"
         )
-    measured = {(m["history"], m["mode_off_ms"]) for row in rows if (m := row["layer"]["measured_layer"])}
-    for history, ms in sorted(measured):
+    measured = {
+        (m["history"], m["mode_off_ms"], m["heads"], m["topk"]) for row in rows if (m := row["layer"]["measured_layer"])
+    }
+    for history, ms, heads, topk in sorted(measured):
         right.plot([history / 1e3], [ms], "k*", markersize=11)
         right.annotate(
-            f"measured layer, cp 1: {ms:.2f} ms",
+            f"measured attention layer, cp 1\n(kit, {heads} heads, top-k {topk}): {ms:.2f} ms",
             (history / 1e3, ms),
             textcoords="offset points",
-            xytext=(6, -12),
+            xytext=(8, -22),
             fontsize=8,
         )
     batch = rows[0]["layer"]["batch"]
     right.set_xscale("log", base=2)
+    ticks = [point["history"] for point in rows[-1]["layer"]["sweep"]]
+    right.set_xticks([t / 1e3 for t in ticks], [f"{t / 1024:g}K" for t in ticks])
     right.set_yscale("log")
-    right.set_xlabel(f"history per request (K tokens; {batch['requests']} requests + {batch['extend']} current each)")
+    right.set_xlabel(f"history per request ({batch['requests']} requests, {batch['extend']} current tokens each)")
     right.set_ylabel("ms per layer (lower bound at vendor peaks)")
     right.set_title("The mode's per-layer exchange and copies")
     right.grid(alpha=0.3, which="both")

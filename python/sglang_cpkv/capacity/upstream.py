@@ -28,6 +28,8 @@ from sglang_cpkv.runtime.reservation import Reservation
 
 # The prefill server of the mode needs all-CP-ranks KV transfer (README, Settings); the draft's extend under CP.
 MODE_ENV = {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1", "SGLANG_CP_DRAFT_SHARED_KV": "1"}
+# Set by upstream's kv-sharding resolution for the rest of the process (arg_groups/kv_shard_hook.py): put back.
+RESOLUTION_SETS_ENV = ("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND",)
 
 
 @contextlib.contextmanager
@@ -87,7 +89,7 @@ def playing_gpu(capability: tuple[int, int], *, hbm_bytes: float | None = None, 
         for hook in hooks:
             hook.get_device_memory_capacity = lambda device=None: hbm_bytes / 2**20  # MiB, as upstream's query
     saved_capability = torch.cuda.get_device_capability
-    saved_env = {name: os.environ.get(name) for name in MODE_ENV}
+    saved_env = {name: os.environ.get(name) for name in (*MODE_ENV, *RESOLUTION_SETS_ENV)}
     sglang_logger = logging.getLogger("sglang")
     saved_level = sglang_logger.level
     torch.cuda.get_device_capability = lambda *a, **k: capability
