@@ -41,8 +41,8 @@ def main() -> None:
 
     install_torchvision_stub()
     torch.cuda.get_device_capability = lambda *a, **k: (10, 0)  # the B300-class prefill GPU the deployment plays
+    from sglang_cpkv.capacity.upstream import pool_configurator, prefill_cp_server
     from sglang_cpkv.hooks import reservation as reservation_hooks
-    from sglang_cpkv.testing.pool_sizing import pool_configurator, prefill_cp_server
 
     budget = int(args.budget_gib * 2**30)
     rows = []

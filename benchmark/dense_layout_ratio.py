@@ -1,7 +1,7 @@
 """Dense view size vs the rows a batch needs, with the real ``build_plan`` (page size 64, cp 8).
 
 For each batch of a sweep of mixed shapes (the issue's four, then random mixes of long and short
-histories), the plan's dense rows (``num_slots * page_size``) are divided by the rows the batch needs
+histories; distinct pages per request, :func:`sglang_cpkv.capacity.traffic.batch_plan`), the plan's dense rows (``num_slots * page_size``) are divided by the rows the batch needs
 (``sum over requests of ceil((prefix + extend) / page_size) * page_size``), and the bytes of the mode's four
 per-layer dense buffers (latent and index K, double-buffered) are reported for GLM-5.1-FP8 rows (656-byte
 latent, 132-byte index-K rows). The old layout (``R x P``, ``P`` the longest request's pages rounded to a
@@ -16,9 +16,7 @@ import argparse
 import json
 import random
 
-import torch
-
-from sglang_cpkv.runtime import build_plan
+from sglang_cpkv.capacity.traffic import batch_plan
 
 PAGE = 64
 CP, RANK = 8, 3
@@ -33,26 +31,7 @@ def old_layout_rows(prefix: list[int], extend: list[int]) -> int:
 
 def measure(name: str, prefix: list[int], extend: list[int]) -> dict:
     pages = [-(-(p + e) // PAGE) for p, e in zip(prefix, extend)]
-    table = [list(range(1 + sum(pages[:r]), 1 + sum(pages[: r + 1]))) for r in range(len(pages))]
-    out_cache_loc = torch.tensor(
-        [
-            table[r][pos // PAGE] * PAGE + pos % PAGE
-            for r in range(len(pages))
-            for pos in range(prefix[r], prefix[r] + extend[r])
-        ]
-    )
-    split = sum(extend) >= CP
-    plan = build_plan(
-        table,
-        prefix,
-        extend,
-        out_cache_loc,
-        capacity=sum(pages) + 1,
-        page_size=PAGE,
-        cp_size=CP if split else 1,
-        cp_rank=RANK if split else 0,
-        strategy="interleave" if split else "none",
-    )
+    plan = batch_plan(prefix, extend, page_size=PAGE, cp_size=CP, cp_rank=RANK)
     needed = sum(pages) * PAGE
     buffers = 2 * plan.dense_rows * (LATENT_ROW + INDEX_K_ROW)
     return {

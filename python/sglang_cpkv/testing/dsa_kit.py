@@ -95,6 +95,26 @@ def kit_capacity(num_requests: int, longest: int) -> int:
     return 3 + num_requests * max_context // PAGE
 
 
+def kit_reservation(
+    max_requests: int, longest: int, cp_size: int, *, latent_token_bytes: int, index_k_token_bytes: int
+):
+    """The reservation a :class:`KitWorld` of ``max_requests`` requests of up to ``longest`` tokens publishes (its
+    server's ``--cp-shared-kv-max-batch-tokens`` is ``max_requests`` page-rounded contexts, its chunk
+    ``max_requests * longest`` tokens), for pool rows of the given sizes."""
+    from sglang_cpkv.hooks.settings import layer_ahead
+    from sglang_cpkv.runtime.reservation import Reservation
+
+    return Reservation(
+        max_batch_tokens=max_requests * (-(-longest // PAGE) * PAGE),
+        chunk_tokens=max_requests * longest,
+        page_size=PAGE,
+        cp_size=cp_size,
+        views_per_kind=2 if layer_ahead(cp_size) else 1,
+        latent_token_bytes=latent_token_bytes,
+        index_k_token_bytes=index_k_token_bytes,
+    )
+
+
 def distinct_page_tables(lengths, capacity: int, seed: int) -> tuple[tuple[int, ...], ...]:
     """Each request of ``lengths`` tokens its own pages, drawn across the pool's ``[1, capacity)`` (page 0 is
     reserved) so that requests interleave in it."""
@@ -377,19 +397,15 @@ class KitWorld:
         """Publish the mode's reservation for this world, as the pool-sizing hook does at a server's start-up:
         a batch of up to ``max_requests`` requests of up to ``longest`` tokens (row sizes from the pool)."""
         from sglang_cpkv.hooks.reservation import publish
-        from sglang_cpkv.hooks.settings import layer_ahead
-        from sglang_cpkv.runtime.reservation import Reservation
 
         pool = self.pool
         kv = pool.kv_buffer[0]
         index_k_layer = next(i for i, skip in enumerate(self.route.skip_topk_layers) if not skip)
         publish(
-            Reservation(
-                max_batch_tokens=max_requests * self.max_context,
-                chunk_tokens=max_requests * longest,
-                page_size=PAGE,
-                cp_size=self.cp_size,
-                views_per_kind=2 if layer_ahead(self.cp_size) else 1,
+            kit_reservation(
+                max_requests,
+                longest,
+                self.cp_size,
                 latent_token_bytes=kv[0].numel() * kv.element_size(),
                 index_k_token_bytes=pool.get_index_k_with_scale_buffer(index_k_layer).shape[1] // PAGE,
             )

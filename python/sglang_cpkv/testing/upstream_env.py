@@ -13,7 +13,7 @@ GPU test environment (``scripts/gpu_env/install.sh``), which exports ``SGLANG_CP
 such a test must run: :func:`skip_or_fail` turns the skip into a failure there, and :func:`kit_testcase`
 gives upstream's test kits (which call ``testcase.skipTest``) a test case that does the same.
 
-Only tests use this module; it never imports sglang itself.
+Only tests and the capacity planner's CLI (a CPU tool) use this module; it never imports sglang itself.
 """
 
 from __future__ import annotations

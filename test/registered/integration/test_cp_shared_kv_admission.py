@@ -47,9 +47,10 @@ from sglang.srt.runtime_context import get_schedule  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
+from sglang_cpkv.capacity.upstream import prefill_cp_server  # noqa: E402
 from sglang_cpkv.hooks import reservation as reservation_hooks  # noqa: E402
 from sglang_cpkv.runtime.reservation import Reservation  # noqa: E402
-from sglang_cpkv.testing.pool_sizing import prefill_cp_server  # noqa: E402
+from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E402, F401 (autouse: context per test)
 
 GLM5_DIR = Path(__file__).parents[1] / "upstream" / "fixtures" / "glm5_dsa"
 PAGE = 64

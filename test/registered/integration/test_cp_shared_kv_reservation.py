@@ -2,7 +2,7 @@
 
 Each case resolves a real ``ServerArgs`` for the local GLM-5 DSA config (78 layers, FP8 656-byte KV rows, 128-dim
 index K) as a P/D prefill server with CP 8, publishes it, builds upstream's ``KVCacheConfigurator`` and
-``DefaultPoolConfigurator`` (the pool sizing DSA models use; :mod:`sglang_cpkv.testing.pool_sizing`) and asks it
+``DefaultPoolConfigurator`` (the pool sizing DSA models use; :mod:`sglang_cpkv.capacity.upstream`) and asks it
 for the pool of a 100 GiB budget.
 Checked: with the mode off nothing is charged; with it on the configurator's fixed overhead grows by exactly the
 published reservation (the sum of its buffers, :class:`~sglang_cpkv.runtime.reservation.Reservation`), the pool
@@ -30,8 +30,9 @@ from sglang_cpkv.testing.upstream_env import install_torchvision_stub  # noqa: E
 
 install_torchvision_stub()
 
+from sglang_cpkv.capacity.upstream import pool_configurator, prefill_cp_server  # noqa: E402
 from sglang_cpkv.hooks import reservation as reservation_hooks  # noqa: E402
-from sglang_cpkv.testing.pool_sizing import pool_configurator, prefill_cp_server  # noqa: E402
+from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E402, F401 (autouse: context per test)
 
 GLM5_DIR = Path(__file__).parents[1] / "upstream" / "fixtures" / "glm5_dsa"
 PAGE = 64

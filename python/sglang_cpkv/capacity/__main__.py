@@ -1,0 +1,5 @@
+import sys
+
+from sglang_cpkv.capacity.cli import main
+
+sys.exit(main())

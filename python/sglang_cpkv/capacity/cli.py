@@ -1,0 +1,165 @@
+"""``python -m sglang_cpkv.capacity`` / ``sglang-cpkv-capacity``: what cp buys on a model and GPU (module docs:
+:mod:`sglang_cpkv.capacity`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from sglang_cpkv.capacity.planner import DEFAULT_MEM_FRACTION
+from sglang_cpkv.capacity.presets import GPUS, MODELS
+
+GIB = 2**30
+
+
+def model_dir_of(args: argparse.Namespace) -> tuple[str, float | None]:
+    """(a directory with the model's ``config.json``, its parameter count when a preset knows it)."""
+    given = [name for name in ("preset", "model") if getattr(args, name)]
+    if len(given) != 1:
+        raise ValueError("give exactly one of --preset and --model")
+    if args.preset:
+        preset = MODELS[args.preset]
+        return preset.model_dir, preset.parameters
+    path = Path(args.model).expanduser()
+    if path.is_file() and path.name == "config.json":
+        path = path.parent
+    if not path.is_dir():
+        raise ValueError(f"--model {args.model}: no such directory or config.json (nothing is downloaded)")
+    if not (path / "config.json").is_file():
+        # A Hugging Face cache directory: models--org--name/snapshots/<rev>/config.json
+        snapshots = sorted((path / "snapshots").glob("*/config.json"))
+        if not snapshots:
+            raise ValueError(f"--model {args.model}: no config.json there, nor under snapshots/*/ (a HF cache dir)")
+        path = snapshots[-1].parent
+    return str(path), None
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m sglang_cpkv.capacity",
+        description="KV capacity per prefill node and the mode's per-layer cost, per cp, from upstream's own pool "
+        "sizing (CPU; nothing downloaded).",
+    )
+    p.add_argument("--preset", choices=sorted(MODELS), help="a named model")
+    p.add_argument("--model", help="a model directory with config.json, a config.json, or a HF cache directory")
+    p.add_argument("--gpu", choices=sorted(GPUS), default="h200")
+    p.add_argument("--hbm-gb", type=float, help="override the GPU's HBM capacity (1e9 bytes)")
+    p.add_argument("--hbm-tbps", type=float, help="override the GPU's HBM bandwidth (TB/s)")
+    p.add_argument("--link-gbps", type=float, help="override the NVLink bandwidth per direction (GB/s)")
+    p.add_argument("--tp", type=int, default=8, help="--tp of the prefill server (GPUs of the node)")
+    p.add_argument("--cp", default="1,2,4,8", help="attention-CP sizes to compare (each divides --tp)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--kv-budget-gib", type=float, help="KV budget per GPU (default: the memory fraction's)")
+    budget.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=DEFAULT_MEM_FRACTION,
+        help=f"the server's --mem-fraction-static: budget = fraction x HBM - weights (default {DEFAULT_MEM_FRACTION}; "
+        "upstream's own heuristic reserves 1.5 MB of activations per chunk token, 0.258 on an H200 at chunk 65536)",
+    )
+    p.add_argument("--weights-gib", type=float, help="weights per GPU (default: a preset's parameters x 1 byte / tp)")
+    p.add_argument("--context-length", type=int, help="--context-length (default: the model's)")
+    p.add_argument("--chunked-prefill-size", type=int, default=65536)
+    p.add_argument("--cp-shared-kv-max-batch-tokens", type=int, help="the mode's limit (default: context + chunk)")
+    p.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=["fp8_e4m3", "bf16"])
+    p.add_argument("--request-tokens", type=int, default=131072, help="request length for the concurrency figure")
+    p.add_argument("--batch-requests", type=int, default=8, help="requests of the per-layer batch")
+    p.add_argument("--batch-history", type=int, default=8192, help="history tokens per request of the batch")
+    p.add_argument("--batch-extend", type=int, default=1024, help="current tokens per request of the batch")
+    p.add_argument("--history-sweep", default="2048,8192,32768,131072", help="histories of the plot's right panel")
+    p.add_argument("--json", type=Path, help="write one object per cp here")
+    p.add_argument("--plot", type=Path, help="write the plot here (PNG; needs matplotlib)")
+    return p
+
+
+def inputs_of(args: argparse.Namespace):
+    from sglang_cpkv.capacity.planner import PlanInputs, check_inputs, cp_list
+
+    model_dir, parameters = model_dir_of(args)
+    gpu = GPUS[args.gpu]
+    if args.hbm_gb is not None:
+        gpu = replace(gpu, hbm_bytes=args.hbm_gb * 1e9)
+    if args.hbm_tbps is not None:
+        gpu = replace(gpu, hbm_bandwidth=args.hbm_tbps * 1e12)
+    if args.link_gbps is not None:
+        gpu = replace(gpu, link_bandwidth=args.link_gbps * 1e9)
+    if min(gpu.hbm_bytes, gpu.hbm_bandwidth, gpu.link_bandwidth) <= 0:
+        raise ValueError("--hbm-gb, --hbm-tbps and --link-gbps must be > 0")
+    if args.tp < 1:
+        raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    if args.weights_gib is not None:
+        weights = args.weights_gib * GIB
+    elif args.kv_budget_gib is None:
+        if parameters is None:
+            raise ValueError("--model without --kv-budget-gib needs --weights-gib (weights per GPU)")
+        weights = parameters / args.tp
+    else:
+        weights = 0.0
+    try:
+        sweep = tuple(int(h) for h in args.history_sweep.split(","))
+    except ValueError:
+        raise ValueError(f"--history-sweep: a comma-separated list of integers, got {args.history_sweep!r}") from None
+    inputs = PlanInputs(
+        model_dir=model_dir,
+        gpu=gpu,
+        tp_size=args.tp,
+        cp_sizes=cp_list(args.cp),
+        weights_bytes_per_gpu=weights,
+        kv_budget_bytes=None if args.kv_budget_gib is None else int(args.kv_budget_gib * GIB),
+        mem_fraction_static=args.mem_fraction_static,
+        context_length=args.context_length,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_batch_tokens=args.cp_shared_kv_max_batch_tokens,
+        kv_cache_dtype=args.kv_cache_dtype,
+        request_tokens=args.request_tokens,
+        batch_requests=args.batch_requests,
+        batch_history=args.batch_history,
+        batch_extend=args.batch_extend,
+        history_sweep=sweep,
+    )
+    check_inputs(inputs)
+    return inputs
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        inputs = inputs_of(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    from sglang_cpkv.capacity.planner import plan, stderr_progress
+    from sglang_cpkv.capacity.report import plot, table, write_json
+    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+
+    stderr_progress("importing upstream sglang (the first server's resolution takes ~10 s on a CPU)")
+    install_torchvision_stub()
+    try:
+        rows = plan(inputs, progress=stderr_progress)
+    except ValueError as error:  # upstream's or our start-up refusal of the server, or the budget
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    model = args.preset or Path(inputs.model_dir).name
+    title = (
+        f"{model} on {args.tp} x {inputs.gpu.name.upper()} (TP {args.tp}), chunk {inputs.chunked_prefill_size}, "
+        f"{inputs.kv_cache_dtype} KV"
+    )
+    print(table(rows, title, inputs.request_tokens))
+    echo = {**vars(args), "json": str(args.json) if args.json else None, "plot": str(args.plot) if args.plot else None}
+    echo["gpu_figures"] = {
+        "hbm_bytes": inputs.gpu.hbm_bytes,
+        "hbm_bandwidth": inputs.gpu.hbm_bandwidth,
+        "link_bandwidth_per_direction": inputs.gpu.link_bandwidth,
+        "source": inputs.gpu.source + " (vendor figures: times are lower bounds)",
+    }
+    echo["weights_gib_per_gpu"] = inputs.weights_bytes_per_gpu / GIB
+    if args.json:
+        write_json(args.json, rows, json.loads(json.dumps(echo, default=str)))
+        stderr_progress(f"wrote {args.json}")
+    if args.plot:
+        plot(args.plot, rows, title)
+        stderr_progress(f"wrote {args.plot}")
+    return 0

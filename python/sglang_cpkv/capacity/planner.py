@@ -1,0 +1,287 @@
+"""Per cp: what a prefill node holds with the mode, with upstream's replicated CP and with upstream's kv-sharding,
+and what the mode moves per layer for a batch.
+
+Every KV figure is upstream's own (:func:`~.upstream.size_node`: ``ServerArgs`` resolution, the patched pool
+configurator, the allocator upstream builds for the pool); nothing here multiplies a per-rank pool by cp. Three
+servers per cp, same model, GPU, budget, chunk and context:
+
+* ``mode``: ``--enable-cp-shared-kv`` (its reservation charged to the budget). At cp 1 the mode does not run
+  (start-up refuses it without prefill CP) and the row is the plain TP server's.
+* ``replicated``: upstream's DSA prefill CP as shipped (every CP rank holds every page).
+* ``kv_sharding``: upstream's ``--enable-kv-cache-sharding`` (``PageInterleavePoolAllocator``: the page-id space
+  widened cp times over an unchanged per-rank pool), with the backends it requires (trtllm); cp > 1 only.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sglang_cpkv.capacity.presets import GpuPreset
+from sglang_cpkv.capacity.traffic import LayerTraffic, layer_traffic
+from sglang_cpkv.capacity.upstream import NodeCapacity, playing_gpu, prefill_cp_server, size_node
+from sglang_cpkv.runtime.reservation import page_rounded
+
+GIB = 2**30
+# An operator's setting for a long-chunk prefill node (upstream's own heuristic is far lower at chunk 65536).
+DEFAULT_MEM_FRACTION = 0.85
+# Upstream's kv-sharding accepts DSA only on these backends (arg_groups/kv_shard_hook.py).
+KV_SHARDING_SERVER = {
+    "enable_kv_cache_sharding": True,
+    "dsa_prefill_backend": "trtllm",
+    "dsa_decode_backend": "trtllm",
+}
+
+
+@dataclass(frozen=True)
+class MeasuredLayer:
+    """An attention layer the project measured (``benchmark/RESULTS.md``), shown beside a matching batch."""
+
+    gpu: str
+    cp_size: int
+    requests: int
+    history: int
+    extend: int
+    kv: str  # "fp8" (the 656-byte packed rows) or "bf16"
+    heads: int
+    topk: int
+    mode_off_ms: float
+    mode_on_ms: float  # the default pipeline at that cp (synchronous at cp 1)
+    source: str
+
+
+# The kit layer (upstream's DSA attention kit, triton_sparse_mla) on one H200, 2026-12-01, issue 17's shape at cp 1.
+MEASURED_LAYERS = (
+    MeasuredLayer(
+        "h200",
+        1,
+        8,
+        8192,
+        1024,
+        "fp8",
+        32,
+        2048,
+        8.359096050262451,
+        8.366924285888672,
+        "benchmark/results/2026-12-01-h200-session3/kit-layer/kit_layer_fp8_h32_k2048.json",
+    ),
+    MeasuredLayer(
+        "h200",
+        1,
+        8,
+        8192,
+        1024,
+        "bf16",
+        32,
+        2048,
+        8.038,
+        8.133,
+        "benchmark/results/2026-12-01-h200-session3/kit-layer/kit_layer_bf16_h32_k2048.json",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What the operator gives (see the CLI for each)."""
+
+    model_dir: str
+    gpu: GpuPreset
+    tp_size: int
+    cp_sizes: tuple[int, ...]
+    weights_bytes_per_gpu: float
+    kv_budget_bytes: int | None = None  # per GPU; None: mem_fraction_static x HBM - weights
+    mem_fraction_static: float = DEFAULT_MEM_FRACTION
+    context_length: int | None = None
+    chunked_prefill_size: int = 65536
+    max_batch_tokens: int | None = None  # --cp-shared-kv-max-batch-tokens
+    kv_cache_dtype: str = "fp8_e4m3"
+    request_tokens: int = 131072
+    batch_requests: int = 8
+    batch_history: int = 8192
+    batch_extend: int = 1024
+    history_sweep: tuple[int, ...] = (2048, 8192, 32768, 131072)
+    server_extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _server(inputs: PlanInputs, cp: int, **extra: Any) -> dict[str, Any]:
+    base = dict(
+        tp_size=inputs.tp_size,
+        chunked_prefill_size=inputs.chunked_prefill_size,
+        kv_cache_dtype=inputs.kv_cache_dtype,
+        **inputs.server_extra,
+    )
+    if inputs.context_length is not None:
+        base["context_length"] = inputs.context_length
+    base["mem_fraction_static"] = inputs.mem_fraction_static
+    if cp == 1:
+        base.update(enable_prefill_cp=False, cp_strategy=None)
+    else:
+        base["attn_cp_size"] = cp
+    return prefill_cp_server(inputs.model_dir, **base, **extra)
+
+
+def _node_figures(node: NodeCapacity, request_tokens: int) -> dict[str, Any]:
+    need = page_rounded(request_tokens, node.page_size)
+    return {
+        "kv_tokens": node.node_tokens,
+        "pool_tokens_per_rank": node.pool_tokens,
+        "allocator": node.allocator,
+        "widening": node.widening,
+        "cell_bytes": node.cell_bytes,
+        "overhead_gib": node.fixed_overhead_bytes / GIB,
+        "longest_context": min(node.context_len, node.node_tokens),
+        "concurrent_requests": node.node_tokens // need,
+    }
+
+
+def plan(inputs: PlanInputs, progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """One dict per cp (the JSON's objects); ``progress`` gets a line per server sized."""
+    say = progress or (lambda line: None)
+    rows = []
+    with playing_gpu(inputs.gpu.capability, hbm_bytes=inputs.gpu.hbm_bytes):
+        for cp in inputs.cp_sizes:
+            if inputs.kv_budget_bytes is not None:
+                budget, fraction = inputs.kv_budget_bytes, None
+            else:
+                fraction = inputs.mem_fraction_static
+                budget = int(fraction * inputs.gpu.hbm_bytes - inputs.weights_bytes_per_gpu)
+                if budget <= 0:
+                    raise ValueError(
+                        f"--mem-fraction-static {fraction:.3f} of {inputs.gpu.hbm_bytes / 1e9:.0f} GB leaves no KV "
+                        f"budget after {inputs.weights_bytes_per_gpu / GIB:.1f} GiB of weights per GPU "
+                        "(--weights-gib, --tp): give --kv-budget-gib"
+                    )
+            extra = {}
+            if inputs.max_batch_tokens is not None:
+                extra["cp_shared_kv_max_batch_tokens"] = inputs.max_batch_tokens
+            say(f"cp {cp}: sizing the replicated server")
+            replicated = size_node(_server(inputs, cp), layers=_layers(inputs), budget_bytes=budget)
+            row: dict[str, Any] = {
+                "cp": cp,
+                "attn_tp": replicated.attn_tp_size,
+                "kv_budget_gib": budget / GIB,
+                "mem_fraction_static": fraction,
+                "mode_runs": cp > 1,
+            }
+            if cp > 1:
+                say(f"cp {cp}: sizing the mode's server (--enable-cp-shared-kv)")
+                mode = size_node(
+                    _server(inputs, cp, enable_cp_shared_kv=True, **extra), layers=_layers(inputs), budget_bytes=budget
+                )
+                say(f"cp {cp}: sizing upstream's kv-sharding server")
+                sharded = size_node(
+                    _server(inputs, cp, **KV_SHARDING_SERVER), layers=_layers(inputs), budget_bytes=budget
+                )
+            else:
+                mode, sharded = replicated, None
+            figures = _node_figures(mode, inputs.request_tokens)
+            row.update(figures)
+            row["kv_tokens_replicated"] = replicated.node_tokens
+            row["ratio"] = mode.node_tokens / replicated.node_tokens
+            row["replicated"] = _node_figures(replicated, inputs.request_tokens)
+            row["kv_tokens_kv_sharding"] = None if sharded is None else sharded.node_tokens
+            row["ratio_kv_sharding"] = None if sharded is None else sharded.node_tokens / replicated.node_tokens
+            row["kv_sharding"] = None if sharded is None else _node_figures(sharded, inputs.request_tokens)
+            reservation = mode.reservation
+            row["reservation"] = (
+                None
+                if reservation is None
+                else {
+                    "gib": reservation.total_bytes / GIB,
+                    "bytes": reservation.total_bytes,
+                    "max_batch_tokens": reservation.max_batch_tokens,
+                    "dense_slots": reservation.dense_slots,
+                    "percent_of_budget": 100 * reservation.total_bytes / budget,
+                    "parts_mib": {k: v / 2**20 for k, v in reservation.parts().items()},
+                }
+            )
+            if reservation is not None:
+                row["requests_per_batch"] = reservation.max_batch_tokens // page_rounded(
+                    inputs.request_tokens, mode.page_size
+                )
+            say(f"cp {cp}: per-layer traffic of the batch and the history sweep")
+            row["layer"] = _layer_figures(inputs, cp, mode, reservation)
+            rows.append(row)
+    return rows
+
+
+def _layers(inputs: PlanInputs) -> int:
+    import json
+    from pathlib import Path
+
+    return int(json.loads(Path(inputs.model_dir, "config.json").read_text())["num_hidden_layers"])
+
+
+def _traffic_row(traffic: LayerTraffic, gpu: GpuPreset) -> dict[str, Any]:
+    return {**asdict(traffic), **traffic.times(gpu.hbm_bandwidth, gpu.link_bandwidth)}
+
+
+def _layer_figures(inputs: PlanInputs, cp: int, node: NodeCapacity, reservation) -> dict[str, Any]:
+    latent, index_k = node.latent_token_bytes, node.index_k_token_bytes
+    k = None if reservation is None else reservation.exchange_pages_per_round or None
+
+    def traffic(history: int) -> LayerTraffic:
+        return layer_traffic(
+            [history] * inputs.batch_requests,
+            [inputs.batch_extend] * inputs.batch_requests,
+            page_size=node.page_size,
+            cp_size=cp,
+            latent_token_bytes=latent,
+            index_k_token_bytes=index_k,
+            exchange_pages_per_round=k,
+        )
+
+    batch = _traffic_row(traffic(inputs.batch_history), inputs.gpu)
+    kv = "fp8" if inputs.kv_cache_dtype.startswith("fp8") else "bf16"
+    measured = [
+        asdict(m)
+        for m in MEASURED_LAYERS
+        if (m.gpu, m.cp_size, m.requests, m.history, m.extend, m.kv)
+        == (inputs.gpu.name, cp, inputs.batch_requests, inputs.batch_history, inputs.batch_extend, kv)
+    ]
+    return {
+        "batch": {
+            "requests": inputs.batch_requests,
+            "history": inputs.batch_history,
+            "extend": inputs.batch_extend,
+        },
+        "latent_token_bytes": latent,
+        "index_k_token_bytes": index_k,
+        **batch,
+        "measured_layer": measured[0] if measured else None,
+        "sweep": [{"history": h, **_traffic_row(traffic(h), inputs.gpu)} for h in inputs.history_sweep],
+    }
+
+
+def stderr_progress(line: str) -> None:
+    print(f"[capacity] {line}", file=sys.stderr, flush=True)
+
+
+def cp_list(text: str) -> tuple[int, ...]:
+    """``--cp 1,2,4,8`` -> (1, 2, 4, 8); refuses anything but positive integers."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--cp: a comma-separated list of integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise ValueError(f"--cp: every value must be >= 1, got {text!r}")
+    return values
+
+
+def check_inputs(inputs: PlanInputs) -> None:
+    """Refuse what upstream would refuse less clearly, naming the option."""
+    for cp in inputs.cp_sizes:
+        if inputs.tp_size % cp:
+            raise ValueError(f"--cp {cp}: must divide --tp {inputs.tp_size}")
+    if inputs.kv_budget_bytes is not None and inputs.kv_budget_bytes <= 0:
+        raise ValueError("--kv-budget-gib must be > 0")
+    if not 0 < inputs.mem_fraction_static <= 1:
+        raise ValueError(f"--mem-fraction-static must be in (0, 1], got {inputs.mem_fraction_static}")
+    for name in ("chunked_prefill_size", "request_tokens", "batch_requests", "batch_extend"):
+        if getattr(inputs, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(inputs, name)}")
+    if inputs.batch_history < 0 or any(h < 0 for h in inputs.history_sweep):
+        raise ValueError("--batch-history and --history-sweep must be >= 0")

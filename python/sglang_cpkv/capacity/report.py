@@ -1,0 +1,133 @@
+"""The planner's outputs: the stdout table, the JSON, the plot (matplotlib, imported only for ``--plot``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _k(tokens: int | None) -> str:
+    return "-" if tokens is None else f"{tokens / 1000:,.0f}K"
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.0f} us"
+
+
+def table(rows: list[dict[str, Any]], title: str, request_tokens: int) -> str:
+    """The per-cp table: capacity first, then the batch's per-layer bytes and their lower-bound times."""
+    lines = [title, f"(longest: the longest request that fits; concurrent: requests of {request_tokens} tokens)", ""]
+    head = (
+        f"{'cp':>3} {'attn_tp':>7} {'budget GiB':>10} {'mode KV':>9} {'replicated':>10} {'ratio':>6} "
+        f"{'kv-sharding':>11} {'ratio':>6} {'reserved':>13} {'longest':>8} {'concurrent':>10}"
+    )
+    lines += [head, "-" * len(head)]
+    for row in rows:
+        reservation = row["reservation"]
+        reserved = "-" if reservation is None else f"{reservation['gib']:.3f} GiB"
+        sharding_ratio = row["ratio_kv_sharding"]
+        lines.append(
+            f"{row['cp']:>3} {row['attn_tp']:>7} {row['kv_budget_gib']:>10.1f} {_k(row['kv_tokens']):>9} "
+            f"{_k(row['kv_tokens_replicated']):>10} {row['ratio']:>5.2f}x {_k(row['kv_tokens_kv_sharding']):>11} "
+            f"{'-' if sharding_ratio is None else f'{sharding_ratio:.2f}x':>6} {reserved:>13} "
+            f"{_k(row['longest_context']):>8} {row['concurrent_requests']:>10}"
+        )
+    batch = rows[0]["layer"]["batch"]
+    lines += [
+        "",
+        f"Per layer, one rank, batch {batch['requests']} x {batch['history']} history + {batch['extend']} current "
+        "(latent + index K; lower bounds at the GPU's peaks):",
+    ]
+    head = (
+        f"{'cp':>3} {'rounds':>6} {'link MB':>9} {'HBM MB':>9} {'exchange':>10} {'copies':>10} {'total':>10} "
+        f"{'floor':>10} {'floor MB':>9}  measured layer"
+    )
+    lines += [head, "-" * len(head)]
+    for row in rows:
+        layer = row["layer"]
+        measured = layer["measured_layer"]
+        seen = "-"
+        if measured is not None:
+            seen = (
+                f"{measured['mode_off_ms']:.3f} ms off, {measured['mode_on_ms']:.3f} ms on "
+                f"({measured['heads']} heads, top-k {measured['topk']})"
+            )
+        lines.append(
+            f"{row['cp']:>3} {layer['rounds']:>6} {layer['link_bytes'] / 1e6:>9.1f} {layer['hbm_bytes'] / 1e6:>9.1f} "
+            f"{_us(layer['exchange_s']):>10} {_us(layer['copies_s']):>10} {_us(layer['total_s']):>10} "
+            f"{_us(layer['floor_s']):>10} {(layer['floor_link_bytes'] + layer['floor_hbm_bytes']) / 1e6:>9.1f}  {seen}"
+        )
+    return "\n".join(lines)
+
+
+def write_json(path: Path, rows: list[dict[str, Any]], inputs: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"inputs": inputs, "rows": rows}, indent=1) + "\n")
+
+
+def plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
+    """Two panels: KV tokens a node holds vs cp (mode, replicated, kv-sharding); per-layer time vs history."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib (requirements/dev-cpu.txt pins it): pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
+    cps = [row["cp"] for row in rows]
+    left.plot(cps, [row["kv_tokens"] / 1e3 for row in rows], "o-", label="CP shared-KV mode (this distribution)")
+    left.plot(cps, [row["kv_tokens_replicated"] / 1e3 for row in rows], "s--", label="upstream replicated CP")
+    sharded = [(row["cp"], row["kv_tokens_kv_sharding"]) for row in rows if row["kv_tokens_kv_sharding"]]
+    if sharded:
+        left.plot(
+            [c for c, _ in sharded], [t / 1e3 for _, t in sharded], "^:", label="upstream --enable-kv-cache-sharding"
+        )
+    left.set_xscale("log", base=2)
+    left.set_xticks(cps, [str(c) for c in cps])
+    left.set_xlabel("cp (attention-CP ranks of the prefill node)")
+    left.set_ylabel("KV tokens the node holds (K)")
+    left.set_title("KV capacity (upstream's pool sizing)")
+    left.grid(alpha=0.3)
+    left.legend(fontsize=8)
+
+    for row in rows:
+        if row["cp"] == 1:
+            continue
+        sweep = row["layer"]["sweep"]
+        history = [point["history"] / 1e3 for point in sweep]
+        (line,) = right.plot(history, [p["exchange_s"] * 1e3 for p in sweep], "o-", label=f"cp {row['cp']} exchange")
+        right.plot(
+            history, [p["total_s"] * 1e3 for p in sweep], "--", color=line.get_color(), label=f"cp {row['cp']} total"
+        )
+        right.plot(
+            history, [p["floor_s"] * 1e3 for p in sweep], ":", color=line.get_color(), label=f"cp {row['cp']} floor"
+        )
+    measured = {
+        (m["history"], m["mode_off_ms"], m["heads"], m["topk"]) for row in rows if (m := row["layer"]["measured_layer"])
+    }
+    for history, ms, heads, topk in sorted(measured):
+        right.plot([history / 1e3], [ms], "k*", markersize=11)
+        right.annotate(
+            f"measured attention layer, cp 1\n(kit, {heads} heads, top-k {topk}): {ms:.2f} ms",
+            (history / 1e3, ms),
+            textcoords="offset points",
+            xytext=(8, -22),
+            fontsize=8,
+        )
+    batch = rows[0]["layer"]["batch"]
+    right.set_xscale("log", base=2)
+    ticks = [point["history"] for point in rows[-1]["layer"]["sweep"]]
+    right.set_xticks([t / 1e3 for t in ticks], [f"{t / 1024:g}K" for t in ticks])
+    right.set_yscale("log")
+    right.set_xlabel(f"history per request ({batch['requests']} requests, {batch['extend']} current tokens each)")
+    right.set_ylabel("ms per layer (lower bound at vendor peaks)")
+    right.set_title("The mode's per-layer exchange and copies")
+    right.grid(alpha=0.3, which="both")
+    right.legend(fontsize=7, ncol=2)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

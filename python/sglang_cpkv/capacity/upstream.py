@@ -1,0 +1,292 @@
+"""Upstream's own server resolution and KV pool sizing, on any machine (what a prefill server does at start-up).
+
+:func:`size_node` resolves a real ``ServerArgs``, publishes it as a scheduler does (inside
+:func:`scoped_runtime_context`, so nothing is left in upstream's process-wide context), builds upstream's
+``KVCacheConfigurator``, turns a KV budget into a pool with upstream's ``config_from_budget`` (the
+``DefaultPoolConfigurator`` DSA models use; patched: it charges the CP shared-KV reservation,
+``hooks/reservation.py``) and builds the token allocator upstream's configurator builds for that pool
+(``_build_token_to_kv_pool_allocator``, on the CPU). A node's token capacity is then what upstream's
+``TpModelWorker.get_worker_info`` reports to the scheduler: the logical capacity of the pool times the
+allocator's page-interleave widening (``page_interleave_shard_size``; > 1 only for ``--enable-kv-cache-sharding``).
+
+Needs the pinned upstream. :func:`playing_gpu` makes ``torch.cuda.get_device_capability`` answer for the GPU
+the sizing plays and sets the environment a mode server runs with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sglang_cpkv.runtime.reservation import Reservation
+
+# The prefill server of the mode needs all-CP-ranks KV transfer (README, Settings); the draft's extend under CP.
+MODE_ENV = {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1", "SGLANG_CP_DRAFT_SHARED_KV": "1"}
+# Set by upstream's kv-sharding resolution for the rest of the process (arg_groups/kv_shard_hook.py): put back.
+RESOLUTION_SETS_ENV = ("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND",)
+
+
+@contextlib.contextmanager
+def scoped_runtime_context() -> Iterator[None]:
+    """Upstream's process-wide runtime context (published server args, config bags, parallel overrides and
+    stamps, flags, resources) as it was before the block, restored after it: a published ``ServerArgs`` of one
+    sizing or test never leaks into the next (a TP 8 server left published makes a later CP 2 world's
+    parallel topology inconsistent)."""
+    from sglang.srt import runtime_context
+
+    context = runtime_context.get_context()
+    parallel = context.parallel
+    saved = (
+        context._server_args,
+        context._config_bags,
+        list(context._overrides_log),
+        context._publish_role,
+        context.flags,
+        context.resources,
+        context.forward,
+        parallel._config,
+        dict(parallel._stamp),
+        dict(parallel._overrides),
+    )
+    try:
+        yield
+    finally:
+        (
+            context._server_args,
+            context._config_bags,
+            context._overrides_log,
+            context._publish_role,
+            context.flags,
+            context.resources,
+            context.forward,
+            parallel._config,
+            stamp,
+            overrides,
+        ) = saved
+        parallel._stamp.clear()
+        parallel._stamp.update(stamp)
+        parallel._overrides.clear()
+        parallel._overrides.update(overrides)
+
+
+@contextlib.contextmanager
+def playing_gpu(capability: tuple[int, int], *, hbm_bytes: float | None = None, quiet: bool = True) -> Iterator[None]:
+    """For the block only: ``torch.cuda.get_device_capability`` answers ``capability``, upstream's server-args
+    resolution sees a GPU of ``hbm_bytes`` (its memory defaults: ``mem_fraction_static``, chunk size; None: no
+    GPU memory known, upstream's CPU-side defaults), :data:`MODE_ENV` is set; with ``quiet`` upstream's resolution
+    logs (several warnings per server) are held below ERROR."""
+    from sglang.srt.arg_groups import kv_shard_hook, memory_hook
+
+    hooks = (memory_hook, kv_shard_hook)
+    saved_memory = [hook.get_device_memory_capacity for hook in hooks]
+    if hbm_bytes is not None:
+        for hook in hooks:
+            hook.get_device_memory_capacity = lambda device=None: hbm_bytes / 2**20  # MiB, as upstream's query
+    saved_capability = torch.cuda.get_device_capability
+    saved_env = {name: os.environ.get(name) for name in (*MODE_ENV, *RESOLUTION_SETS_ENV)}
+    sglang_logger = logging.getLogger("sglang")
+    saved_level = sglang_logger.level
+    torch.cuda.get_device_capability = lambda *a, **k: capability
+    os.environ.update(MODE_ENV)
+    if quiet:
+        sglang_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for hook, saved in zip(hooks, saved_memory):
+            hook.get_device_memory_capacity = saved
+        torch.cuda.get_device_capability = saved_capability
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        sglang_logger.setLevel(saved_level)
+
+
+def prefill_cp_server(model_dir: str, **overrides: Any) -> dict[str, Any]:
+    """``ServerArgs`` keywords of a P/D prefill server with DSA prefill CP (TP 8 and, unless ``attn_cp_size`` says
+    otherwise, CP 8; interleave, Mooncake): the server the reservation tests, benchmark and planner size
+    (``overrides`` win)."""
+    return {
+        "model_path": model_dir,
+        "skip_tokenizer_init": True,
+        "device": "cuda",
+        "tp_size": 8,
+        "enable_prefill_cp": True,
+        "cp_strategy": "interleave",
+        "disaggregation_mode": "prefill",
+        "disaggregation_transfer_backend": "mooncake",
+        **overrides,
+    }
+
+
+def resolve_and_publish(server: dict[str, Any]):
+    """``ServerArgs(**server)`` resolved and published in upstream's runtime context (the caller scopes it)."""
+    from sglang.srt import runtime_context
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(**server)
+    args.resolve_once()
+    runtime_context.get_context().set_server_args(args)
+    return args
+
+
+def kv_cache_configurator(args: Any, *, layers: int, page_size: int, draft_worker: bool = False):
+    """Upstream's ``KVCacheConfigurator`` of a model runner of the published ``args`` with ``layers`` layers of KV."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.model_executor.model_runner_components.layer_setup import ModelLayerInfo
+    from sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state import SpecAuxHiddenStateConfig
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    fp8 = str(args.kv_cache_dtype).startswith("fp8")
+    return KVCacheConfigurator(
+        device="cuda",
+        gpu_id=0,
+        attn_dp_size=1,
+        pp_size=1,
+        pp_group=None,
+        model=None,
+        model_config=ModelConfig.from_server_args(args),
+        server_args=args,
+        kv_cache_dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16,
+        model_dtype=torch.bfloat16,
+        page_size=page_size,
+        sliding_window_size=None,
+        spec_algorithm=SpeculativeAlgorithm.from_string(args.speculative_algorithm),
+        is_draft_worker=draft_worker,
+        post_capture_kv_active=False,
+        spec_aux_config=SpecAuxHiddenStateConfig(eagle_draft_num_layers=1 if args.speculative_algorithm else None),
+        is_hybrid_swa=False,
+        is_hybrid_swa_compress=False,
+        use_mla_backend=True,
+        layer_info=ModelLayerInfo(start_layer=0, end_layer=layers, num_effective_layers=layers),
+        forward_stream=None,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=None,
+        memory_pool_config=None,
+    )
+
+
+def pool_configurator(server: dict[str, Any], *, layers: int, page_size: int, draft_worker: bool = False):
+    """``(server_args, DefaultPoolConfigurator)`` for ``ServerArgs(**server)`` with ``layers`` layers of KV, its
+    args published (the caller scopes it: :func:`scoped_runtime_context`)."""
+    from sglang.srt.model_executor.pool_configurator import DefaultPoolConfigurator
+
+    args = resolve_and_publish(server)
+    return args, DefaultPoolConfigurator(
+        kv_cache_configurator(args, layers=layers, page_size=page_size, draft_worker=draft_worker)
+    )
+
+
+class _StandInGroup:
+    """The attention-CP group handle of rank 0 of ``world_size`` ranks, for a sizing with no process group: all
+    upstream's kv-sharding sizing reads of it are its width and this rank (``get_kv_shard_group_info``)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.rank_in_group = 0
+
+
+@dataclass(frozen=True)
+class NodeCapacity:
+    """One server's KV capacity as upstream sizes it.
+
+    Attributes:
+        pool_tokens: rows of each rank's KV pool (upstream's ``max_total_num_tokens``).
+        node_tokens: tokens the scheduler admits against (``get_worker_info``'s ``kv_capacity``): distinct KV
+            tokens the node holds.
+        allocator: the class of the token allocator upstream builds for the pool.
+        widening: its page-interleave widening (``page_interleave_shard_size``).
+        cell_bytes: bytes of one token over all layers (the configurator's cell size).
+        fixed_overhead_bytes: what the configurator charged before sizing (kv-sharding scratch, the mode's
+            reservation).
+        reservation: the mode's reservation the patched configurator published (None with the mode off).
+        latent_token_bytes, index_k_token_bytes: one token's row of the latent pool and of the index-K pool, as
+            the reservation hook reads them (``hooks/reservation.py``).
+        attn_cp_size, attn_tp_size, chunk_tokens, context_len, page_size: as resolved.
+    """
+
+    pool_tokens: int
+    node_tokens: int
+    allocator: str
+    widening: int
+    cell_bytes: int
+    fixed_overhead_bytes: int
+    reservation: Reservation | None
+    latent_token_bytes: int
+    index_k_token_bytes: int
+    attn_cp_size: int
+    attn_tp_size: int
+    chunk_tokens: int
+    context_len: int
+    page_size: int
+
+
+def size_node(server: dict[str, Any], *, layers: int, budget_bytes: int) -> NodeCapacity:
+    """Upstream's pool and allocator for ``ServerArgs(**server)`` given ``budget_bytes`` of KV budget per rank.
+
+    Runs inside :func:`scoped_runtime_context` (and with the mode's published reservation put back afterwards).
+    A kv-sharding server (``enable_kv_cache_sharding``) sizes as rank 0 of its attention-CP group.
+    """
+    from sglang.srt.mem_cache.allocator.page_interleave import page_interleave_shard_size
+    from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
+    from sglang.srt.runtime_context import get_parallel, get_schedule
+
+    from sglang_cpkv.hooks import reservation as reservation_hooks
+
+    saved_reservation = reservation_hooks._published
+    reservation_hooks._published = None
+    try:
+        with scoped_runtime_context(), contextlib.ExitStack() as stack:
+            args = resolve_and_publish(server)
+            parallel = get_parallel()
+            if server.get("enable_kv_cache_sharding"):
+                stack.enter_context(
+                    parallel.override(attn_cp_group=_StandInGroup(parallel.attn_cp_size), attn_cp_rank=0)
+                )
+            page_size = get_schedule().page_size
+            kvc = kv_cache_configurator(args, layers=layers, page_size=page_size)
+            config = kvc.config_from_budget(budget_bytes)
+            # The configurator the budget went through (the patched one charges the reservation when it is made).
+            from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
+
+            configurator = create_memory_pool_configurator(kvc)
+            sizes = kvc._derive_pool_sizes(config=config)
+            kvc.device = "cpu"  # the allocator's free lists only; the branch it takes does not read the device
+            allocator = kvc._build_token_to_kv_pool_allocator(
+                sizes=sizes,
+                token_to_kv_pool=None,
+                is_dsv4_model=False,
+                req_to_token_pool=None,
+                token_to_kv_pool_allocator=None,
+            )
+            widening = page_interleave_shard_size(allocator)
+            return NodeCapacity(
+                pool_tokens=sizes.max_total_num_tokens,
+                node_tokens=kvc.logical_token_capacity(max_total_num_tokens=sizes.max_total_num_tokens) * widening,
+                allocator=type(allocator).__name__,
+                widening=widening,
+                cell_bytes=configurator._cell_size,
+                fixed_overhead_bytes=configurator._fixed_overhead_bytes,
+                reservation=reservation_hooks._published,
+                latent_token_bytes=calculate_mla_kv_cache_dim(
+                    model_config=kvc.model_config, kv_cache_dtype=kvc.kv_cache_dtype
+                )
+                * torch._utils._element_size(kvc.kv_cache_dtype),
+                index_k_token_bytes=reservation_hooks.index_k_token_bytes(kvc.model_config.hf_config),
+                attn_cp_size=parallel.attn_cp_size,
+                attn_tp_size=parallel.attn_tp_size,
+                chunk_tokens=get_schedule().chunked_prefill_size,
+                context_len=kvc.model_config.context_len,
+                page_size=page_size,
+            )
+    finally:
+        reservation_hooks._published = saved_reservation
