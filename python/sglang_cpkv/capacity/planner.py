@@ -22,6 +22,7 @@ from typing import Any
 from sglang_cpkv.capacity.presets import GpuPreset
 from sglang_cpkv.capacity.traffic import LayerTraffic, layer_traffic
 from sglang_cpkv.capacity.upstream import NodeCapacity, playing_gpu, prefill_cp_server, size_node
+from sglang_cpkv.hooks.settings import FLAG
 from sglang_cpkv.runtime.reservation import page_rounded
 
 GIB = 2**30
@@ -166,17 +167,24 @@ def plan(inputs: PlanInputs, progress: Callable[[str], None] | None = None) -> l
                 "mem_fraction_static": fraction,
                 "mode_runs": cp > 1,
             }
+            mode, sharded = replicated, None
             if cp > 1:
                 say(f"cp {cp}: sizing the mode's server (--enable-cp-shared-kv)")
-                mode = size_node(
-                    _server(inputs, cp, enable_cp_shared_kv=True, **extra), layers=_layers(inputs), budget_bytes=budget
-                )
+                try:
+                    mode = size_node(
+                        _server(inputs, cp, enable_cp_shared_kv=True, **extra),
+                        layers=_layers(inputs),
+                        budget_bytes=budget,
+                    )
+                except ValueError as refusal:
+                    # The server refuses the mode here at start-up (the compatibility table): reported, not sized.
+                    if not str(refusal).startswith(FLAG):
+                        raise
+                    row["mode_runs"], row["mode_refused"] = False, str(refusal)
                 say(f"cp {cp}: sizing upstream's kv-sharding server")
                 sharded = size_node(
                     _server(inputs, cp, **KV_SHARDING_SERVER), layers=_layers(inputs), budget_bytes=budget
                 )
-            else:
-                mode, sharded = replicated, None
             figures = _node_figures(mode, inputs.request_tokens)
             row.update(figures)
             row["kv_tokens_replicated"] = replicated.node_tokens

@@ -27,12 +27,16 @@ def table(rows: list[dict[str, Any]], title: str, request_tokens: int) -> str:
         reservation = row["reservation"]
         reserved = "-" if reservation is None else f"{reservation['gib']:.3f} GiB"
         sharding_ratio = row["ratio_kv_sharding"]
+        mode_kv = "refused" if row.get("mode_refused") else _k(row["kv_tokens"])
         lines.append(
-            f"{row['cp']:>3} {row['attn_tp']:>7} {row['kv_budget_gib']:>10.1f} {_k(row['kv_tokens']):>9} "
+            f"{row['cp']:>3} {row['attn_tp']:>7} {row['kv_budget_gib']:>10.1f} {mode_kv:>9} "
             f"{_k(row['kv_tokens_replicated']):>10} {row['ratio']:>5.2f}x {_k(row['kv_tokens_kv_sharding']):>11} "
             f"{'-' if sharding_ratio is None else f'{sharding_ratio:.2f}x':>6} {reserved:>13} "
             f"{_k(row['longest_context']):>8} {row['concurrent_requests']:>10}"
         )
+    for row in rows:
+        if row.get("mode_refused"):
+            lines.append(f"cp {row['cp']}: the mode is refused at start-up here: {row['mode_refused']}")
     batch = rows[0]["layer"]["batch"]
     lines += [
         "",
@@ -77,7 +81,13 @@ def plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
     cps = [row["cp"] for row in rows]
-    left.plot(cps, [row["kv_tokens"] / 1e3 for row in rows], "o-", label="CP shared-KV mode (this distribution)")
+    served = [row for row in rows if not row.get("mode_refused")]  # where the server starts with the mode
+    left.plot(
+        [row["cp"] for row in served],
+        [row["kv_tokens"] / 1e3 for row in served],
+        "o-",
+        label="CP shared-KV mode (this distribution; cp it refuses left out)",
+    )
     left.plot(cps, [row["kv_tokens_replicated"] / 1e3 for row in rows], "s--", label="upstream replicated CP")
     sharded = [(row["cp"], row["kv_tokens_kv_sharding"]) for row in rows if row["kv_tokens_kv_sharding"]]
     if sharded:
