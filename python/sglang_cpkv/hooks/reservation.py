@@ -97,10 +97,9 @@ def defers_request(adder: Any, req: Any) -> bool:
     admitted = sum(page_rounded(r.extend_end, page_size) for r in adder.can_run_list)
     end = len(req.full_untruncated_fill_ids)
     if adder.rem_chunk_tokens is not None:
-        # An upper bound: upstream may round the chunk end down to a page, and a HiCache host hit extends the
-        # prefix the chunk starts from (``_select_prefill_admission``).
-        prefix = req.prefix_len + (getattr(req, "host_hit_length", 0) or 0)
-        end = min(end, prefix + max(adder.rem_chunk_tokens, 0))
+        # An upper bound: upstream may round the chunk end down to a page. (No HiCache host hit extends the prefix:
+        # start-up refuses HiCache beside the mode.)
+        end = min(end, req.prefix_len + max(adder.rem_chunk_tokens, 0))
     wanted = admitted + page_rounded(end, page_size)
     if wanted <= reservation.max_batch_tokens:
         return False

@@ -154,6 +154,11 @@ REFUSED_FEATURES: tuple[Refusal, ...] = (
         lambda c: bool(c.enable_cp_decode_attn_tp),
     ),
     Refusal(
+        "--enable-pdmux",
+        "PD multiplexing runs prefill and decode in one server; a server of the mode only prefills",
+        lambda c: bool(c.enable_pdmux),
+    ),
+    Refusal(
         "--enable-memory-saver",
         "the mode's reserved buffers are outside the saver's KV region, so a release would free less than it says",
         lambda c: bool(c.enable_memory_saver),

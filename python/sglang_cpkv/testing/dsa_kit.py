@@ -325,6 +325,10 @@ class KitWorld:
         from sglang.srt.runtime_context import get_context, get_parallel
 
         published = get_context()._server_args  # the server's args (CP runs), put back after the kit's own
+        # The kit's dense-attention module states attn_dcp_rank once, at its import (an override it never exits); a
+        # test's scoped upstream context (testing/pool_sizing.scoped_upstream_context) drops it after the test that
+        # imported the kit, so each world states decode CP off itself before the kit's runner reads it.
+        get_parallel().override_permanently(attn_dcp_size=1, attn_dcp_rank=0)
         runner = kit.DSAMockModelRunner(
             case=_kit_case(up, shape, heads),
             model_config=model_config,

@@ -29,6 +29,7 @@ import pytest
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=30, suite="cpkv-cpu")
+from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E402, F401 (autouse: upstream's context per test)
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "upstream" / "fixtures" / "dsa_v32"  # DeepseekV32ForCausalLM
 ALL_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"

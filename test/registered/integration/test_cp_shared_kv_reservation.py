@@ -70,12 +70,13 @@ def test_mode_on_charges_its_reservation_before_the_pool_is_sized(monkeypatch, c
     assert (reserved.latent_token_bytes, reserved.index_k_token_bytes) == (656, 132)
     assert on._cell_size == off._cell_size == LAYERS * (656 + 132)
     assert (reserved.cp_size, reserved.page_size, reserved.views_per_kind, reserved.backends) == (8, PAGE, 2, 1)
-    assert reserved.max_batch_tokens == CONTEXT + CHUNK  # the default: one full-context request and a chunk
+    # the default: one full-context request and a chunk, each request's page rounding counted (issue 21)
+    assert reserved.max_batch_tokens == CONTEXT + CHUNK + CHUNK // 64 * 63
     assert reserved.chunk_tokens == CHUNK
     assert on._fixed_overhead_bytes == reserved.total_bytes
     assert on_tokens == (BUDGET - reserved.total_bytes) // on._cell_size // PAGE * PAGE
     assert off_tokens - on_tokens >= reserved.total_bytes // on._cell_size // PAGE * PAGE
-    assert "CP shared-KV: reserved" in caplog.text and "--cp-shared-kv-max-batch-tokens 268288" in caplog.text
+    assert "CP shared-KV: reserved" in caplog.text and "--cp-shared-kv-max-batch-tokens 332800" in caplog.text
 
 
 def test_an_eagle_draft_is_charged_on_the_target_only(monkeypatch):

@@ -26,6 +26,7 @@ from sglang_cpkv.testing.ci_register import register_cpu_ci
 from sglang_cpkv.testing.dsa_kit import DSA_CONFIG
 
 register_cpu_ci(est_time=30, suite="cpkv-cpu")
+from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E402, F401 (autouse: upstream's context per test)
 
 FLAG = "--enable-cp-shared-kv"
 ALL_RANKS_ENV = {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1"}
@@ -207,6 +208,13 @@ BAD_CASES = [
         ALL_RANKS_ENV,
         "got 'nixl'",
     ),
+    (
+        "pipeline parallelism",
+        "dsa",
+        [*CP, *PREFILL, "--pp-size", "2", FLAG],
+        ALL_RANKS_ENV,
+        "requires --pp-size 1, got 2",
+    ),
     ("single CP rank sends", "dsa", [*CP, *PREFILL, FLAG], {}, "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1"),
     (
         "limit below one request",
@@ -280,6 +288,7 @@ REFUSED_FEATURE_CASES = [
         ALL_RANKS_ENV,
         "--dsa-triton-union",
     ),
+    ("PD multiplexing", "dsa", ["--enable-pdmux"], ALL_RANKS_ENV, "--enable-pdmux"),
     ("memory saver", "dsa", ["--enable-memory-saver"], ALL_RANKS_ENV, "--enable-memory-saver"),
     ("KV canary", "dsa", ["--kv-canary", "log"], ALL_RANKS_ENV, "--kv-canary"),
     (
@@ -321,6 +330,8 @@ UPSTREAM_REFUSED_CASES = [
     ("unified memory", ["--enable-unified-memory"], "'dsa'"),
     ("multi-item scoring", ["--enable-mis"], "flashinfer"),
     ("NGRAM", ["--speculative-algorithm", "NGRAM"], "topk"),
+    ("kv sharding", ["--enable-kv-cache-sharding"], "KV sharding"),
+    ("diffusion decoding", ["--dllm-algorithm", "LowConfidence"], "diffusion LLM"),
 ]
 
 

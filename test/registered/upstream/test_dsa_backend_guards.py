@@ -36,6 +36,7 @@ import torch
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=45, suite="cpkv-cpu")
+from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E402, F401 (autouse: upstream's context per test)
 
 pytest.importorskip("sglang", reason="needs upstream sglang 0.5.23 installed (make setup)")
 
