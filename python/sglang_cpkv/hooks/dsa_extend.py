@@ -2,8 +2,8 @@
 
 Called from ``patches/core/hook-cp-shared-kv-into-dsa-extend.patch`` and
 ``patches/core/remap-mtp-seed-under-cp-shared-kv.patch`` (design: ``docs/design/cp-shared-kv.md``
-sections 3-7). Every hook returns upstream's own value unless the flag is on *and* the forward is the
-extend batch the plan hook began. The per-layer work is the runtime's
+sections 3-7). Every hook returns upstream's own value when the flag is off; with it on, an extend forward the
+plan hook did not begin on the backend is refused (:func:`extend_batch`: its pool holds only owned pages). The per-layer work is the runtime's
 :class:`~sglang_cpkv.runtime.LayerPipeline`; these hooks only translate upstream's objects into its
 inputs:
 
