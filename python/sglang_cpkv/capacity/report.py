@@ -27,10 +27,12 @@ def table(rows: list[dict[str, Any]], title: str, request_tokens: int) -> str:
         reservation = row["reservation"]
         reserved = "-" if reservation is None else f"{reservation['gib']:.3f} GiB"
         sharding_ratio = row["ratio_kv_sharding"]
-        mode_kv = "refused" if row.get("mode_refused") else _k(row["kv_tokens"])
+        refused = bool(row.get("mode_refused"))
+        mode_kv = "refused" if refused else _k(row["kv_tokens"])
+        ratio = "-" if refused else f"{row['ratio']:.2f}x"
         lines.append(
             f"{row['cp']:>3} {row['attn_tp']:>7} {row['kv_budget_gib']:>10.1f} {mode_kv:>9} "
-            f"{_k(row['kv_tokens_replicated']):>10} {row['ratio']:>5.2f}x {_k(row['kv_tokens_kv_sharding']):>11} "
+            f"{_k(row['kv_tokens_replicated']):>10} {ratio:>6} {_k(row['kv_tokens_kv_sharding']):>11} "
             f"{'-' if sharding_ratio is None else f'{sharding_ratio:.2f}x':>6} {reserved:>13} "
             f"{_k(row['longest_context']):>8} {row['concurrent_requests']:>10}"
         )
