@@ -41,9 +41,10 @@ def batch_plan(
     cp_rank: int,
     exchange_pages_per_round: int | None = None,
 ):
-    """The plan of a batch whose requests hold distinct consecutive pages (page 0 reserved, as in a pool)."""
+    """The plan of a batch whose requests hold distinct consecutive page ids after the ``cp_size`` ids upstream's
+    page-interleave allocator reserves (page 0 of each rank's pool; at cp 1 page 0), on ``cp_size`` x pool pages."""
     pages = [-(-(p + e) // page_size) for p, e in zip(prefix, extend)]
-    starts = [1 + sum(pages[:r]) for r in range(len(pages))]
+    starts = [cp_size + sum(pages[:r]) for r in range(len(pages))]
     table = [list(range(starts[r], starts[r] + pages[r])) for r in range(len(pages))]
     out_cache_loc = torch.cat(
         [
@@ -57,7 +58,7 @@ def batch_plan(
         list(prefix),
         list(extend),
         out_cache_loc,
-        capacity=sum(pages) + 1,
+        capacity=cp_size * -(-(sum(pages) + cp_size) // cp_size),
         page_size=page_size,
         cp_size=cp_size,
         cp_rank=cp_rank,

@@ -28,17 +28,20 @@ from sglang_cpkv.runtime.reservation import Reservation
 
 # The prefill server of the mode needs all-CP-ranks KV transfer (README, Settings); the draft's extend under CP.
 MODE_ENV = {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1", "SGLANG_CP_DRAFT_SHARED_KV": "1"}
-# Set by upstream's kv-sharding resolution for the rest of the process (arg_groups/kv_shard_hook.py): put back.
+# Set for the rest of the process by a resolution (upstream's kv-sharding, arg_groups/kv_shard_hook.py, and the
+# mode's, hooks/server_args.py): put back by scoped_runtime_context.
 RESOLUTION_SETS_ENV = ("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND",)
 
 
 @contextlib.contextmanager
 def scoped_runtime_context() -> Iterator[None]:
     """Upstream's process-wide runtime context (published server args, config bags, parallel overrides and
-    stamps, flags, resources) as it was before the block, restored after it: a published ``ServerArgs`` of one
-    sizing or test never leaks into the next (a TP 8 server left published makes a later CP 2 world's
-    parallel topology inconsistent)."""
+    stamps, flags, resources, the environment a resolution sets: :data:`RESOLUTION_SETS_ENV`) as it was before the
+    block, restored after it: a published ``ServerArgs`` of one sizing or test never leaks into the next (a TP 8
+    server left published makes a later CP 2 world's parallel topology inconsistent)."""
     from sglang.srt import runtime_context
+
+    saved_env = {name: os.environ.get(name) for name in RESOLUTION_SETS_ENV}
 
     context = runtime_context.get_context()
     parallel = context.parallel
@@ -73,6 +76,15 @@ def scoped_runtime_context() -> Iterator[None]:
         parallel._stamp.update(stamp)
         parallel._overrides.clear()
         parallel._overrides.update(overrides)
+        _restore_env(saved_env)
+
+
+def _restore_env(saved: dict[str, str | None]) -> None:
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 @contextlib.contextmanager
@@ -89,7 +101,7 @@ def playing_gpu(capability: tuple[int, int], *, hbm_bytes: float | None = None, 
         for hook in hooks:
             hook.get_device_memory_capacity = lambda device=None: hbm_bytes / 2**20  # MiB, as upstream's query
     saved_capability = torch.cuda.get_device_capability
-    saved_env = {name: os.environ.get(name) for name in (*MODE_ENV, *RESOLUTION_SETS_ENV)}
+    saved_env = {name: os.environ.get(name) for name in MODE_ENV}
     sglang_logger = logging.getLogger("sglang")
     saved_level = sglang_logger.level
     torch.cuda.get_device_capability = lambda *a, **k: capability
@@ -102,11 +114,7 @@ def playing_gpu(capability: tuple[int, int], *, hbm_bytes: float | None = None, 
         for hook, saved in zip(hooks, saved_memory):
             hook.get_device_memory_capacity = saved
         torch.cuda.get_device_capability = saved_capability
-        for name, value in saved_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        _restore_env(saved_env)
         sglang_logger.setLevel(saved_level)
 
 
@@ -233,16 +241,18 @@ class NodeCapacity:
 def size_node(server: dict[str, Any], *, layers: int, budget_bytes: int) -> NodeCapacity:
     """Upstream's pool and allocator for ``ServerArgs(**server)`` given ``budget_bytes`` of KV budget per rank.
 
-    Runs inside :func:`scoped_runtime_context` (and with the mode's published reservation put back afterwards).
+    Runs inside :func:`scoped_runtime_context` (and with the mode's published reservation and allocator record put
+    back afterwards).
     A kv-sharding server (``enable_kv_cache_sharding``) sizes as rank 0 of its attention-CP group.
     """
     from sglang.srt.mem_cache.allocator.page_interleave import page_interleave_shard_size
     from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
     from sglang.srt.runtime_context import get_parallel, get_schedule
 
+    from sglang_cpkv.hooks import page_ids as page_id_hooks
     from sglang_cpkv.hooks import reservation as reservation_hooks
 
-    saved_reservation = reservation_hooks._published
+    saved_reservation, saved_allocator = reservation_hooks._published, page_id_hooks._built_for_cp
     reservation_hooks._published = None
     try:
         with scoped_runtime_context(), contextlib.ExitStack() as stack:
@@ -289,4 +299,4 @@ def size_node(server: dict[str, Any], *, layers: int, budget_bytes: int) -> Node
                 page_size=page_size,
             )
     finally:
-        reservation_hooks._published = saved_reservation
+        reservation_hooks._published, page_id_hooks._built_for_cp = saved_reservation, saved_allocator

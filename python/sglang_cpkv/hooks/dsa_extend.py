@@ -45,6 +45,7 @@ import torch
 
 from sglang_cpkv.hooks.cache_write import check_cache_write_rows, check_split_matches_upstream, owned_pool_write_locs
 from sglang_cpkv.hooks.exchange_group import exchange_group
+from sglang_cpkv.hooks.page_ids import page_id_capacity
 from sglang_cpkv.hooks.reservation import published as reserved_buffers
 from sglang_cpkv.hooks.settings import FLAG, enabled
 from sglang_cpkv.ops.errors import CpSharedKvError, describe_errors
@@ -330,7 +331,7 @@ def on_extend_metadata(
         extend_lens,
         # Upstream cuts it to the real tokens under CP; an un-split batch may carry MLP-sync padding.
         forward_batch.out_cache_loc[: sum(extend_lens)],
-        capacity=(pool.size + page_size) // page_size,
+        capacity=page_id_capacity(pool),
         page_size=page_size,
         cp_size=parallel.attn_cp_size,
         cp_rank=parallel.attn_cp_rank,

@@ -1,12 +1,13 @@
 """P/D transfer under ``--enable-cp-shared-kv``: each prefill CP rank sends the pages it owns.
 
 Called from ``patches/core/send-owned-pages-under-cp-shared-kv.patch`` (design section 8). A page
-id is owned by CP rank ``page_id % cp_size`` and stays at the same page id in that rank's pool
-(no compression, unlike upstream's kv-sharding, whose ``filter_kv_indices_for_shard_rank`` sends
-``page_id // N``), so a rank sends its owned page ids unchanged together with their positions in
-the request's page list; the decode side writes each at the destination page of that position.
-Every page has exactly one owner, so the ranks' sends partition the request. The DSA indexer
-state pages (index K) are owner-sharded the same way and filtered with the same rule.
+id is owned by CP rank ``page_id % cp_size`` and is that rank's pool page ``page_id // cp_size``
+(:mod:`~sglang_cpkv.runtime.ownership`: the page ids are upstream's page-interleave allocator's,
+:mod:`.page_ids`), the rule of upstream's kv-sharding ``filter_kv_indices_for_shard_rank``. So a rank
+sends the pool pages of its owned page ids together with their positions in the request's page list;
+the decode side writes each at the destination page of that position. Every page has exactly one owner,
+so the ranks' sends partition the request. The DSA indexer state pages (index K) are owner-sharded the
+same way and filtered with the same rule.
 
 The decode side learns the mode from the prefill's bootstrap info
 (``patches/core/publish-cp-shared-kv-mode-to-decode.patch``): the prefill ranks register
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from sglang_cpkv.runtime.ownership import page_owner
+from sglang_cpkv.runtime.ownership import owner_pool_page, page_owner
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +35,14 @@ logger = logging.getLogger(__name__)
 def filter_owned_kv_indices(
     kv_indices: np.ndarray, index_slice: slice, cp_rank: int, cp_size: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """The owned page ids of one send chunk and their positions in the request's page list.
+    """The pool pages of the owned page ids of one send chunk, and their positions in the request's page list.
 
     Args:
         kv_indices: page ids of the chunk (positions ``index_slice`` of the request's page list).
         index_slice: the chunk's positions (``start``/``stop`` set, as the sender builds it).
 
     Returns:
-        ``(owned page ids, positions)``; ``positions`` replaces the contiguous slice.
+        ``(this rank's pool pages of the owned page ids, positions)``; ``positions`` replaces the contiguous slice.
     """
     kv_indices = np.asarray(kv_indices)
     positions = np.arange(index_slice.start, index_slice.stop, dtype=np.int64)
@@ -50,13 +51,13 @@ def filter_owned_kv_indices(
             f"send chunk has {kv_indices.shape[0]} page ids for positions {index_slice.start}..{index_slice.stop}"
         )
     owned = page_owner(kv_indices, cp_size) == cp_rank
-    return kv_indices[owned], positions[owned]
+    return owner_pool_page(kv_indices[owned], cp_size), positions[owned]
 
 
 def filter_owned_state_pages(
     src_pages: Sequence[int], dst_pages: Sequence[int], cp_rank: int, cp_size: int
 ) -> tuple[list[int], list[int]]:
-    """Owned DSA state (index-K) pages and their paired destination pages.
+    """The pool pages of the owned DSA state (index-K) page ids and their paired destination pages.
 
     Source and destination pages pair by position. Upstream's Mooncake state send tolerates a
     length drift of the paged DSA state between the two sides (it warns and truncates the longer
@@ -73,7 +74,7 @@ def filter_owned_state_pages(
     paired = min(len(src_pages), len(dst_pages))
     src = np.asarray(src_pages[:paired], dtype=np.int64)
     owned = page_owner(src, cp_size) == cp_rank
-    return src[owned].tolist(), np.asarray(dst_pages[:paired], dtype=np.int64)[owned].tolist()
+    return owner_pool_page(src[owned], cp_size).tolist(), np.asarray(dst_pages[:paired], dtype=np.int64)[owned].tolist()
 
 
 def decode_pulls_from_every_cp_rank(prefill_info: Any) -> bool:

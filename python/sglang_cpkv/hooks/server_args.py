@@ -193,7 +193,44 @@ REFUSED_FEATURES: tuple[Refusal, ...] = (
         "decoupled speculative decoding has not run with the mode",
         lambda c: c.decoupled_spec_role != "null",
     ),
+    # The mode's page ids come from upstream's page-interleave allocator (hooks/page_ids.py), which admits only what
+    # upstream's kv-sharding admits around it: the built-in radix cache with its rotation-aware tree core.
+    Refusal(
+        "--radix-cache-backend",
+        "the page-interleave allocator of the mode's page ids needs upstream's built-in UnifiedRadixCache, whose "
+        "tree core tracks the allocator's rotation bases (upstream refuses it under kv-sharding for the same reason)",
+        lambda c: c.radix_cache_backend is not None,
+    ),
+    Refusal(
+        "--enable-streaming-session",
+        "a streaming session's virtual radix nodes carry no rotation base of the page-interleave allocator of the "
+        "mode's page ids (refused by upstream's kv-sharding for the same reason)",
+        lambda c: bool(c.enable_streaming_session),
+    ),
+    Refusal(
+        "--enable-session-radix-cache",
+        "the session radix cache has not run with the page-interleave allocator of the mode's page ids (refused by "
+        "upstream's kv-sharding too)",
+        lambda c: bool(c.enable_session_radix_cache),
+    ),
 )
+TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
+
+
+def _use_rotation_aware_tree_core(cfg: Any) -> None:
+    """The radix tree core the page-interleave allocator needs (``hooks/page_ids.py``): upstream's Python
+    ``UnifiedTreeCore``, the one that tracks rotation bases. Chosen when the operator did not choose (as upstream's
+    kv-sharding resolution does); another explicit choice is refused while the radix cache is on."""
+    from sglang.srt.environ import envs
+
+    core = envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND
+    if not core.is_set():
+        core.set("python")
+    if not cfg.disable_radix_cache and core.get() != "python":
+        _refuse(
+            f"requires {TREE_CORE_ENV}=python (or unset) with the radix cache on: the page-interleave allocator of "
+            f"the mode's page ids needs the tree core that tracks its rotation bases, got {core.get()!r}"
+        )
 
 
 def _validate_draft(algorithm_name: str) -> None:
@@ -309,6 +346,7 @@ def validate_cp_shared_kv_args(server_args: Any) -> None:
             f"of the DSA indexer state is wired there), got {cfg.disaggregation_transfer_backend!r}"
         )
     _validate_reservation(cfg, model_config_of(server_args).context_len)
+    _use_rotation_aware_tree_core(cfg)
     if not envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.get():
         _refuse(
             f"requires {ALL_CP_RANKS_TRANSFER_ENV}=1 on this prefill server: every CP rank sends the pages it "

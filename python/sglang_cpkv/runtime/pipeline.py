@@ -31,7 +31,9 @@ stream waits for the current stream before it writes one, so it runs after every
 before the prefetch started (the consumers of the layer that used the buffer before). Every rank
 must take the same kinds' layers in the same order: under CP each history is a collective.
 
-Shapes: a pool is ``[C * page_size, row...]`` viewed as pages ``[C, page_elems]``; a dense buffer is
+Shapes: a rank's pool is ``[P * page_size, row...]`` viewed as pages ``[P, page_elems]``, ``P =``
+:attr:`~.plan.CpSharedKvPlan.pool_pages` (``C / cp_size``: page id ``p`` of its owner at pool page ``p // cp_size``,
+:mod:`.ownership`; at cp 1 the pool page is the page id); a dense buffer is
 ``[num_slots, page_elems]`` (:attr:`~.plan.CpSharedKvPlan.num_slots`), viewed as rows
 ``[num_slots * page_size, row...]`` by :meth:`dense_view`. Copies are byte-exact (bf16 rows, the
 656-byte packed FP8 rows as ``uint8``, index-K pages alike).
@@ -68,7 +70,7 @@ class PagedKind:
         name: how errors and callers name it (``"latent"``, ``"index_k"``, ...).
         layers: the layers that have this kind, in forward order (an IndexShare layer that reuses
             another layer's top-k has no index-K pool and is not listed for index K).
-        pool_pages: layer -> this rank's pool of that layer as pages ``[C, page_elems]``.
+        pool_pages: layer -> this rank's pool of that layer as pages ``[plan.pool_pages, page_elems]``.
         buffers: dense page buffers ``[>= num_slots, page_elems]``: two with layer-ahead, else one.
         exchange: under CP, the history all-gather's send ``[>= K, page_elems]`` and gathered
             ``[>= cp_size * K, page_elems]`` buffers (``K = plan.exchange_pages_per_round``), kept across
@@ -96,7 +98,8 @@ def rows_kind(
     layer_ahead: bool,
     fill_byte: int | None = None,
 ) -> PagedKind:
-    """A token-row kind over per-layer pools ``pools[l] = [C * page_size, row...]`` (layers ``0..L-1``),
+    """A token-row kind over this rank's per-layer pools ``pools[l] = [plan.pool_pages * page_size, row...]``
+    (layers ``0..L-1``),
     with fresh dense buffers sized for ``plan`` (bytes set to ``fill_byte`` when given, so unwritten
     rows are recognizable in tests)."""
     if not pools:
@@ -404,10 +407,12 @@ class LayerPipeline:
         return pages.view(pages.shape[0] * self.plan.page_size, -1)
 
     def _check_pool(self, state: _KindState, pool: torch.Tensor, layer: int) -> None:
-        if pool.shape[0] != self.plan.capacity or tuple(pool.shape[1:]) != tuple(state.buffers[0].shape[1:]):
+        plan = self.plan
+        if pool.shape[0] != plan.pool_pages or tuple(pool.shape[1:]) != tuple(state.buffers[0].shape[1:]):
             raise CpSharedKvError(
                 f"{state.kind.name} pool of layer {layer} is {tuple(pool.shape)} pages, expected "
-                f"[capacity={self.plan.capacity}, {state.buffers[0].shape[1]}] like the dense buffers"
+                f"[{plan.pool_pages} (capacity {plan.capacity} / cp {plan.cp_size}), {state.buffers[0].shape[1]}] "
+                "like the dense buffers"
             )
 
     def _check_current(self, state: _KindState, rows: torch.Tensor) -> None:

@@ -19,6 +19,11 @@ mode raises at once). One host sync per batch, before the first layer, under ``c
 all-gather layout of history pages needs the history page ids on the host (deduplicated owned pages,
 padded to the largest owner's count), so the history pages of a device page table are copied to the
 host once; a host page table needs none.
+
+Pools under CP: page ids are global (upstream's page-interleave allocator numbers ``C = cp_size x`` one rank's
+pool pages); a rank's pool holds the pages it owns, page ``p`` at its pool page ``p // cp_size``
+(:mod:`.ownership`). Every pool address the plan hands out (the pages a rank packs for the exchange, the rows it
+persists) is such a pool page or row; every dense and remap input stays in page ids.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, CpSharedKvError
 from sglang_cpkv.runtime import checked as checked_mode
 from sglang_cpkv.runtime.buckets import round_dense_slots
 from sglang_cpkv.runtime.cp_split import CpSplit, CpStrategy, build_cp_split
-from sglang_cpkv.runtime.ownership import page_owner
+from sglang_cpkv.runtime.ownership import owner_pool_loc, owner_pool_page, page_owner, pool_pages_per_rank
 
 PADDING_ID = -1
 INT32_MAX = (1 << 31) - 1
@@ -44,8 +49,8 @@ class ExchangeRound:
     """One round of the history all-gather (device tensors).
 
     Attributes:
-        send_pages: int32 ``[K]``: pool page ids this rank packs (the round's share of its owned distinct
-            history pages, -1 padding).
+        send_pages: int32 ``[K]``: the pages of this rank's pool it packs (the round's share of its owned
+            distinct history pages, at :func:`~.ownership.owner_pool_page`; -1 padding).
         history_slots: int32 ``[S_t]``: the history slots whose page arrives in this round.
         recv_rows: int32 ``[S_t]``: each such slot's page row in the rank-major all-gathered
             ``[cp_size * K, page_elems]`` buffer.
@@ -61,7 +66,8 @@ class CpSharedKvPlan:
     """Everything the layers of one batch reuse. Built by :func:`build_plan`; never mutated.
 
     Host attributes:
-        num_requests: ``R``. capacity: ``C``. page_size: tokens per page.
+        num_requests: ``R``. capacity: ``C``, the page ids (under CP ``cp_size`` x :attr:`pool_pages`).
+        page_size: tokens per page.
         prefix_lens, extend_lens: per request, history and current token counts.
         request_pages: ``n_r`` per request; slot_starts: ``start[r]`` per request.
         num_slots: slots of the dense view (``sum(n_r)`` rounded, module docstring).
@@ -89,8 +95,8 @@ class CpSharedKvPlan:
             ``out_cache_loc`` (padding rows -1).
         local_token_index: int64 ``[per_rank_logical[cp_rank]]``, global token of each real local row.
         current_gather_index: int64 ``[N]``, see :meth:`CpSplit.unshard`.
-        owned_cache_write_locs: int64 ``[N]``: the pool location of each current token whose page this
-            rank owns (:func:`~.ownership.page_owner`), else -1.
+        owned_cache_write_locs: int64 ``[N]``: the row of this rank's pool of each current token whose page
+            it owns (:func:`~.ownership.page_owner`, :func:`~.ownership.owner_pool_loc`), else -1.
         exchange_rounds: ``ceil(M / K)`` :class:`ExchangeRound` (the same count on every rank): the
             history all-gather in rounds of ``K`` pages per rank.
         errors: int32 ``[NUM_ERROR_KINDS]`` device error counter shared by every op of the batch.
@@ -131,6 +137,11 @@ class CpSharedKvPlan:
     @property
     def cp_rank(self) -> int:
         return self.split.cp_rank
+
+    @property
+    def pool_pages(self) -> int:
+        """Pages of each rank's pool: ``C / cp_size`` (:mod:`.ownership`)."""
+        return pool_pages_per_rank(self.capacity, self.cp_size)
 
     @property
     def device(self) -> torch.device:
@@ -234,7 +245,7 @@ def _validate_host_ids(table: torch.Tensor, pages_needed: list[int], capacity: i
 def _exchange_layout(
     history_page_ids: torch.Tensor, cp_size: int, cp_rank: int, pages_per_round: int | None
 ) -> tuple[int, int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
-    """``(M, K, rounds)``: per round this rank's send page ids ``[K]``, the indices of the history slots whose
+    """``(M, K, rounds)``: per round this rank's send pool pages ``[K]``, the indices of the history slots whose
     page arrives in it, and their rows in the gathered buffer; all host int64."""
     if history_page_ids.numel() == 0:
         return 0, 0, []
@@ -255,7 +266,7 @@ def _exchange_layout(
     for r in range(-(-pages_per_rank // per_round)):
         send = torch.full((per_round,), PADDING_ID, dtype=torch.int64)
         share = owned[cp_rank][r * per_round : (r + 1) * per_round]
-        send[: share.numel()] = share
+        send[: share.numel()] = owner_pool_page(share, cp_size)
         in_round = (slot_round == r).nonzero().flatten()
         rounds.append((send, in_round, recv_rows[in_round]))
     return pages_per_rank, per_round, rounds
@@ -295,7 +306,8 @@ def build_plan(
         extend_lens: host ``[R]`` current token counts (computed in this forward).
         out_cache_loc: int32/int64 ``[N]`` pool locations of the current tokens, token order
             (request-major); ``N = sum(extend_lens)``. Its device is the plan's device.
-        capacity: ``C``, page ids of the pool. page_size: tokens per page.
+        capacity: ``C``, the page ids (under CP a multiple of ``cp_size``: each rank's pool holds
+            ``C / cp_size`` pages, :mod:`.ownership`). page_size: tokens per page.
         cp_size, cp_rank: the CP group (``cp_size = 1``: no CP). strategy: see :mod:`.cp_split`.
         exchange_pages_per_round: ``K``, the most pages a rank sends in one round of the history all-gather
             (the size of reserved exchange buffers); default: all its pages in one round.
@@ -311,6 +323,11 @@ def build_plan(
         raise CpSharedKvError(f"capacity and page_size must be >= 1, got capacity={capacity}, page_size={page_size}")
     if capacity > INT32_MAX:
         raise CpSharedKvError(f"capacity {capacity} page ids do not fit int32")
+    if cp_size > 1 and capacity % cp_size:
+        raise CpSharedKvError(
+            f"capacity {capacity} is not a multiple of cp_size {cp_size}: under CP the page ids number cp_size x "
+            "one rank's pool pages (upstream's page-interleave allocator)"
+        )
     if exchange_pages_per_round is not None and exchange_pages_per_round < 1:
         raise CpSharedKvError(f"exchange_pages_per_round must be >= 1, got {exchange_pages_per_round}")
     prefix, extend = _validate_lengths(prefix_lens, extend_lens)
@@ -386,8 +403,9 @@ def build_plan(
     if cp_size == 1:
         owned_cache_write_locs = out_cache_loc.to(torch.int64)
     else:
-        owner = page_owner(torch.div(out_cache_loc, page_size, rounding_mode="floor"), cp_size)
-        owned_cache_write_locs = torch.where(owner == cp_rank, out_cache_loc, PADDING_ID).to(torch.int64)
+        locs = out_cache_loc.to(torch.int64)
+        owned = page_owner(torch.div(locs, page_size, rounding_mode="floor"), cp_size) == cp_rank
+        owned_cache_write_locs = torch.where(owned, owner_pool_loc(locs, page_size, cp_size), PADDING_ID)
         # The one host copy of a device page table (see the module docstring): the history slots' pages, when any.
         history_page_ids = torch.empty(0, dtype=torch.int64)
         if history_slots_host.numel():
@@ -441,7 +459,8 @@ def build_plan(
 
 
 def dense_to_pool_locs(plan: CpSharedKvPlan, dense_locs: torch.Tensor) -> torch.Tensor:
-    """Dense-view locations back to pool locations through the plan (-1 stays -1); dtype of ``dense_locs``.
+    """Dense-view locations back to token locations ``page_id * page_size + offset`` (upstream's ``req_to_token``
+    numbering, the one every rank shares) through the plan (-1 stays -1); dtype of ``dense_locs``.
 
     Dense location ``d`` is slot ``d // page_size`` at offset ``d % page_size``; the slot's page is
     ``plan.slot_pages[slot]``. A location outside the dense view (below -1 included), or on a slot no page

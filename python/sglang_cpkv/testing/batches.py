@@ -29,6 +29,7 @@ reports every mismatch of its results with the truth.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,6 +65,23 @@ class BatchCase:
     extend_lens: tuple[int, ...]
     cp_size: int = 1
     strategy: str = "interleave"
+
+    def __post_init__(self) -> None:
+        if self.capacity % self.cp_size:
+            raise ValueError(
+                f"capacity {self.capacity} is not a multiple of cp_size {self.cp_size}: under CP the page ids number "
+                "cp x one rank's pool pages"
+            )
+
+    def on_cp(self, cp_size: int, strategy: str = "interleave") -> BatchCase:
+        """This batch on ``cp_size`` CP ranks: the same pages, its capacity rounded up to a multiple of ``cp_size``."""
+        capacity = cp_size * -(-self.capacity // cp_size)
+        return dataclasses.replace(self, capacity=capacity, cp_size=cp_size, strategy=strategy)
+
+    @property
+    def pool_pages_per_rank(self) -> int:
+        """Pages of each CP rank's pool (``capacity / cp_size``; page ``p`` at ``p // cp_size`` of its owner)."""
+        return self.capacity // self.cp_size
 
     @property
     def num_requests(self) -> int:
@@ -115,7 +133,7 @@ def generate_case(
     cp = draw(1, max_cp)
     strategy = ("interleave", "zigzag")[draw(0, 1)] if cp > 1 else "interleave"
     max_pages = 6  # prefix <= 3 pages, extend <= 3 pages
-    capacity = bs * max_pages + 1 + draw(0, 7)
+    capacity = cp * -(-(bs * max_pages + 1 + draw(0, 7)) // cp)  # cp x each rank's pool pages
     fresh = list(range(capacity))
     random.Random(draw(0, 2**16)).shuffle(fresh)
     tables: list[tuple[int, ...]] = []
@@ -287,15 +305,21 @@ def random_rows(rows: int, layout: str, gen: torch.Generator, device: torch.devi
     return raw.view(dtype).to(device)
 
 
-POISON_BYTE = 0xA5  # fills non-owned pool pages and unwritten dense rows, so a stray read is visible
+POISON_BYTE = 0xA5  # fills unwritten dense rows (and pool rows a test leaves unwritten), so a stray read is visible
+
+
+def owned_pool_rows(case: BatchCase, cp_rank: int) -> torch.Tensor:
+    """int64 ``[capacity / cp * page_size]``: the token location of every row of rank ``cp_rank``'s pool (its
+    pool page ``q`` is page id ``q * cp + cp_rank``, :mod:`sglang_cpkv.runtime.ownership`)."""
+    ps, cp = case.page_size, case.cp_size
+    pages = torch.arange(case.pool_pages_per_rank, dtype=torch.int64) * cp + cp_rank
+    return (pages.unsqueeze(1) * ps + torch.arange(ps)).flatten()
 
 
 def owner_sharded_pool(case: BatchCase, pool: torch.Tensor, cp_rank: int) -> torch.Tensor:
-    """Rank ``cp_rank``'s pool: the rows of the pages it owns, every other byte :data:`POISON_BYTE`."""
-    owner = page_owner(torch.arange(case.capacity), case.cp_size).repeat_interleave(case.page_size)
-    rank_pool = pool.clone()
-    rank_pool.view(torch.uint8)[owner != cp_rank] = POISON_BYTE
-    return rank_pool
+    """Rank ``cp_rank``'s pool ``[capacity / cp * page_size, row...]``: the rows of the pages it owns, taken from a
+    ``[capacity * page_size, row...]`` pool of every page (at cp 1 a copy of it)."""
+    return pool[owned_pool_rows(case, cp_rank)].clone()
 
 
 @dataclass
@@ -400,8 +424,8 @@ def check_against_truth(
     Checks, per rank: each request's dense view at each of its positions (byte-equal to
     :func:`truth_rows`); each local query row's request id and every top-k read through the
     remap (the row of the right position of the right request; padding entries -1, padding rows
-    all -1); the pool: rows of owned pages written by current tokens hold one of those tokens'
-    rows, other owned rows are unchanged, non-owned rows are never written.
+    all -1); the rank's pool (its owned pages, :func:`owner_sharded_pool`): rows written by current tokens
+    hold one of those tokens' rows, the other rows are unchanged.
     """
     ps = case.page_size
     truth = truth_rows(case, pool, current_kv)
@@ -454,30 +478,32 @@ def check_against_truth(
                 f"rank {k}: a top-k read of request {int(expected_req.unsqueeze(1).expand_as(positions)[sel][i])} position {int(positions[sel][i])} returned another row"
             )
 
-        owner = page_owner(torch.arange(pool.shape[0]) // ps, cp)
-        after, before = as_bytes(res.pool_after), as_bytes(pool)
-        mine_written = page_owner(out_cache_loc // ps, cp) == k
-        written_locs = out_cache_loc[mine_written]
-        ok_write = torch.zeros(pool.shape[0], dtype=torch.bool)
+        rows = owned_pool_rows(case, k)  # token location of each row of this rank's pool
+        if res.pool_after.shape[0] != rows.numel():
+            problems.append(f"rank {k}: its pool has {res.pool_after.shape[0]} rows, {rows.numel()} expected")
+            continue
+        after, before = as_bytes(res.pool_after), as_bytes(pool[rows])
+        row_of_loc = torch.full((pool.shape[0],), -1, dtype=torch.int64)
+        row_of_loc[rows] = torch.arange(rows.numel())
+        mine = (page_owner(out_cache_loc // ps, cp) == k).nonzero().flatten()
         cur_bytes = as_bytes(current_kv)
-        mine = mine_written.nonzero().flatten()
-        for loc in written_locs.unique().tolist():
+        is_written = torch.zeros(rows.numel(), dtype=torch.bool)
+        ok_write = torch.zeros(rows.numel(), dtype=torch.bool)
+        for loc in out_cache_loc[mine].unique().tolist():
             # A location written by several tokens (collision class only) is a scatter with duplicate
             # indices: the contract leaves the winner unspecified, and a parallel scatter may even
             # interleave the writers' bytes, so each byte must come from one of the writers.
+            row = int(row_of_loc[loc])
             writers = cur_bytes[mine[out_cache_loc[mine] == loc]]
-            ok_write[loc] = bool((writers == after[loc]).any(dim=0).all())
-        is_written = torch.zeros(pool.shape[0], dtype=torch.bool)
-        is_written[written_locs] = True
+            is_written[row] = True
+            ok_write[row] = bool((writers == after[row]).any(dim=0).all())
         if bool((is_written & ~ok_write).any()):
             problems.append(
-                f"rank {k}: pool rows {(is_written & ~ok_write).nonzero().flatten().tolist()} do not hold their current token"
+                f"rank {k}: pool rows (token locations) {rows[is_written & ~ok_write].tolist()} do not hold their "
+                "current token"
             )
-        untouched = (owner == k) & ~is_written
-        if bool((after[untouched] != before[untouched]).any()):
-            problems.append(f"rank {k}: owned pool rows changed though no current token writes them")
-        if bool((after[owner != k] != POISON_BYTE).any()):
-            problems.append(f"rank {k}: non-owned pool rows were written")
+        if bool((after[~is_written] != before[~is_written]).any()):
+            problems.append(f"rank {k}: pool rows changed though no current token writes them")
     return problems
 
 

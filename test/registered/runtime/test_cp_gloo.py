@@ -16,11 +16,11 @@ os.environ["SGLANG_CPKV_OPS_BACKEND"] = "torch"
 import pytest
 import torch
 
-from sglang_cpkv.runtime import page_owner
 from sglang_cpkv.testing.batches import (
     BatchCase,
     check_against_truth,
     make_pool_and_current,
+    owned_pool_rows,
     random_case,
     random_topk,
     run_case_on_ranks,
@@ -42,12 +42,7 @@ def _cases(cp):
     ]
     rng = random.Random(100 + cp)
     randoms = [random_case(rng, max_cp=1) for _ in range(6)]
-    randoms = [
-        BatchCase(
-            c.page_size, c.capacity, c.page_tables, c.prefix_lens, c.extend_lens, cp, ("interleave", "zigzag")[i % 2]
-        )
-        for i, c in enumerate(randoms)
-    ]
+    randoms = [c.on_cp(cp, ("interleave", "zigzag")[i % 2]) for i, c in enumerate(randoms)]
     payloads = []
     for i, case in enumerate(fixed + randoms):
         dtype, width = ((torch.bfloat16, 8), (torch.uint8, 12))[i % 2]
@@ -64,7 +59,7 @@ def test_gloo_ranks_equal_cp1(cp):
     strategies = set()
     for i, (case, pool, current, topk, positions) in enumerate(cases):
         strategies.add(case.effective_strategy)
-        single = BatchCase(case.page_size, case.capacity, case.page_tables, case.prefix_lens, case.extend_lens, 1)
+        single = case.on_cp(1)
         [cp1] = run_case_on_ranks(single, pool, current, topk)
         for rank in range(cp):
             got = results[rank][i]
@@ -75,10 +70,9 @@ def test_gloo_ranks_equal_cp1(cp):
         assert check_against_truth(case, pool, current, positions, rank_results) == [], case
         locs = case.out_cache_loc()
         if len(set(locs)) == len(locs):  # duplicate locations: the pool winner is unspecified
-            owner = page_owner(torch.arange(case.capacity), cp).repeat_interleave(case.page_size)
-            union = torch.empty_like(pool)
+            union = torch.empty_like(pool)  # every rank's pool rows back at their token locations
             for rank in range(cp):
-                union[owner == rank] = results[rank][i].pool_after[owner == rank]
+                union[owned_pool_rows(case, rank)] = results[rank][i].pool_after
             assert same_bytes(union, cp1.pool_after), f"case {i}: owned pools differ from the cp=1 pool"
     assert {"interleave", "zigzag"} <= strategies, strategies
 

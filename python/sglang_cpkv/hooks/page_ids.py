@@ -1,0 +1,83 @@
+"""The page-id space of ``--enable-cp-shared-kv``: ``cp`` times the pages of one rank's pool.
+
+Called from ``patches/core/widen-page-ids-under-cp-shared-kv.patch``. Each CP rank's pool holds only the pages it
+owns (``page_id % cp``), so the node holds ``cp`` pools' worth of distinct KV only if the scheduler hands out
+``cp`` times as many page ids as one pool has pages. Upstream's ``PageInterleavePoolAllocator`` (its kv-sharding
+allocator) does exactly that: page id ``l`` is owned by rank ``l % cp`` and is that rank's pool page ``l // cp``
+(our :mod:`~sglang_cpkv.runtime.ownership`, the same rule), it reserves page ids ``[0, cp)`` (pool page 0 of every
+rank, where upstream's writers send a row they skip), and the scheduler seams that must see the widened space
+(capacity, admission reserve, page-aligned chunks, rotation bases, P/D capacity) already branch on it. Under the
+mode the allocator is built with no kv-shard scratch spec: the mode's buffers are its own reservation
+(:mod:`.reservation`).
+
+* :func:`widens_page_ids` / :func:`page_interleave_allocator` - the KV-cache configurator's allocator choice.
+* :func:`page_id_capacity` - ``C`` of a backend's pool for the batch plan; it refuses a CP pool whose allocator
+  this hook did not build (a plain allocator hands out page ids ``1 .. cp-1``, whose first rows are pool row 0
+  of their owner, the row upstream's writers skip).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from sglang_cpkv.hooks.settings import FLAG, enabled
+from sglang_cpkv.ops.errors import CpSharedKvError
+
+# The CP size of the page-interleave allocator this process built for the mode (None: none built).
+_built_for_cp: int | None = None
+
+
+def _attn_cp_size() -> int:
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().attn_cp_size
+
+
+def widens_page_ids() -> bool:
+    """Whether this process's token allocator numbers ``cp`` x its pool pages: the mode on under CP."""
+    return enabled() and _attn_cp_size() > 1
+
+
+def page_interleave_allocator(
+    pool_tokens: int, page_size: int, dtype: torch.dtype, device: Any, kvcache: Any, need_sort: bool
+) -> Any:
+    """Upstream's ``PageInterleavePoolAllocator`` over ``cp`` x ``pool_tokens`` token locations of ``kvcache``
+    (a pool of ``pool_tokens`` rows, plus its reserved page, on each rank)."""
+    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+
+    global _built_for_cp
+    cp_size = _attn_cp_size()
+    allocator = PageInterleavePoolAllocator(
+        pool_tokens,
+        physical_page_size=page_size,
+        shard_size=cp_size,
+        dtype=dtype,
+        device=device,
+        kvcache=kvcache,
+        need_sort=need_sort,
+        shard_spec=None,
+    )
+    _built_for_cp = cp_size
+    return allocator
+
+
+def page_id_capacity(pool: Any) -> int:
+    """``C`` for a batch on ``pool`` (the target's or the draft's pool: the draft shares the target's allocator):
+    ``cp`` x its pages under the mode, its pages at cp 1.
+
+    Raises:
+        CpSharedKvError: under CP, no page-interleave allocator was built for this CP size in this process.
+    """
+    pages = (pool.size + pool.page_size) // pool.page_size
+    cp_size = _attn_cp_size()
+    if cp_size == 1:
+        return pages
+    if _built_for_cp != cp_size:
+        built = "none was built" if _built_for_cp is None else f"one was built for cp {_built_for_cp}"
+        raise CpSharedKvError(
+            f"{FLAG} at cp {cp_size} needs the token allocator that numbers cp x the pool's pages "
+            f"(patches/core/widen-page-ids-under-cp-shared-kv.patch), and {built}"
+        )
+    return cp_size * pages
