@@ -142,8 +142,15 @@ class _ValueKeyedAccess:
         self.pools[layer].index_copy_(0, self.out_cache_loc.to(torch.int64), current_full)
 
 
-def _new_pools(scenario: Scenario, config: ToyDsaConfig, device: torch.device) -> list[torch.Tensor]:
-    rows = scenario.capacity * scenario.page_size
+def _capacity(scenario: Scenario, cp_size: int) -> int:
+    """The page ids of the scenario's pool on ``cp_size`` ranks: its capacity rounded up to ``cp_size`` x each
+    rank's pool pages (:mod:`sglang_cpkv.runtime.ownership`)."""
+    return cp_size * -(-scenario.capacity // cp_size)
+
+
+def _new_pools(scenario: Scenario, config: ToyDsaConfig, group: CpGroup, device: torch.device) -> list[torch.Tensor]:
+    """This rank's pool of each layer: the pages it owns (``capacity / cp`` pages), poisoned until written."""
+    rows = _capacity(scenario, group.cp_size) // group.cp_size * scenario.page_size
     pools = [torch.empty((rows, config.kv_dim), dtype=torch.bfloat16, device=device) for _ in range(config.num_layers)]
     for pool in pools:
         pool.view(torch.uint8).fill_(POISON_BYTE)
@@ -180,7 +187,7 @@ def run_forward(
     ps = scenario.page_size
     prefix_lens = [a.done for a in batch]
     tables = tuple(a.pages[: -(-(a.done + e) // ps)] for a, e in zip(batch, extend_lens))
-    case = BatchCase(ps, scenario.capacity, tables, tuple(prefix_lens), tuple(extend_lens))
+    case = BatchCase(ps, _capacity(scenario, group.cp_size), tables, tuple(prefix_lens), tuple(extend_lens))
     out_cache_loc = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
     strategy = "interleave" if split_applies("interleave", extend_lens, group.cp_size) else "none"
     plan = build_plan(
@@ -188,7 +195,7 @@ def run_forward(
         prefix_lens,
         extend_lens,
         out_cache_loc.to(device),
-        capacity=scenario.capacity,
+        capacity=case.capacity,
         page_size=ps,
         cp_size=group.cp_size,
         cp_rank=group.cp_rank,
@@ -290,7 +297,7 @@ def run_goldens(
             scenario,
             [active],
             scenario.golden_chunk_size,
-            _new_pools(scenario, model.config, device),
+            _new_pools(scenario, model.config, group, device),
             group,
             device,
             "per_request",
@@ -307,7 +314,7 @@ def run_batch(
     alloc = PrefixCachingAllocator(
         scenario.capacity, scenario.page_size, share_partial_pages=scenario.share_partial_pages, seed=1000 + bs
     )
-    pools = _new_pools(scenario, model.config, device)
+    pools = _new_pools(scenario, model.config, group, device)
     warm_pages = []
     for w, tokens in enumerate(scenario.warmups):
         admitted = alloc.admit(tokens)

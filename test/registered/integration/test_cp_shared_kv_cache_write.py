@@ -9,9 +9,10 @@ physical rows on every rank (ranks 5-7 carry one padding row). Checked:
   locations (64, upstream's own shard of ``out_cache_loc``) fails in upstream's
   ``MLATokenToKVPool.set_mla_kv_buffer``; our selection refuses that pairing by name and writes
   with the plan's owned locations instead;
-* per rank, the pool then holds exactly the rows of its owned pages (equal to upstream's full
-  replica there), nothing elsewhere (reserved page 0 included); the union over ranks is upstream's
-  full replica;
+* per rank, its pool (``CAPACITY / cp`` pages: page id ``p`` of its owner at pool page ``p // cp``, the page
+  ids of upstream's page-interleave allocator) then holds exactly the rows of its owned pages (equal to
+  upstream's full replica there), nothing elsewhere (reserved pool page 0 included); the union over ranks,
+  each pool page put back at its page id, is upstream's full replica;
 * upstream's padded per-rank rows, all-gathered rank-major, come back to token order through the
   plan without a padding row.
 """
@@ -34,9 +35,10 @@ CP = 8
 PAGE = 64
 PREFIX = [128, 64]
 EXTEND = [300, 209]  # N = 509
-# Pages of each request: shared history page 3, then fresh current pages.
-PAGES = [[3, 4, 5, 6, 7, 8, 9, 10], [3, 11, 12, 13, 14]]
-CAPACITY = 16
+# Pages of each request: shared history page 11, then fresh current pages; none in [0, CP), the page ids upstream's
+# page-interleave allocator reserves (pool page 0 of every rank).
+PAGES = [[11, 12, 13, 14, 15, 16, 17, 18], [11, 19, 20, 21, 22]]
+CAPACITY = 24  # page ids: CP x 3 pool pages per rank
 KV_LORA, ROPE = 8, 4
 
 
@@ -90,9 +92,11 @@ def _plan(rank):
     )
 
 
-def _pool(up):
+def _pool(up, pages=CAPACITY):
+    """Upstream's pool of ``pages`` pages (page 0 reserved): ``CAPACITY`` for a replica, ``CAPACITY // CP`` for a
+    rank's pool under the mode."""
     return up.pool_cls(
-        size=(CAPACITY - 1) * PAGE,
+        size=(pages - 1) * PAGE,
         page_size=PAGE,
         dtype=torch.bfloat16,
         kv_lora_rank=KV_LORA,
@@ -140,15 +144,16 @@ def test_seed_mismatch_reproduces_and_owned_selection_fixes_it(up):
         compute_row_locs = up.strategy.shard_hidden_states(_out_cache_loc(), SimpleNamespace(attn_cp_metadata=md))
     assert (compute_row_locs.shape[0], k.shape[0]) == (64, 509)
 
-    # Without the fix: the gathered chunk written at this rank's compute-row locations.
+    # Without the fix: the gathered chunk written at this rank's compute-row locations (on a pool of every page id,
+    # so that the row count, not a location, is what fails).
     with pytest.raises((IndexError, RuntimeError)):
         _pool(up).set_mla_kv_buffer(None, compute_row_locs, k, k_rope, layer_id_override=0)
     with pytest.raises(CpSharedKvError, match=r"64 rows = this CP rank's padded compute rows .* N=509"):
         check_cache_write_rows(plan, compute_row_locs.shape[0], "set_mla_kv_buffer")
 
-    # With it: the plan's owned locations, one per gathered row.
+    # With it: the plan's owned locations (rows of this rank's pool), one per gathered row.
     check_cache_write_rows(plan, k.shape[0], "set_mla_kv_buffer")
-    pool = _pool(up)
+    pool = _pool(up, CAPACITY // CP)
     pool.set_mla_kv_buffer(None, owned_pool_write_locs(plan), k, k_rope, layer_id_override=0)
     assert pool.get_key_buffer(0).abs().sum() > 0
 
@@ -161,17 +166,19 @@ def test_each_rank_persists_exactly_its_owned_pages(up):
     replica.set_mla_kv_buffer(None, _out_cache_loc(), k, k_rope, layer_id_override=0)
     full = replica.get_key_buffer(0).view(CAPACITY, PAGE, -1)
 
+    assert not full[:CP].any()  # no token of the batch is on a reserved page id
     union = torch.zeros_like(full)
     for rank in range(CP):
-        pool = _pool(up)
-        pool.set_mla_kv_buffer(None, owned_pool_write_locs(_plan(rank)), k, k_rope, layer_id_override=0)
-        got = pool.get_key_buffer(0).view(CAPACITY, PAGE, -1)
-        for page in range(CAPACITY):
-            if page % CP == rank and page != 0:
-                assert torch.equal(got[page], full[page]), f"rank {rank} page {page}"
-            else:
-                assert not got[page].any(), f"rank {rank} wrote page {page} it does not own"
-        union += got
+        plan = _plan(rank)
+        assert plan.pool_pages == CAPACITY // CP
+        pool = _pool(up, plan.pool_pages)
+        pool.set_mla_kv_buffer(None, owned_pool_write_locs(plan), k, k_rope, layer_id_override=0)
+        got = pool.get_key_buffer(0).view(CAPACITY // CP, PAGE, -1)
+        assert not got[0].any(), f"rank {rank} wrote its reserved pool page 0"
+        for pool_page in range(1, CAPACITY // CP):
+            page = pool_page * CP + rank  # the page id this rank's pool page holds
+            assert torch.equal(got[pool_page], full[page]), f"rank {rank} pool page {pool_page} (page {page})"
+            union[page] = got[pool_page]
     assert torch.equal(union, full)
 
 

@@ -5,9 +5,11 @@ pre-processing) on sender state holding the fields it reads, in both modes:
 
 * flag off: the all-CP-ranks path is upstream's own (``filter_kv_indices_for_cp_rank``:
   contiguous page ranges);
-* flag on: each rank keeps the pages with ``page_id % cp == rank`` at their page ids (no ``// N``
-  compression, unlike upstream's kv-sharding) with their positions in the request's page list;
-  over all ranks and chunks the sends partition the request's pages.
+* flag on: each rank keeps the pages with ``page_id % cp == rank`` and sends them as its pool pages
+  ``page_id // cp`` (the page ids are upstream's page-interleave allocator's, ``hooks/page_ids.py``: the
+  ``// N`` compression of upstream's kv-sharding) with their positions in the request's page list;
+  over all ranks and chunks the sends partition the request's pages, and each sent page is the row of
+  its owner's pool that upstream's ``PageInterleavePlacement`` puts that page id at.
 
 The handshake tests run upstream's bootstrap server and ``CommonKVManager`` on both sides
 (:mod:`sglang_cpkv.testing.pd_handshake`, one process per deployment): a prefill with the flag
@@ -35,7 +37,9 @@ MODEL_DIR = Path(__file__).resolve().parents[1] / "upstream" / "fixtures" / "dsa
 ALL_RANKS_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
 
 CP = 4
-PAGES = np.array([17, 3, 8, 8 + 4, 22, 5, 9, 30, 31, 6], dtype=np.int32)  # one request's page list
+# One request's page list: every owner, two pages of one owner side by side; no page id in [0, CP) (reserved by
+# upstream's page-interleave allocator: pool page 0 of every rank).
+PAGES = np.array([17, 15, 8, 8 + 4, 22, 5, 9, 30, 31, 6], dtype=np.int32)
 CHUNKS = [4, 3, 3]
 
 
@@ -97,25 +101,96 @@ def test_flag_off_keeps_upstreams_contiguous_ranges(up, mode):
             start += n
 
 
-def test_flag_on_each_rank_sends_its_owned_pages_and_ranks_partition_the_request(up, mode):
+def _rank_pools(pages, page_size=4):
+    """Each CP rank's pool with every page of ``pages`` where upstream's kv-sharding placement puts it
+    (``PageInterleavePlacement``: the owner and its local rows), each row holding its token location; -1 elsewhere."""
+    import torch
+    from sglang.srt.mem_cache.page_interleave import PageInterleavePlacement, PageShardSpec
+
+    pools = {}
+    for rank in range(CP):
+        spec = PageShardSpec(shard_rank=rank, shard_size=CP, page_size=page_size, max_prefix_tokens=0, chunk_tokens=0)
+        placement = PageInterleavePlacement(spec)
+        locs = (torch.as_tensor(pages, dtype=torch.int64)[:, None] * page_size + torch.arange(page_size)).flatten()
+        rows = placement.filter_local(locs, rank)
+        pool = torch.full((int(max(pages)) // CP * page_size + page_size,), -1, dtype=torch.int64)
+        pool[rows] = locs[placement.local_mask(locs, rank)]
+        pools[rank] = pool.view(-1, page_size)
+    return pools
+
+
+def _decode_reads(pools, rank, src_pages, positions, page_size=4):
+    """What the decode writes at each position: the token locations of the rows of ``src_pages`` in ``rank``'s pool."""
+    got = {}
+    for src, pos in zip(np.asarray(src_pages).tolist(), np.asarray(positions).tolist()):
+        rows = pools[rank][src].tolist()
+        assert rows[0] >= 0, f"rank {rank} sent pool page {src}, which holds no page of the request"
+        assert rows == [rows[0] + o for o in range(page_size)] and rows[0] % page_size == 0
+        got[pos] = rows[0] // page_size
+    return got
+
+
+def test_flag_on_each_rank_sends_its_owned_pool_pages_and_ranks_partition_the_request(up, mode):
     mode(True)
-    sent_positions = []
+    pools = _rank_pools(PAGES)
+    sent_positions, read = [], {}
     for rank in range(CP):
         _, sends = _sends(up, rank)
         for kv, positions, last, skip in sends:
             if skip:
                 assert len(kv) == 0 and not last
                 continue
-            assert np.all(kv % CP == rank)
-            assert np.array_equal(PAGES[positions], kv)  # same page ids, at their positions
+            assert np.all(PAGES[positions] % CP == rank)  # its owned page ids ...
+            assert np.array_equal(kv, PAGES[positions] // CP)  # ... as its pool pages, at their positions
+            read.update(_decode_reads(pools, rank, kv, positions))
             sent_positions.extend(positions.tolist())
-        # Same owned positions as upstream's owner rule (which also compresses the ids: // N).
+        # Same owned positions and pool pages as upstream's owner rule (filter_kv_indices_for_shard_rank).
         owned_ids, owned_pos = up.by_shard(
             kv_indices=PAGES, index_slice=slice(0, len(PAGES)), shard_rank=rank, shard_size=CP
         )
         mine = [p for p in range(len(PAGES)) if PAGES[p] % CP == rank]
         assert owned_pos.tolist() == mine and np.array_equal(owned_ids, PAGES[mine] // CP)
-    assert sorted(sent_positions) == list(range(len(PAGES)))
+    assert sorted(sent_positions) == list(range(len(PAGES)))  # a partition: every position once
+    # The decode's page of each position holds that position's page, read from the pool its owner holds it in.
+    assert read == {pos: int(page) for pos, page in enumerate(PAGES)}
+
+
+def test_flag_on_sends_of_the_allocators_pages_address_the_owners_pool(up, mode):
+    """The request's pages as upstream's page-interleave allocator hands them out (every owner class, cyclic)."""
+    import torch
+    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+
+    mode(True)
+    ps = 4
+    allocator = PageInterleavePoolAllocator(
+        8 * ps, physical_page_size=ps, shard_size=CP, dtype=torch.int64, device="cpu", kvcache=None, need_sort=False
+    )
+    n = 7 * ps + 1  # 8 pages
+    zero, lens = torch.zeros(1, dtype=torch.int64), torch.tensor([n])
+    locs = allocator.alloc_extend(zero, zero, lens, lens, zero, n, rotation_bases=[None])
+    pages = (locs[::ps] // ps).numpy().astype(np.int32)
+    assert len(pages) == 8 and pages.min() >= CP and sorted(set(pages % CP)) == list(range(CP))
+    pools = _rank_pools(pages, ps)
+    read = {}
+    for rank in range(CP):
+        kv, pos = up.sender._prepare_send_indices(
+            SimpleNamespace(
+                curr_idx=0,
+                num_kv_indices=len(pages),
+                kv_mgr=SimpleNamespace(
+                    kv_shard_size=1,
+                    enable_all_cp_ranks_for_transfer=True,
+                    attn_cp_rank=rank,
+                    attn_cp_size=CP,
+                    is_dummy_cp_rank=rank != 0,
+                ),
+            ),
+            pages,
+        )[:2]
+        got = _decode_reads(pools, rank, kv, pos, ps)
+        assert not set(got) & set(read)
+        read.update(got)
+    assert read == {pos: int(page) for pos, page in enumerate(pages)}
 
 
 def test_state_pages_follow_the_owner_rule():
@@ -124,8 +199,10 @@ def test_state_pages_follow_the_owner_rule():
     dst = list(range(100, 100 + len(PAGES)))
     got = [filter_owned_state_pages(PAGES.tolist(), dst, rank, CP) for rank in range(CP)]
     assert sorted(d for _, ds in got for d in ds) == dst
-    for rank, (src, _) in enumerate(got):
-        assert all(p % CP == rank for p in src)
+    by_dst = dict(zip(dst, PAGES.tolist()))
+    for rank, (src, ds) in enumerate(got):
+        # Each rank's owned state pages, as the pool pages its index-K pool holds them at.
+        assert src == [by_dst[d] // CP for d in ds] and all(by_dst[d] % CP == rank for d in ds)
 
 
 @pytest.mark.parametrize("drift", [-1, 1], ids=["decode-has-more", "prefill-has-more"])
@@ -143,9 +220,10 @@ def test_state_page_count_drift_is_truncated_as_upstream_tolerates(drift):
     sent = {}
     for rank in range(CP):
         owned_src, owned_dst = filter_owned_state_pages(src, dst, rank, CP)
-        assert len(owned_src) == len(owned_dst) and all(p % CP == rank for p in owned_src)
-        sent.update(zip(owned_dst, owned_src))
-    assert sent == dict(zip(dst[:paired], src[:paired]))
+        assert len(owned_src) == len(owned_dst)
+        sent.update((d, (rank, p)) for d, p in zip(owned_dst, owned_src))
+    # Each pair upstream would send, from its owner's pool page.
+    assert sent == {d: (p % CP, p // CP) for d, p in zip(dst[:paired], src[:paired])}
 
 
 # ---------------------------------------------------------------------------------- bootstrap handshake

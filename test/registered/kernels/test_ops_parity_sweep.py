@@ -112,7 +112,7 @@ def test_layer_pipeline_parity(batch_rows, page_size, layout, pattern, provider,
     # Sparse page sets from a 512-page pool, page 3 shared by every request.
     base = sparse_case(batch_rows, page_size, 512, 24, _gen(seed), shared_pages=(3,))
     cp = 2 if pattern == "masked" else 1
-    case = BatchCase(base.page_size, base.capacity, base.page_tables, base.prefix_lens, base.extend_lens, cp)
+    case = base.on_cp(cp)
     _pipeline_runs(case, layout, provider, monkeypatch, layer_ahead=cp > 1, topk=64)
 
 
@@ -122,7 +122,7 @@ def test_layer_pipeline_parity(batch_rows, page_size, layout, pattern, provider,
 def test_cp_split_shapes(batch_rows, cp_size, provider, monkeypatch):
     """Each rank remaps and fills its interleave share (rows padded with -1 to a common length)."""
     base = sparse_case(batch_rows, 64, 256, 6, _gen(cp_size * 10 + batch_rows), shared_pages=(5,))
-    case = BatchCase(base.page_size, base.capacity, base.page_tables, base.prefix_lens, base.extend_lens, cp_size)
+    case = base.on_cp(cp_size)
     _pipeline_runs(case, "fp8_packed", provider, monkeypatch, layer_ahead=True, topk=33)
 
 

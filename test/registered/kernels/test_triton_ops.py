@@ -414,7 +414,7 @@ def test_sweep_subset_pipeline(layout, layer_ahead, monkeypatch):
     the brute-force truth."""
     width = ROW_LAYOUTS[layout][1]
     base = sparse_case(3, 16, 64, 4, _gen(100 + width), shared_pages=(7,))
-    case = BatchCase(base.page_size, base.capacity, base.page_tables, base.prefix_lens, base.extend_lens, 2)
+    case = base.on_cp(2)
     pool, current = random_rows(64 * 16, layout, _gen(1)), random_rows(case.num_tokens, layout, _gen(2))
     topk, positions = random_topk(case, 6, seed=width)
     runs = {}

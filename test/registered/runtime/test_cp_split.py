@@ -37,7 +37,7 @@ def _plan_for(extend_lens, cp, rank, strategy):
         [0] * len(extend_lens),
         extend_lens,
         loc,
-        capacity=n,
+        capacity=cp * -(-n // cp),  # cp x each rank's pool pages
         page_size=1,
         cp_size=cp,
         cp_rank=rank,

@@ -295,6 +295,54 @@ def test_layer_ahead_matches_synchronous_and_refuses_early_persist():
         ahead.dense_view("kv", 5)
 
 
+def test_under_cp_a_rank_addresses_its_pool_by_owner_pool_page():
+    """Page id ``p`` is rank ``p % cp``'s pool page ``p // cp`` (upstream's page-interleave allocator numbers cp x a
+    pool's pages): the rows a rank persists and the pages it packs for the exchange are pool pages, and a pool sized
+    for every page id (the layout before page ids were widened) is refused."""
+    cp, ps = 2, 4
+    case = BatchCase(ps, 16, ((3, 6, 9), (3, 10)), (10, 4), (2, 3)).on_cp(cp)
+    out_cache_loc = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
+    history_pages = sorted({p for r, t in enumerate(case.page_tables) for p in t[: -(-case.prefix_lens[r] // ps)]})
+    for rank in range(cp):
+        plan = host_plan(case, rank)
+        assert plan.pool_pages == 8
+        page = out_cache_loc // ps
+        expected = torch.where(page % cp == rank, (page // cp) * ps + out_cache_loc % ps, -1)
+        assert torch.equal(plan.owned_cache_write_locs, expected)
+        (exchange_round,) = plan.exchange_rounds
+        sent = [p for p in exchange_round.send_pages.tolist() if p >= 0]
+        assert sent == [p // cp for p in history_pages if p % cp == rank]
+    # The rank's pool, sized for all 16 page ids, is refused at the history step.
+    plan = host_plan(case, 0)
+    pipe = LayerPipeline(
+        plan, _LoneRank(cp, 0), [rows_kind("kv", [torch.zeros(16 * ps, 8)], plan, layer_ahead=False)], layer_ahead=False
+    )
+    with pytest.raises(CpSharedKvError, match=r"pool of layer 0 is \(16, 32\) pages, expected \[8 \(capacity 16 / cp 2\)"):
+        pipe.dense_pages("kv", 0)
+    with pytest.raises(CpSharedKvError, match="capacity 15 is not a multiple of cp_size 2"):
+        build_plan(
+            [list(t) for t in case.page_tables],
+            case.prefix_lens,
+            case.extend_lens,
+            out_cache_loc,
+            capacity=15,
+            page_size=ps,
+            cp_size=cp,
+            cp_rank=0,
+            strategy="interleave",
+        )
+
+
+class _LoneRank:
+    """Rank ``cp_rank`` of a CP group whose collectives the test above never reaches."""
+
+    def __init__(self, cp_size: int, cp_rank: int) -> None:
+        self.cp_size, self.cp_rank = cp_size, cp_rank
+
+    def all_gather_rows(self, local, out=None):
+        raise AssertionError("the history step refuses the pool before any collective")
+
+
 def test_dense_rounding_is_bounded():
     for slots in range(1, 5000):
         rounded = round_dense_slots(slots)
