@@ -46,8 +46,8 @@ def _register_fakes() -> None:
     """Output shapes of the ops for FakeTensor / torch.compile (the in-place ops return nothing)."""
 
     @torch.library.register_fake("sglang_cpkv::build_page_inverse")
-    def _build_page_inverse_fake(slot_pages, slot_req, num_requests, capacity, errors):
-        return slot_pages.new_empty((num_requests * capacity,), dtype=torch.int32)
+    def _build_page_inverse_fake(entry_pages, entry_req, entry_slots, num_requests, capacity, errors):
+        return entry_pages.new_empty((num_requests * capacity,), dtype=torch.int32)
 
     @torch.library.register_fake("sglang_cpkv::remap_locs")
     def _remap_locs_fake(locs, req_id, inverse, num_requests, capacity, page_size, errors):
@@ -167,10 +167,15 @@ def _ops():
 
 
 def build_page_inverse(
-    slot_pages: torch.Tensor, slot_req: torch.Tensor, num_requests: int, capacity: int, errors: torch.Tensor
+    entry_pages: torch.Tensor,
+    entry_req: torch.Tensor,
+    entry_slots: torch.Tensor,
+    num_requests: int,
+    capacity: int,
+    errors: torch.Tensor,
 ) -> torch.Tensor:
     """Per-request page inverse: :func:`sglang_cpkv.ops.reference.build_page_inverse` (int32 ``[R * C]``)."""
-    return _ops().build_page_inverse(slot_pages, slot_req, num_requests, capacity, errors)
+    return _ops().build_page_inverse(entry_pages, entry_req, entry_slots, num_requests, capacity, errors)
 
 
 def remap_locs(

@@ -7,7 +7,7 @@ it), per-request inverse (int32, flat ``[R * C]``, entry ``r * C + page_id`` = s
 
 Five ops cover every hot path of the runtime:
 
-* :func:`build_page_inverse` - per batch: the page of every dense slot -> per-request inverse.
+* :func:`build_page_inverse` - per batch: every (request, page) entry's dense slot -> per-request inverse.
 * :func:`remap_locs` - per batch (current locs) and per layer (top-k locs): token locations of a
   request -> dense locations, through the per-request inverse. Request ids are compact: one per
   row of ``locs`` (a ``[tokens, topk]`` tensor takes ``[tokens]`` ids), never broadcast.
@@ -42,6 +42,12 @@ def check_ids(t: torch.Tensor, name: str) -> None:
         raise CpSharedKvError(f"{name} must be int32 or int64, got {t.dtype}")
 
 
+def check_slots(entry_slots: torch.Tensor) -> None:
+    """Dense slots are int32 (every dense location fits int32, checked at plan build)."""
+    if entry_slots.dtype != torch.int32:
+        raise CpSharedKvError(f"entry_slots must be int32, got {entry_slots.dtype}")
+
+
 def check_inverse(inverse: torch.Tensor, num_requests: int, capacity: int) -> None:
     """The inverse carries neither R nor C, so the caller's pair must account for every entry."""
     if capacity < 1 or num_requests < 0:
@@ -65,44 +71,53 @@ def check_row_divides_page(current: torch.Tensor, dense: torch.Tensor) -> None:
 
 
 def build_page_inverse(
-    slot_pages: torch.Tensor, slot_req: torch.Tensor, num_requests: int, capacity: int, errors: torch.Tensor
+    entry_pages: torch.Tensor,
+    entry_req: torch.Tensor,
+    entry_slots: torch.Tensor,
+    num_requests: int,
+    capacity: int,
+    errors: torch.Tensor,
 ) -> torch.Tensor:
-    """Per-request page inverse of a batch.
+    """Per-request page inverse of a batch: every (request, page) entry of its page tables -> its dense slot.
 
     Args:
-        slot_pages: int32 or int64 ``[S]``, the pool page id held by each dense slot; ``-1``: a slot no
-            page fills (the layout's rounding).
-        slot_req: int64 ``[S]``, the request row of each slot (``-1`` with a ``-1`` page).
-        num_requests: ``R``. capacity: ``C``, the number of page ids of the pool.
-        errors: int32 ``[NUM_ERROR_KINDS]`` counter: page ids ``>= C`` or ``< -1`` and a page id held by
-            two slots of one request (:data:`ERR_PAGE_OUT_OF_RANGE`); request ids outside ``[-1, R)``
-            (:data:`ERR_REQ_OUT_OF_RANGE`).
+        entry_pages: int32 or int64 ``[E]``, the page id of each entry; ``-1``: no entry (the layout's rounding).
+        entry_req: int64 ``[E]``, the request row of each entry (``-1`` with a ``-1`` page).
+        entry_slots: int32 ``[E]``, the dense slot the entry points at. A slot is a request's own, or a
+            shared history slot that several requests' entries point at (the contract's "shared history slot").
+        num_requests: ``R``. capacity: ``C``, the number of page ids.
+        errors: int32 ``[NUM_ERROR_KINDS]`` counter: page ids ``>= C`` or ``< -1``, a slot ``< 0`` of an entry
+            that is not padding, and a page id held by two entries of one request (:data:`ERR_PAGE_OUT_OF_RANGE`);
+            request ids outside ``[-1, R)`` (:data:`ERR_REQ_OUT_OF_RANGE`).
 
     Returns:
-        int32 ``[R * C]``: entry ``slot_req[s] * C + slot_pages[s]`` = ``s``; -1 elsewhere. Of two slots
-        of one request holding one page, one wins (unspecified which) and the other is counted.
+        int32 ``[R * C]``: entry ``entry_req[e] * C + entry_pages[e]`` = ``entry_slots[e]``; -1 elsewhere. Of two
+        entries of one request holding one page, one wins (unspecified which) and the other is counted.
     """
-    check_ids(slot_pages, "slot_pages")
-    check_ids(slot_req, "slot_req")
-    if slot_pages.shape != slot_req.shape or slot_pages.dim() != 1:
+    check_ids(entry_pages, "entry_pages")
+    check_ids(entry_req, "entry_req")
+    check_slots(entry_slots)
+    if entry_pages.dim() != 1 or entry_req.shape != entry_pages.shape or entry_slots.shape != entry_pages.shape:
         raise CpSharedKvError(
-            f"slot_pages and slot_req must be 1-D of one length, got {tuple(slot_pages.shape)} and {tuple(slot_req.shape)}"
+            "entry_pages, entry_req and entry_slots must be 1-D of one length, got "
+            f"{tuple(entry_pages.shape)}, {tuple(entry_req.shape)} and {tuple(entry_slots.shape)}"
         )
     if capacity < 1 or num_requests < 0:
         raise CpSharedKvError(f"capacity must be >= 1 and num_requests >= 0, got {capacity}, {num_requests}")
-    inverse = torch.full((num_requests * capacity,), PADDING_ID, dtype=torch.int32, device=slot_pages.device)
-    page = slot_pages.to(torch.int64)
-    req = slot_req.to(torch.int64)
-    slot = torch.arange(page.numel(), device=page.device, dtype=torch.int64)
+    inverse = torch.full((num_requests * capacity,), PADDING_ID, dtype=torch.int32, device=entry_pages.device)
+    page = entry_pages.to(torch.int64)
+    req = entry_req.to(torch.int64)
+    slot = entry_slots.to(torch.int64)
     padding = (page == PADDING_ID) | (req == PADDING_ID)
-    bad_page = ~padding & ((page >= capacity) | (page < PADDING_ID))
+    bad_page = ~padding & ((page >= capacity) | (page < PADDING_ID) | (slot < 0))
     bad_req = ~padding & ~bad_page & ((req >= num_requests) | (req < PADDING_ID))
     valid = ~(padding | bad_page | bad_req)
-    entry = req[valid] * capacity + page[valid]
-    inverse[entry] = slot[valid].to(torch.int32)
-    # A slot whose entry another slot won: its page is repeated within its request.
-    repeated = inverse[entry].to(torch.int64) != slot[valid]
-    errors[ERR_PAGE_OUT_OF_RANGE] += (bad_page.sum() + repeated.sum()).to(torch.int32)
+    key = torch.where(valid, req * capacity + page, -1)
+    inverse[key[valid]] = slot[valid].to(torch.int32)
+    # Entries beyond the first of one key: a page repeated within its request (sorting needs no host sync).
+    ordered = key.sort().values
+    repeated = ((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).sum()
+    errors[ERR_PAGE_OUT_OF_RANGE] += (bad_page.sum() + repeated).to(torch.int32)
     errors[ERR_REQ_OUT_OF_RANGE] += bad_req.sum().to(torch.int32)
     return inverse
 

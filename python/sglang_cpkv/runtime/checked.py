@@ -6,12 +6,13 @@ Then the plan and every layer op synchronize and raise :class:`~sglang_cpkv.ops.
 naming the bad values:
 
 * after each op, the plan's device error counter (bad page/request ids, rows out of range);
-* plan: the dense slots and the inverse agree (every slot ``s`` of request ``r`` holding page ``p`` is
-  found at ``inverse[r * C + p]``, and nothing else is); each request's slots are its own range
-  ``[start[r], start[r] + n_r)``, with no page id twice; every current token's dense location is in its
-  own request's range at its own logical position, and no dense location is written by two tokens (so
-  no dense slot is written by two requests); padded local rows have request id -1 and location -1;
-* remap: every remapped top-k location lands in its own request's slot range.
+* plan: the entries, the slots and the inverse agree (entry ``(r, j)`` holding page ``p`` points at a slot that
+  holds ``p`` and is found at ``inverse[r * C + p]``, and nothing else is); no page id twice in one request; a
+  history-region slot belongs to no request and holds a page no other region slot holds; an own slot belongs to
+  the one request whose entry points at it; every current token's dense location is at its own logical position
+  in an own slot of its request, and no dense location is written by two tokens (so no dense slot is written by
+  two requests); padded local rows have request id -1 and location -1;
+* remap: every remapped top-k location lands in a slot of its own request's view.
 
 Off (the default) it costs nothing: the pipeline tests one Python bool of the plan and launches no
 extra kernel and no synchronization.
@@ -37,15 +38,16 @@ def enabled() -> bool:
     return env_flag(CHECKED_ENV_VAR)
 
 
-def _slot_range_violations(plan: CpSharedKvPlan, dense_locs: torch.Tensor, req_id: torch.Tensor) -> torch.Tensor:
-    """Bool, shape of ``dense_locs``: a location >= 0 outside its row's request slot range."""
-    bounds = torch.tensor([plan.slot_range(r) for r in range(plan.num_requests)], dtype=torch.int64) * plan.page_size
+def _foreign_slot_reads(plan: CpSharedKvPlan, dense_locs: torch.Tensor, req_id: torch.Tensor) -> torch.Tensor:
+    """Bool, shape of ``dense_locs``: a location >= 0 whose slot is not in its row's request's view."""
+    in_view = torch.zeros((plan.num_requests, plan.num_slots), dtype=torch.bool)
+    for r in range(plan.num_requests):
+        in_view[r, plan.request_slots(r)] = True
     rows = dense_locs.shape[0] if dense_locs.dim() else 1
     locs = dense_locs.to(torch.int64).cpu().reshape(rows, -1 if rows else 0)
     req = req_id.to(torch.int64).cpu()
-    lo = bounds[req.clamp(min=0), 0].unsqueeze(1)
-    hi = bounds[req.clamp(min=0), 1].unsqueeze(1)
-    inside = (locs >= lo) & (locs < hi) & (req >= 0).unsqueeze(1)
+    slot = torch.div(locs, plan.page_size, rounding_mode="floor").clamp(0, plan.num_slots - 1)
+    inside = in_view[req.clamp(min=0).unsqueeze(1), slot] & (req >= 0).unsqueeze(1) & (locs < plan.dense_rows)
     return (locs >= 0) & ~inside
 
 
@@ -59,27 +61,33 @@ def check_plan(plan: CpSharedKvPlan) -> None:
     check_errors(plan, "plan build")
     slot_pages = plan.slot_pages.to(torch.int64).cpu()
     slot_req = plan.slot_req.cpu()
-    cap = plan.capacity
+    cap, region = plan.capacity, plan.history_region_slots
+    region_pages = slot_pages[:region]
+    if bool((slot_req[:region] != -1).any()) or region_pages.unique().numel() != region:
+        raise CpSharedKvError("the history region holds a request's slot or a page id twice")
+    inverse = plan.inverse.to(torch.int64).cpu()
     for r in range(plan.num_requests):
-        start, stop = plan.slot_range(r)
-        if not bool((slot_req[start:stop] == r).all()):
-            raise CpSharedKvError(f"request {r}: its slots [{start}, {stop}) are not all its own")
-        pages = slot_pages[start:stop]
+        slots = plan.request_slots(r)
+        pages = slot_pages[slots]
         uniq, counts = pages.unique(return_counts=True)
         if bool((counts > 1).any()):
             raise CpSharedKvError(f"request {r}: page ids {uniq[counts > 1].tolist()} appear twice in its page table")
+        own = slots >= region
+        if not bool((slot_req[slots[own]] == r).all()):
+            raise CpSharedKvError(f"request {r}: its own slots {slots[own].tolist()} are not all its own")
+        got = inverse[r * cap + pages]
+        if not torch.equal(got, slots):
+            raise CpSharedKvError(
+                f"inverse disagrees with request {r}'s entries: page ids {pages.tolist()} -> slots {got.tolist()}, "
+                f"expected {slots.tolist()}"
+            )
+    own_slots = plan.entry_slots_host[plan.entry_slots_host >= region]
+    if own_slots.unique().numel() != own_slots.numel():
+        raise CpSharedKvError("an own slot is pointed at by two entries")
     if bool((slot_pages[plan.needed_slots :] != -1).any()) or bool((slot_req[plan.needed_slots :] != -1).any()):
         raise CpSharedKvError("the layout's rounding slots hold a page or a request")
-    inverse = plan.inverse.to(torch.int64).cpu()
-    for s in range(plan.needed_slots):
-        got = int(inverse[int(slot_req[s]) * cap + int(slot_pages[s])])
-        if got != s:
-            raise CpSharedKvError(
-                f"inverse disagrees with the slots: request {int(slot_req[s])} page id {int(slot_pages[s])} -> "
-                f"slot {got}, expected {s}"
-            )
-    if int((inverse >= 0).sum()) != plan.needed_slots:
-        raise CpSharedKvError(f"inverse has {int((inverse >= 0).sum())} entries, the batch {plan.needed_slots} slots")
+    if int((inverse >= 0).sum()) != plan.entries:
+        raise CpSharedKvError(f"inverse has {int((inverse >= 0).sum())} entries, the batch's tables {plan.entries}")
 
     dense = plan.current_dense_locs.to(torch.int64).cpu()
     expected = torch.tensor(
@@ -100,6 +108,10 @@ def check_plan(plan: CpSharedKvPlan) -> None:
         )
     if dense.unique().numel() != dense.numel():
         raise CpSharedKvError("two current tokens write the same dense location")
+    token_req = plan.token_req_id.cpu()
+    writer_slot = torch.div(dense, plan.page_size, rounding_mode="floor")
+    if bool((writer_slot < region).any()) or not torch.equal(slot_req[writer_slot], token_req):
+        raise CpSharedKvError("a current token writes a history-region slot or another request's slot")
     local_req = plan.local_req_id.cpu()
     local_loc = plan.local_out_cache_loc.cpu()
     if not torch.equal(local_req < 0, local_loc < 0):
@@ -109,7 +121,7 @@ def check_plan(plan: CpSharedKvPlan) -> None:
 def check_remapped(plan: CpSharedKvPlan, dense_locs: torch.Tensor, req_id: torch.Tensor, where: str) -> None:
     """Raise if an op dropped a bad id, or a remapped location left its request's slot range."""
     check_errors(plan, where)
-    bad = _slot_range_violations(plan, dense_locs, req_id)
+    bad = _foreign_slot_reads(plan, dense_locs, req_id)
     if bool(bad.any()):
         rows = bad.any(dim=1).nonzero().flatten().tolist()
         raise CpSharedKvError(

@@ -1,11 +1,16 @@
-"""The CP group: the one collective the runtime needs (all-gather of equal-sized row blocks).
+"""The CP group: the two collectives the runtime needs.
+
+* :meth:`CpGroup.all_gather_rows` - equal-sized row blocks, rank-major (the current chunk: the plan gives every
+  rank the same ``physical_rows``).
+* :meth:`CpGroup.all_gather_blocks` - in place, blocks of uneven sizes of one buffer (the history region of a dense
+  view: rank ``k`` wrote its block, every rank receives every block where it belongs).
 
 :class:`SingleRankGroup` serves ``cp_size = 1`` without any process group.
-:class:`TorchDistCpGroup` wraps a ``torch.distributed`` process group: NCCL on GPUs
-(``all_gather_into_tensor``), gloo on CPU (``all_gather`` into a list, the form gloo supports).
-Tensors travel as raw bytes (``uint8`` views), so bf16 rows and the 656-byte packed FP8 rows
-move bit-exactly on every backend. Callers pad to a common row count before gathering (the plan
-gives every rank the same ``physical_rows`` and ``exchange_pages_per_rank``).
+:class:`TorchDistCpGroup` wraps a ``torch.distributed`` process group: NCCL on GPUs (``all_gather_into_tensor``;
+``all_gather`` into a list of uneven blocks, which NCCL runs as grouped broadcasts), gloo on CPU (``all_gather``
+into a list for equal blocks; one ``broadcast`` per rank for uneven ones, which gloo's all-gather refuses).
+Tensors travel as raw bytes (``uint8`` views), so bf16 rows and the 656-byte packed FP8 rows move bit-exactly on
+every backend.
 """
 
 from __future__ import annotations
@@ -31,6 +36,12 @@ class CpGroup(Protocol):
         """
         ...
 
+    def all_gather_blocks(self, buffer: torch.Tensor, blocks: tuple[tuple[int, int], ...]) -> None:
+        """In place: rows ``[start_k, start_k + count_k)`` of ``buffer`` (``[rows, ...]``, contiguous), written by
+        rank ``k`` on rank ``k``, become the same rows on every rank. ``blocks`` (one per rank) is the same on
+        every rank."""
+        ...
+
 
 class SingleRankGroup:
     """``cp_size = 1``: the all-gather is the identity."""
@@ -43,6 +54,9 @@ class SingleRankGroup:
             return local
         out.copy_(local)
         return out
+
+    def all_gather_blocks(self, buffer: torch.Tensor, blocks: tuple[tuple[int, int], ...]) -> None:
+        return None  # one rank: its block is already in place
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -83,3 +97,19 @@ class TorchDistCpGroup:
             else:
                 dist.all_gather_into_tensor(dst, src, group=self.group)
         return out
+
+    def all_gather_blocks(self, buffer: torch.Tensor, blocks: tuple[tuple[int, int], ...]) -> None:
+        if len(blocks) != self.cp_size:
+            raise ValueError(f"all_gather_blocks: {len(blocks)} blocks for {self.cp_size} ranks")
+        if self.cp_size == 1 or not buffer.numel():
+            return
+        if not buffer.is_contiguous():
+            raise ValueError("all_gather_blocks: the buffer must be contiguous (its blocks are written in place)")
+        rows = as_bytes(buffer)
+        parts = [rows[start : start + count] for start, count in blocks]
+        if self._gloo and len({count for _, count in blocks}) > 1:
+            for k, part in enumerate(parts):
+                if part.shape[0]:
+                    dist.broadcast(part, src=dist.get_global_rank(self.group, k) if self.group else k, group=self.group)
+            return
+        dist.all_gather(parts, parts[self.cp_rank], group=self.group)

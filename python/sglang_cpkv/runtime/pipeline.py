@@ -4,17 +4,19 @@ Per batch a :class:`LayerPipeline` is begun from the batch's :class:`~.plan.CpSh
 each layer and each kind of paged KV the layer has (:class:`PagedKind`: the latent KV, the DSA
 index-K pages), in this order:
 
-1. **history** (:meth:`LayerPipeline.dense_pages`): every request's history pages into its own dense
-   slots. At ``cp_size = 1`` one ``ops.copy_pages`` from the pool; under CP each rank's pool holds only
-   the pages it owns (:mod:`.ownership`), so each rank packs its owned history pages, the group
-   all-gathers them and every rank unpacks the pages of all history slots (in rounds of at most
-   ``plan.exchange_pages_per_round`` pages per rank, so reserved exchange buffers bound any batch). With ``layer_ahead`` the
-   history of the kind's next layer is materialized into the other of two buffers on a side CUDA
-   stream while this layer computes (on CPU it runs when started); without it, synchronously.
+1. **history** (:meth:`LayerPipeline.dense_pages`): the batch's history region and the history rows of own slots
+   (the plan's dense layout). At ``cp_size = 1`` one ``ops.copy_pages`` from the pool (each distinct history page
+   once). Under CP each rank's pool holds only the pages it owns (:mod:`.ownership`), so each rank copies its owned
+   history pages from its pool straight into its block of the region, one all-gather of the blocks (in place, of
+   uneven sizes) fills the region in every rank's view, and the own slots that hold history rows (CURRENT_REUSE
+   pages, pages another request writes) take theirs from the region: no exchange buffer, no unpack. With
+   ``layer_ahead`` the history of the kind's next layer is materialized into the other of two buffers on a side
+   CUDA stream while this layer computes (on CPU it runs when started); without it, synchronously.
 2. **current** (:meth:`LayerPipeline.dense_view` with ``current_rows``, or :meth:`current_write_locs`
    for a caller that writes the rows itself): the all-gathered current rows into each request's own
-   dense slots (CURRENT_REUSE: a history ending mid-page is continued in that slot). Synchronous
-   history (of at most one exchange round) and current rows run as one ``ops.materialize_and_fill``.
+   dense slots (CURRENT_REUSE: a history ending mid-page is continued in that slot). Synchronously, the last copy
+   of the history (from the pool at cp 1, from the region under CP) and the current rows run as one
+   ``ops.materialize_and_fill``.
 3. **remap** (:meth:`LayerPipeline.remap`): top-k pool locations of a request -> dense locations,
    through the per-request inverse (one request id per row).
 4. **persist** (:meth:`LayerPipeline.persist_owned`, or :meth:`owned_write_locs` for a caller that
@@ -50,7 +52,7 @@ from sglang_cpkv import ops
 from sglang_cpkv.ops.errors import CpSharedKvError
 from sglang_cpkv.runtime import checked as checked_mode
 from sglang_cpkv.runtime.group import CpGroup
-from sglang_cpkv.runtime.plan import CpSharedKvPlan, ExchangeRound
+from sglang_cpkv.runtime.plan import CpSharedKvPlan
 
 
 def as_pages(rows: torch.Tensor, page_size: int, what: str) -> torch.Tensor:
@@ -72,9 +74,6 @@ class PagedKind:
             another layer's top-k has no index-K pool and is not listed for index K).
         pool_pages: layer -> this rank's pool of that layer as pages ``[plan.pool_pages, page_elems]``.
         buffers: dense page buffers ``[>= num_slots, page_elems]``: two with layer-ahead, else one.
-        exchange: under CP, the history all-gather's send ``[>= K, page_elems]`` and gathered
-            ``[>= cp_size * K, page_elems]`` buffers (``K = plan.exchange_pages_per_round``), kept across
-            batches by the caller; ``None``: made for each batch that exchanges.
         row_shape, row_dtype: a token row (``page_elems = page_size * prod(row_shape)``) when the page
             is ``page_size`` rows of one token each (latent KV); ``None`` when the page has its own
             layout (index-K pages: keys then scales) and only whole pages are copied - the caller then
@@ -87,7 +86,6 @@ class PagedKind:
     buffers: tuple[torch.Tensor, ...]
     row_shape: tuple[int, ...] | None = None
     row_dtype: torch.dtype | None = None
-    exchange: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def rows_kind(
@@ -148,17 +146,6 @@ class _KindState:
             raise CpSharedKvError(f"{kind.name}: a layer is listed twice in {kind.layers}")
         self.started: dict[int, torch.cuda.Event | None] = {}
         self.taken: set[int] = set()
-        self.send: torch.Tensor | None = None  # exchange buffers, one pair per batch (stream-ordered reuse)
-        self.gathered: torch.Tensor | None = None
-        rounds_pages = plan.exchange_pages_per_round
-        if kind.exchange is not None and plan.exchange_rounds:
-            send, gathered = kind.exchange
-            if send.shape[0] < rounds_pages or gathered.shape[0] < plan.cp_size * rounds_pages:
-                raise CpSharedKvError(
-                    f"{kind.name}: exchange buffers of {send.shape[0]} and {gathered.shape[0]} pages, a round of "
-                    f"the batch needs {rounds_pages} and {plan.cp_size * rounds_pages}"
-                )
-            self.send, self.gathered = send[:rounds_pages], gathered[: plan.cp_size * rounds_pages]
 
     def buffer(self, layer: int) -> torch.Tensor:
         return self.buffers[self.position[layer] % len(self.buffers)]
@@ -221,29 +208,24 @@ class LayerPipeline:
         return state
 
     def _materialize(self, state: _KindState, layer: int, dense: torch.Tensor) -> None:
-        """History pages of ``layer`` into ``dense`` (a collective under CP when the batch has history)."""
+        """History of ``layer`` into ``dense``: the region and the own slots' history rows (a collective under CP
+        when the batch has history)."""
         plan = self.plan
-        pool = state.kind.pool_pages(layer)
-        self._check_pool(state, pool, layer)
-        if plan.cp_size == 1:
-            ops.copy_pages(pool, plan.history_pages, dense, plan.history_slots, plan.errors)
-        for exchange_round in plan.exchange_rounds:
-            gathered = self._exchange(state, pool, exchange_round)
-            ops.copy_pages(gathered, exchange_round.recv_rows, dense, exchange_round.history_slots, plan.errors)
+        self._fill_region(state, layer, dense)
+        if plan.view_copy_dst_slots.numel():
+            ops.copy_pages(dense, plan.view_copy_src_slots, dense, plan.view_copy_dst_slots, plan.errors)
         if plan.checked:
             checked_mode.check_errors(plan, f"{state.kind.name} history of layer {layer}")
 
-    def _exchange(self, state: _KindState, pool: torch.Tensor, exchange_round: ExchangeRound) -> torch.Tensor:
-        """This rank's share of the round's owned history pages, all-gathered rank-major: ``[cp_size * K,
-        page_elems]``."""
+    def _fill_region(self, state: _KindState, layer: int, dense: torch.Tensor) -> None:
+        """This rank's pool pages into the view (at cp 1 the whole history; under CP its block of the region), then
+        under CP the all-gather of every rank's block, in place."""
         plan = self.plan
-        pages = plan.exchange_pages_per_round
-        if state.send is None:
-            state.send = pool.new_empty((pages, pool.shape[1]))
-            state.gathered = pool.new_empty((plan.cp_size * pages, pool.shape[1]))
-        dst = torch.arange(pages, dtype=torch.int32, device=pool.device)
-        ops.copy_pages(pool, exchange_round.send_pages, state.send, dst, plan.errors)
-        return self.group.all_gather_rows(state.send, out=state.gathered)
+        pool = state.kind.pool_pages(layer)
+        self._check_pool(state, pool, layer)
+        ops.copy_pages(pool, plan.pool_copy_pages, dense, plan.pool_copy_slots, plan.errors)
+        if plan.gather_blocks:
+            self.group.all_gather_blocks(dense, plan.gather_blocks)
 
     def _start(self, state: _KindState, layer: int) -> None:
         dense = state.buffer(layer)
@@ -294,13 +276,8 @@ class LayerPipeline:
         state = self._state(kind, layer)
         if state.kind.row_shape is None:
             raise CpSharedKvError(f"{kind} pages are not token rows; write current tokens at current_write_locs()")
-        # One op for history and current rows where the history is one copy (cp 1, or one exchange round).
-        fuse = (
-            current_rows is not None
-            and not self.layer_ahead
-            and layer not in state.taken
-            and len(self.plan.exchange_rounds) <= 1
-        )
+        # One op for the history's last copy and the current rows (synchronous history).
+        fuse = current_rows is not None and not self.layer_ahead and layer not in state.taken
         if fuse:
             dense = state.buffer(layer)
             self._check_current(state, current_rows)
@@ -319,19 +296,14 @@ class LayerPipeline:
 
     def _materialize_and_fill(self, state: _KindState, layer: int, dense: torch.Tensor, rows: torch.Tensor) -> None:
         plan = self.plan
-        pool = state.kind.pool_pages(layer)
-        self._check_pool(state, pool, layer)
-        slots = plan.history_slots
-        if len(plan.exchange_rounds) == 1:
-            exchange_round = plan.exchange_rounds[0]
-            src, src_page, slots = (
-                self._exchange(state, pool, exchange_round),
-                exchange_round.recv_rows,
-                exchange_round.history_slots,
-            )
-        else:  # cp = 1, or no history anywhere in the batch (no slot to copy)
-            src, src_page = pool, plan.history_pages
-        ops.materialize_and_fill(src, src_page, dense, slots, rows.flatten(1), plan.current_dense_locs, plan.errors)
+        if plan.cp_size == 1:  # the pool copy is the whole history
+            pool = state.kind.pool_pages(layer)
+            self._check_pool(state, pool, layer)
+            src, src_pages, slots = pool, plan.pool_copy_pages, plan.pool_copy_slots
+        else:
+            self._fill_region(state, layer, dense)
+            src, src_pages, slots = dense, plan.view_copy_src_slots, plan.view_copy_dst_slots
+        ops.materialize_and_fill(src, src_pages, dense, slots, rows.flatten(1), plan.current_dense_locs, plan.errors)
         if plan.checked:
             checked_mode.check_errors(plan, f"{state.kind.name} history and current rows of layer {layer}")
 

@@ -3,27 +3,38 @@
 :func:`build_plan` turns the batch's request page tables, host lengths and current-token pool
 locations into a frozen :class:`CpSharedKvPlan`: every per-batch value the layers need, computed once
 (the per-layer work is :class:`~sglang_cpkv.runtime.pipeline.LayerPipeline`, which only reads it).
-Terms (page id, capacity ``C``, request row ``r``, page index ``j``, dense slot, per-request inverse)
-are those of ``docs/design/cp-shared-kv-contract.md``.
+Terms (page id, capacity ``C``, request row ``r``, page index ``j``, dense slot, shared history slot, per-request
+inverse) are those of ``docs/design/cp-shared-kv-contract.md``.
 
-Dense layout (ragged): request ``r`` needs ``n_r = ceil((prefix_r + extend_r) / page_size)`` pages;
-its slots are ``start[r] + j`` for ``j < n_r``, ``start`` the exclusive cumulative sum of ``n_r``. The
-view has :func:`~.buckets.round_dense_slots` ``(sum n_r)`` slots (under 3.2% more, so shapes repeat);
-the rounding slots hold no page. Every dense location is checked to fit int32 here.
+Dense layout: request ``r``'s page table has ``n_r = ceil((prefix_r + extend_r) / page_size)`` entries ``(r, j)``.
 
-Synchronization: the plan's device work is a handful of ops with no host sync
-(``repeat_interleave`` gets ``output_size``). Host-side lengths are validated always (free). Page ids
-and ``out_cache_loc`` are validated on the host when they are host tensors; on a GPU a bad or repeated
-page id is counted in the plan's device error counter instead (the surfacing is the caller's: checked
-mode raises at once). One host sync per batch, before the first layer, under ``cp_size > 1`` only: the
-all-gather layout of history pages needs the history page ids on the host (deduplicated owned pages,
-padded to the largest owner's count), so the history pages of a device page table are copied to the
-host once; a host page table needs none.
+* **the history region**, slots ``[0, H)``: one slot per distinct page id any request of the batch reads history
+  from (its pool rows, taken before this forward writes the pool). At cp 1 in page-id order; under CP ordered as
+  the exchange delivers it: rank ``k``'s block holds the pages it owns (``page % cp == k``), in page-id order,
+  after the blocks of ranks ``0..k-1``, so each rank packs its block from its pool straight into the view and one
+  all-gather (blocks of uneven size) fills the whole region in every rank's view.
+* **own slots**, after the region, in ``(r, j)`` order: every entry a request writes (its current pages, its
+  CURRENT_REUSE page: a history ending mid-page continued by its current tokens) and every history page that some
+  request of the batch writes as current in this forward (allocator reuse, the contract's second class). Such an
+  entry's history rows are copied into its own slot from the region (at cp 1 straight from the pool).
+* an entry that is history only (a full history page no request of the batch writes) points at the page's region
+  slot: the readers of a shared prompt share one copy (the contract's "shared history slot").
+
+No slot is written by two requests: the region is written by the history step only, an own slot by its request
+only. The view has :func:`~.buckets.round_dense_slots` ``(H + own)`` slots (under 3.2% more, so shapes repeat); the
+rounding slots hold no page. Every dense location is checked to fit int32 here.
+
+Synchronization: the plan's device work is a handful of ops with no host sync (``repeat_interleave`` gets
+``output_size``). Host-side lengths are validated always (free). Page ids and ``out_cache_loc`` are validated on
+the host when they are host tensors; on a GPU a bad or repeated page id is counted in the plan's device error
+counter instead (the surfacing is the caller's: checked mode raises at once). One host sync per batch that has
+history, before the first layer: the history region is a function of the page ids (which pages are shared, who
+owns them), so the entries of a device page table are copied to the host once; a host page table needs none.
 
 Pools under CP: page ids are global (upstream's page-interleave allocator numbers ``C = cp_size x`` one rank's
 pool pages); a rank's pool holds the pages it owns, page ``p`` at its pool page ``p // cp_size``
-(:mod:`.ownership`). Every pool address the plan hands out (the pages a rank packs for the exchange, the rows it
-persists) is such a pool page or row; every dense and remap input stays in page ids.
+(:mod:`.ownership`). Every pool address the plan hands out (the pages a rank packs, the rows it persists) is such a
+pool page or row; every dense and remap input stays in page ids.
 """
 
 from __future__ import annotations
@@ -45,23 +56,6 @@ INT32_MAX = (1 << 31) - 1
 
 
 @dataclass(frozen=True, eq=False)
-class ExchangeRound:
-    """One round of the history all-gather (device tensors).
-
-    Attributes:
-        send_pages: int32 ``[K]``: the pages of this rank's pool it packs (the round's share of its owned
-            distinct history pages, at :func:`~.ownership.owner_pool_page`; -1 padding).
-        history_slots: int32 ``[S_t]``: the history slots whose page arrives in this round.
-        recv_rows: int32 ``[S_t]``: each such slot's page row in the rank-major all-gathered
-            ``[cp_size * K, page_elems]`` buffer.
-    """
-
-    send_pages: torch.Tensor
-    history_slots: torch.Tensor
-    recv_rows: torch.Tensor
-
-
-@dataclass(frozen=True, eq=False)
 class CpSharedKvPlan:
     """Everything the layers of one batch reuse. Built by :func:`build_plan`; never mutated.
 
@@ -69,26 +63,28 @@ class CpSharedKvPlan:
         num_requests: ``R``. capacity: ``C``, the page ids (under CP ``cp_size`` x :attr:`pool_pages`).
         page_size: tokens per page.
         prefix_lens, extend_lens: per request, history and current token counts.
-        request_pages: ``n_r`` per request; slot_starts: ``start[r]`` per request.
-        num_slots: slots of the dense view (``sum(n_r)`` rounded, module docstring).
+        request_pages: ``n_r`` per request (its page-table entries).
+        entry_starts: per request, the index of its first entry (entries are ``(r, j)`` in order).
+        entry_slots_host: int64 ``[sum n_r]``, the dense slot of every entry (module docstring).
+        history_region_slots: ``H``, the slots of the history region (distinct pages read as history).
+        gather_blocks: under CP, ``(start, count)`` of each rank's block of the history region (empty at cp 1).
+        num_slots: slots of the dense view (``H`` + own slots, rounded).
         num_tokens: ``N = sum(extend_lens)``.
         split: the CP split of the current tokens (:class:`~.cp_split.CpSplit`).
-        exchange_pages_per_rank: ``M``, the most distinct history pages any rank owns (0 when
-            ``cp_size == 1`` or the batch has no history).
-        exchange_pages_per_round: ``K``, pages each rank contributes to one round of the history
-            all-gather (``M``, or the caller's bound when ``M`` exceeds it: reserved exchange buffers); 0 without
-            exchange.
         checked: checked mode (:mod:`.checked`), fixed at build.
 
     Device tensors (all on the device of ``out_cache_loc``):
-        slot_pages: int32 ``[num_slots]``, the pool page id of each dense slot (-1: a rounding slot).
-        slot_req: int64 ``[num_slots]``, the request of each dense slot (-1: a rounding slot).
-        inverse: int32 ``[R * C]``, the per-request inverse (``ops.build_page_inverse``).
+        slot_pages: int32 ``[num_slots]``, the page id each dense slot holds (-1: a rounding slot).
+        slot_req: int64 ``[num_slots]``, the request an own slot belongs to (-1: a history-region slot, which no
+            request writes, or a rounding slot).
+        inverse: int32 ``[R * C]``, the per-request inverse (``ops.build_page_inverse`` of every entry's slot).
         token_req_id: int64 ``[N]``, request row of each current token (token order).
-        current_dense_locs: int64 ``[N]``, dense location of each current token (fill target).
-        history_slots: int32 ``[S]``, the dense slots ``start[r] + j`` with ``j < ceil(prefix_r / page_size)``
-            (slots holding only current tokens are never materialized).
-        history_pages: int32 ``[S]``, the pool page id of each history slot.
+        current_dense_locs: int64 ``[N]``, dense location of each current token (fill target: own slots only).
+        pool_copy_pages, pool_copy_slots: int32, the pages of this rank's pool copied into the view and their
+            slots: at cp 1 every history-region page and every own entry's history page (page id = pool page);
+            under CP the pages of this rank's block (at :func:`~.ownership.owner_pool_page`).
+        view_copy_src_slots, view_copy_dst_slots: int32, under CP the copies from the gathered region into own
+            slots that hold history rows (empty at cp 1).
         local_req_id: int64 ``[physical_rows]``, request row of each local query row of this
             rank (the companion of the split; padding rows -1).
         local_out_cache_loc: ``[physical_rows]`` (dtype of ``out_cache_loc``), the split
@@ -97,8 +93,6 @@ class CpSharedKvPlan:
         current_gather_index: int64 ``[N]``, see :meth:`CpSplit.unshard`.
         owned_cache_write_locs: int64 ``[N]``: the row of this rank's pool of each current token whose page
             it owns (:func:`~.ownership.page_owner`, :func:`~.ownership.owner_pool_loc`), else -1.
-        exchange_rounds: ``ceil(M / K)`` :class:`ExchangeRound` (the same count on every rank): the
-            history all-gather in rounds of ``K`` pages per rank.
         errors: int32 ``[NUM_ERROR_KINDS]`` device error counter shared by every op of the batch.
     """
 
@@ -108,26 +102,28 @@ class CpSharedKvPlan:
     prefix_lens: tuple[int, ...]
     extend_lens: tuple[int, ...]
     request_pages: tuple[int, ...]
-    slot_starts: tuple[int, ...]
+    entry_starts: tuple[int, ...]
+    entry_slots_host: torch.Tensor
+    history_region_slots: int
+    gather_blocks: tuple[tuple[int, int], ...]
     num_slots: int
     num_tokens: int
     split: CpSplit
-    exchange_pages_per_rank: int
-    exchange_pages_per_round: int
     checked: bool
     slot_pages: torch.Tensor
     slot_req: torch.Tensor
     inverse: torch.Tensor
     token_req_id: torch.Tensor
     current_dense_locs: torch.Tensor
-    history_slots: torch.Tensor
-    history_pages: torch.Tensor
+    pool_copy_pages: torch.Tensor
+    pool_copy_slots: torch.Tensor
+    view_copy_src_slots: torch.Tensor
+    view_copy_dst_slots: torch.Tensor
     local_req_id: torch.Tensor
     local_out_cache_loc: torch.Tensor
     local_token_index: torch.Tensor
     current_gather_index: torch.Tensor
     owned_cache_write_locs: torch.Tensor
-    exchange_rounds: tuple[ExchangeRound, ...]
     errors: torch.Tensor
 
     @property
@@ -154,21 +150,23 @@ class CpSharedKvPlan:
 
     @property
     def needed_slots(self) -> int:
-        """Slots the batch's pages fill: ``sum(n_r)`` (the view rounds it up to ``num_slots``)."""
+        """Slots the batch's pages fill: the history region and the own slots (the view rounds it up)."""
+        return self.history_region_slots + int((self.entry_slots_host >= self.history_region_slots).sum())
+
+    @property
+    def entries(self) -> int:
+        """Entries of the batch's page tables: ``sum(n_r)`` (the dense rows a per-request layout would need)."""
         return sum(self.request_pages)
 
-    def slot_start(self, request: int) -> int:
-        """The first dense slot of ``request``."""
-        return self.slot_starts[request]
-
-    def slot_range(self, request: int) -> tuple[int, int]:
-        """``[start, stop)`` of the dense slots that belong to ``request``."""
-        start = self.slot_starts[request]
-        return start, start + self.request_pages[request]
+    def request_slots(self, request: int) -> torch.Tensor:
+        """int64 host ``[n_r]``: the dense slot of each of ``request``'s pages, in page-index order (its view)."""
+        start = self.entry_starts[request]
+        return self.entry_slots_host[start : start + self.request_pages[request]]
 
     def dense_location(self, request: int, position: int) -> int:
         """The dense location of logical position ``position`` of ``request`` (host arithmetic)."""
-        return (self.slot_start(request) + position // self.page_size) * self.page_size + position % self.page_size
+        slot = int(self.entry_slots_host[self.entry_starts[request] + position // self.page_size])
+        return slot * self.page_size + position % self.page_size
 
     def raise_if_errors(self, where: str = "CP shared-KV batch") -> None:
         """Synchronize and raise :class:`CpSharedKvError` if any op of the batch dropped a bad id."""
@@ -242,43 +240,67 @@ def _validate_host_ids(table: torch.Tensor, pages_needed: list[int], capacity: i
             raise CpSharedKvError(f"request {r}: page ids {uniq[counts > 1].tolist()} appear twice in its page table")
 
 
-def _exchange_layout(
-    history_page_ids: torch.Tensor, cp_size: int, cp_rank: int, pages_per_round: int | None
-) -> tuple[int, int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
-    """``(M, K, rounds)``: per round this rank's send pool pages ``[K]``, the indices of the history slots whose
-    page arrives in it, and their rows in the gathered buffer; all host int64."""
-    if history_page_ids.numel() == 0:
-        return 0, 0, []
-    unique_pages = history_page_ids.unique(sorted=True)
-    owner = page_owner(unique_pages, cp_size)
-    owned = [unique_pages[owner == k] for k in range(cp_size)]
-    pages_per_rank = max(int(t.numel()) for t in owned)
-    # A round never carries more than the batch needs: the bound only splits a larger exchange into rounds.
-    per_round = pages_per_rank if pages_per_round is None else min(pages_per_rank, pages_per_round)
-    slot_owner = page_owner(history_page_ids, cp_size)
-    index_in_owner = torch.empty_like(history_page_ids)
-    for k in range(cp_size):
-        mine = slot_owner == k
-        index_in_owner[mine] = torch.searchsorted(owned[k], history_page_ids[mine])
-    slot_round = torch.div(index_in_owner, per_round, rounding_mode="floor")
-    recv_rows = slot_owner * per_round + index_in_owner % per_round
-    rounds = []
-    for r in range(-(-pages_per_rank // per_round)):
-        send = torch.full((per_round,), PADDING_ID, dtype=torch.int64)
-        share = owned[cp_rank][r * per_round : (r + 1) * per_round]
-        send[: share.numel()] = owner_pool_page(share, cp_size)
-        in_round = (slot_round == r).nonzero().flatten()
-        rounds.append((send, in_round, recv_rows[in_round]))
-    return pages_per_rank, per_round, rounds
-
-
-def _slot_pages(table: torch.Tensor, slot_req: torch.Tensor, slot_j: torch.Tensor, capacity: int) -> torch.Tensor:
-    """int32 page id of every used slot, gathered on the table's device. An id outside ``[0, C)`` becomes ``C``
-    before the int32 cast (so ``2**32 + 5`` cannot wrap to page 5): the inverse build counts it as bad."""
+def _entry_pages(table: torch.Tensor, entry_req: torch.Tensor, entry_j: torch.Tensor, capacity: int) -> torch.Tensor:
+    """int32 page id of every entry, gathered on the table's device. An id outside ``[0, C)`` becomes ``C`` before
+    the int32 cast (so ``2**32 + 5`` cannot wrap to page 5): the inverse build counts it as bad."""
     if table.device.type != "cpu":  # staged through pinned memory: no host sync
-        slot_req, slot_j = _to_device(slot_req, table.device), _to_device(slot_j, table.device)
-    pages = table.to(torch.int64)[slot_req, slot_j]
+        entry_req, entry_j = _to_device(entry_req, table.device), _to_device(entry_j, table.device)
+    pages = table.to(torch.int64)[entry_req, entry_j]
     return torch.where((pages >= 0) & (pages < capacity), pages, capacity).to(torch.int32)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The dense layout of a batch (host int64; module docstring)."""
+
+    entry_slots: torch.Tensor  # [E] the slot of every entry
+    slot_pages: torch.Tensor  # [needed] the page id of every used slot
+    slot_req: torch.Tensor  # [needed] the request of every own slot, -1 in the history region
+    region_pages: torch.Tensor  # [H] the page id of every history-region slot
+    gather_blocks: tuple[tuple[int, int], ...]  # under CP (start, count) of each rank's block; () at cp 1
+    own_history: torch.Tensor  # [M] entries whose own slot holds history rows (copied into it)
+
+
+def _dense_layout(
+    pages: torch.Tensor,
+    entry_req: torch.Tensor,
+    entry_j: torch.Tensor,
+    prefix: tuple[int, ...],
+    *,
+    page_size: int,
+    cp_size: int,
+    capacity: int,
+) -> _Layout:
+    """Shared history slots for entries read only as history, own slots for every other entry (module docstring).
+
+    ``pages``: host int64 ``[E]`` page ids of the entries (``C`` for a bad id: never shared, never fetched)."""
+    prefix_of = torch.tensor(prefix, dtype=torch.int64)[entry_req]
+    history_rows = (prefix_of - entry_j * page_size).clamp(min=0, max=page_size)  # rows of history in the page
+    fetchable = pages < capacity
+    written = history_rows < page_size  # the page takes current tokens of its request
+    written_pages = pages[written & fetchable].unique()
+    shared = (history_rows == page_size) & fetchable & ~torch.isin(pages, written_pages)
+    # The region: every distinct page some entry reads history from (at cp 1 in page-id order; under CP rank-major).
+    region = pages[(history_rows > 0) & fetchable].unique(sorted=True)
+    blocks: tuple[tuple[int, int], ...] = ()
+    if cp_size > 1 and region.numel():
+        owner = page_owner(region, cp_size)
+        order = torch.argsort(owner * capacity + region)
+        region = region[order]
+        counts = torch.bincount(owner, minlength=cp_size).tolist()
+        starts = [sum(counts[:k]) for k in range(cp_size)]
+        blocks = tuple(zip(starts, counts))
+    region_slot = torch.full((capacity + 1,), PADDING_ID, dtype=torch.int64)
+    region_slot[region] = torch.arange(region.numel())
+    own = ~shared
+    num_own = int(own.sum())
+    entry_slots = torch.empty_like(pages)
+    entry_slots[shared] = region_slot[pages[shared]]
+    entry_slots[own] = region.numel() + torch.arange(num_own)
+    slot_pages = torch.cat([region, pages[own]])
+    slot_req = torch.cat([torch.full((region.numel(),), PADDING_ID, dtype=torch.int64), entry_req[own]])
+    own_history = (own & (history_rows > 0) & fetchable).nonzero().flatten()
+    return _Layout(entry_slots, slot_pages, slot_req, region, blocks, own_history)
 
 
 def build_plan(
@@ -292,7 +314,6 @@ def build_plan(
     cp_size: int,
     cp_rank: int,
     strategy: CpStrategy,
-    exchange_pages_per_round: int | None = None,
     checked: bool | None = None,
 ) -> CpSharedKvPlan:
     """Build the batch plan (once per batch, before the first layer).
@@ -309,8 +330,6 @@ def build_plan(
         capacity: ``C``, the page ids (under CP a multiple of ``cp_size``: each rank's pool holds
             ``C / cp_size`` pages, :mod:`.ownership`). page_size: tokens per page.
         cp_size, cp_rank: the CP group (``cp_size = 1``: no CP). strategy: see :mod:`.cp_split`.
-        exchange_pages_per_round: ``K``, the most pages a rank sends in one round of the history all-gather
-            (the size of reserved exchange buffers); default: all its pages in one round.
         checked: checked mode; default from ``SGLANG_CPKV_CHECKED`` (:mod:`.checked`).
 
     Raises:
@@ -328,8 +347,6 @@ def build_plan(
             f"capacity {capacity} is not a multiple of cp_size {cp_size}: under CP the page ids number cp_size x "
             "one rank's pool pages (upstream's page-interleave allocator)"
         )
-    if exchange_pages_per_round is not None and exchange_pages_per_round < 1:
-        raise CpSharedKvError(f"exchange_pages_per_round must be >= 1, got {exchange_pages_per_round}")
     prefix, extend = _validate_lengths(prefix_lens, extend_lens)
     num_requests = len(prefix)
     split = build_cp_split(strategy, extend, cp_size, cp_rank)
@@ -339,14 +356,14 @@ def build_plan(
         raise CpSharedKvError(f"the batch has no current tokens (extend_lens {list(extend)}): nothing to extend")
 
     pages_needed = [-(-(p + e) // page_size) for p, e in zip(prefix, extend)]
-    starts = [0]
+    entry_starts = [0]
     for n in pages_needed[:-1]:
-        starts.append(starts[-1] + n)
-    num_slots = round_dense_slots(sum(pages_needed))
-    if num_slots * page_size > INT32_MAX:
+        entry_starts.append(entry_starts[-1] + n)
+    longest = max(pages_needed)
+    if longest * page_size > INT32_MAX:
         raise CpSharedKvError(
-            f"the batch's dense view needs {num_slots} slots x page_size {page_size} = {num_slots * page_size} "
-            f"locations, more than int32 holds ({INT32_MAX}): split the batch"
+            f"a request's dense view needs {longest} slots x page_size {page_size} = {longest * page_size} locations, "
+            f"more than int32 holds ({INT32_MAX}): split the batch"
         )
     table = _host_page_table(page_table, num_requests)
     too_long = [(r, n) for r, n in enumerate(pages_needed) if n > table.shape[1]]
@@ -369,16 +386,45 @@ def build_plan(
     device = out_cache_loc.device
     errors = ops.new_error_counter(device)
 
-    # Every used slot's (request, page index), on the host: the layout is a function of host lengths.
-    slot_req_host = torch.repeat_interleave(torch.arange(num_requests), torch.tensor(pages_needed))
-    slot_j_host = torch.cat([torch.arange(n) for n in pages_needed])
-    used_pages = _slot_pages(table, slot_req_host, slot_j_host, capacity)
-    slot_pages = torch.full((num_slots,), PADDING_ID, dtype=torch.int32, device=device)
-    slot_pages[: used_pages.numel()] = used_pages if used_pages.device == device else _to_device(used_pages, device)
-    slot_req = _to_device(
-        torch.cat([slot_req_host, torch.full((num_slots - slot_req_host.numel(),), PADDING_ID)]), device, torch.int64
+    # Every entry's (request, page index) on the host; its page id on the table's device.
+    entry_req = torch.repeat_interleave(torch.arange(num_requests), torch.tensor(pages_needed))
+    entry_j = torch.cat([torch.arange(n) for n in pages_needed])
+    entry_pages = _entry_pages(table, entry_req, entry_j, capacity)
+    if any(prefix):
+        # The one host copy of a device page table (module docstring): the layout is a function of its page ids.
+        layout_pages = entry_pages.to(torch.int64).cpu()
+    else:  # no history anywhere: every entry is its own, whatever its page id
+        layout_pages = torch.full((entry_req.numel(),), capacity, dtype=torch.int64)
+    layout = _dense_layout(
+        layout_pages, entry_req, entry_j, prefix, page_size=page_size, cp_size=cp_size, capacity=capacity
     )
-    inverse = ops.build_page_inverse(slot_pages, slot_req, num_requests, capacity, errors)
+    needed = layout.slot_pages.numel()
+    num_slots = round_dense_slots(needed)
+    if num_slots * page_size > INT32_MAX:
+        raise CpSharedKvError(
+            f"the batch's dense view needs {num_slots} slots x page_size {page_size} = {num_slots * page_size} "
+            f"locations, more than int32 holds ({INT32_MAX}): split the batch"
+        )
+    rounding = num_slots - needed
+    slot_pages_host = torch.cat([layout.slot_pages, torch.full((rounding,), PADDING_ID, dtype=torch.int64)])
+    if not any(prefix):  # the own slots hold the entries' page ids as the table's device has them
+        slot_pages = torch.full((num_slots,), PADDING_ID, dtype=torch.int32, device=device)
+        slot_pages[:needed] = entry_pages if entry_pages.device == device else _to_device(entry_pages, device)
+    else:
+        slot_pages = _to_device(
+            torch.where(slot_pages_host >= capacity, capacity, slot_pages_host), device, torch.int32
+        )
+    slot_req = _to_device(
+        torch.cat([layout.slot_req, torch.full((rounding,), PADDING_ID, dtype=torch.int64)]), device, torch.int64
+    )
+    inverse = ops.build_page_inverse(
+        entry_pages if entry_pages.device == device else _to_device(entry_pages, device),
+        _to_device(entry_req, device, torch.int64),
+        _to_device(layout.entry_slots, device, torch.int32),
+        num_requests,
+        capacity,
+        errors,
+    )
 
     extend_dev = _to_device(torch.tensor(extend, dtype=torch.int64), device)
     token_req_id = torch.repeat_interleave(
@@ -388,41 +434,35 @@ def build_plan(
         out_cache_loc, token_req_id, inverse, num_requests, capacity, page_size, errors
     ).to(torch.int64)
 
-    history_slots_host = torch.cat(
-        [torch.arange(start, start + -(-p // page_size), dtype=torch.int64) for start, p in zip(starts, prefix)]
-    )
-    history_slots = _to_device(history_slots_host, device, torch.int32)
-    history_pages = slot_pages.index_select(0, history_slots.to(torch.int64))
+    # History: this rank's pool pages into the view, then (under CP) the gather and the copies into own slots.
+    region = layout.region_pages
+    own_history_pages = layout_pages[layout.own_history]
+    own_history_slots = layout.entry_slots[layout.own_history]
+    empty = torch.empty(0, dtype=torch.int64)
+    if cp_size == 1:
+        pool_pages, pool_slots = (
+            torch.cat([region, own_history_pages]),
+            torch.cat([torch.arange(region.numel()), own_history_slots]),
+        )
+        view_src, view_dst = empty, empty
+    else:
+        start, count = layout.gather_blocks[cp_rank] if layout.gather_blocks else (0, 0)
+        pool_pages = owner_pool_page(region[start : start + count], cp_size)
+        pool_slots = torch.arange(start, start + count)
+        region_slot = {int(page): slot for slot, page in enumerate(region.tolist())}
+        view_src = torch.tensor([region_slot[int(p)] for p in own_history_pages.tolist()], dtype=torch.int64)
+        view_dst = own_history_slots
 
     local_token_index = _to_device(split.local_token_index, device)
     current_gather_index = _to_device(split.gather_index, device)
     local_req_id = split.shard(token_req_id, PADDING_ID, local_token_index)
     local_out_cache_loc = split.shard(out_cache_loc, PADDING_ID, local_token_index)
-
-    pages_per_rank, pages_per_round, rounds = 0, 0, ()
     if cp_size == 1:
         owned_cache_write_locs = out_cache_loc.to(torch.int64)
     else:
         locs = out_cache_loc.to(torch.int64)
         owned = page_owner(torch.div(locs, page_size, rounding_mode="floor"), cp_size) == cp_rank
         owned_cache_write_locs = torch.where(owned, owner_pool_loc(locs, page_size, cp_size), PADDING_ID)
-        # The one host copy of a device page table (see the module docstring): the history slots' pages, when any.
-        history_page_ids = torch.empty(0, dtype=torch.int64)
-        if history_slots_host.numel():
-            history_page_ids = (
-                used_pages.index_select(0, history_slots_host.to(used_pages.device)).to(torch.int64).cpu()
-            )
-        pages_per_rank, pages_per_round, host_rounds = _exchange_layout(
-            history_page_ids, cp_size, cp_rank, exchange_pages_per_round
-        )
-        rounds = tuple(
-            ExchangeRound(
-                send_pages=_to_device(send, device, torch.int32),
-                history_slots=_to_device(history_slots_host[in_round], device, torch.int32),
-                recv_rows=_to_device(recv, device, torch.int32),
-            )
-            for send, in_round, recv in host_rounds
-        )
 
     plan = CpSharedKvPlan(
         num_requests=num_requests,
@@ -431,26 +471,28 @@ def build_plan(
         prefix_lens=prefix,
         extend_lens=extend,
         request_pages=tuple(pages_needed),
-        slot_starts=tuple(starts),
+        entry_starts=tuple(entry_starts),
+        entry_slots_host=layout.entry_slots,
+        history_region_slots=int(region.numel()),
+        gather_blocks=layout.gather_blocks,
         num_slots=num_slots,
         num_tokens=num_tokens,
         split=split,
-        exchange_pages_per_rank=pages_per_rank,
-        exchange_pages_per_round=pages_per_round,
         checked=checked_mode.enabled() if checked is None else checked,
         slot_pages=slot_pages,
         slot_req=slot_req,
         inverse=inverse,
         token_req_id=token_req_id,
         current_dense_locs=current_dense_locs,
-        history_slots=history_slots,
-        history_pages=history_pages,
+        pool_copy_pages=_to_device(pool_pages, device, torch.int32),
+        pool_copy_slots=_to_device(pool_slots, device, torch.int32),
+        view_copy_src_slots=_to_device(view_src, device, torch.int32),
+        view_copy_dst_slots=_to_device(view_dst, device, torch.int32),
         local_req_id=local_req_id,
         local_out_cache_loc=local_out_cache_loc,
         local_token_index=local_token_index,
         current_gather_index=current_gather_index,
         owned_cache_write_locs=owned_cache_write_locs,
-        exchange_rounds=rounds,
         errors=errors,
     )
     if plan.checked:

@@ -123,6 +123,39 @@ class BatchCase:
         return REACHABLE
 
 
+SHARED_HISTORY = "shared-history"  # a page two requests read only as history (one shared history slot)
+HISTORY_WRITTEN = "history-written"  # a page one request reads as history and another writes as current
+SHARED_REUSE = "shared-current-reuse"  # a page two requests read as history, one of them continuing it (CURRENT_REUSE)
+
+
+def sharing_patterns(case: BatchCase) -> set[str]:
+    """Which of the dense layout's sharing patterns ``case`` holds (:data:`SHARED_HISTORY`, :data:`HISTORY_WRITTEN`,
+    :data:`SHARED_REUSE`): the states the shared history slots must keep apart."""
+    ps = case.page_size
+    readers: dict[int, set[int]] = {}
+    full_readers: dict[int, set[int]] = {}
+    writers: dict[int, set[int]] = {}
+    for r, table in enumerate(case.page_tables):
+        for j, page in enumerate(table):
+            history = min(max(case.prefix_lens[r] - j * ps, 0), ps)
+            if history:
+                readers.setdefault(page, set()).add(r)
+            if history == ps:
+                full_readers.setdefault(page, set()).add(r)
+            else:
+                writers.setdefault(page, set()).add(r)
+    patterns = set()
+    for page, rs in full_readers.items():
+        if len(rs) > 1 and page not in writers:
+            patterns.add(SHARED_HISTORY)
+    for page, rs in readers.items():
+        if any(w != r for w in writers.get(page, ()) for r in rs):
+            patterns.add(HISTORY_WRITTEN)
+        if len(rs) > 1 and writers.get(page, set()) & rs:
+            patterns.add(SHARED_REUSE)
+    return patterns
+
+
 def generate_case(
     draw: Draw, max_requests: int = 8, max_cp: int = 8, page_sizes: tuple[int, ...] = (1, 2, 4)
 ) -> BatchCase:
@@ -203,12 +236,14 @@ def sparse_case(
     return BatchCase(page_size, capacity, tuple(tables), tuple(prefix_lens), tuple(extend_lens))
 
 
-def flat_slots(page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(slot_pages, slot_req)`` of a ``[R, P]`` page table laid out as slots ``r * P + j`` (entries -1 pad):
-    the op-level input of ``build_page_inverse`` for a hand-made table (plans use the ragged layout)."""
+def flat_slots(page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(entry_pages, entry_req, entry_slots)`` of a ``[R, P]`` page table, entry ``(r, j)`` at slot ``r * P + j``
+    (entries -1 pad): the op-level input of ``build_page_inverse`` for a hand-made table (plans use the dense
+    layout of :mod:`sglang_cpkv.runtime.plan`, shared history slots included)."""
     rows, width = page_table.shape
-    slot_req = torch.arange(rows, dtype=torch.int64, device=page_table.device).repeat_interleave(width)
-    return page_table.reshape(-1), slot_req
+    entry_req = torch.arange(rows, dtype=torch.int64, device=page_table.device).repeat_interleave(width)
+    entry_slots = torch.arange(rows * width, dtype=torch.int32, device=page_table.device)
+    return page_table.reshape(-1), entry_req, entry_slots
 
 
 def current_locs(case: BatchCase) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,15 +378,13 @@ def run_case_on_rank(
     *,
     layer_ahead: bool = False,
     checked: bool = False,
-    exchange_pages_per_round: int | None = None,
 ) -> RankResult:
     """One CP rank's layer for one case, through the runtime's :class:`~sglang_cpkv.runtime.LayerPipeline`
     (a collective: every rank of ``group`` calls it with the same payload).
 
     The rank's pool keeps only its owned pages (:func:`owner_sharded_pool`); it builds its plan, takes the
     layer's dense view (history, then the current rows all-gathered from every rank's split rows), remaps its
-    local top-k rows and persists its owned rows. ``exchange_pages_per_round`` bounds the history all-gather's
-    rounds (as reserved exchange buffers do in serving).
+    local top-k rows and persists its owned rows.
     """
     case, pool_full, current_kv, topk_locs = payload
     device = torch.device(device)
@@ -365,7 +398,6 @@ def run_case_on_rank(
         cp_size=group.cp_size,
         cp_rank=group.cp_rank,
         strategy=case.effective_strategy,  # type: ignore[arg-type]
-        exchange_pages_per_round=exchange_pages_per_round,
         checked=checked,
     )
     pool = owner_sharded_pool(case, pool_full, group.cp_rank).to(device)

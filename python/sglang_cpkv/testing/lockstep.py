@@ -60,6 +60,18 @@ class LockstepGroup:
         out.copy_(gathered)
         return out
 
+    def all_gather_blocks(self, buffer: torch.Tensor, blocks: tuple[tuple[int, int], ...]) -> None:
+        rv = self._rv
+        rv.slots[self.cp_rank] = buffer
+        rv.wait()  # every rank has written its block
+        buffers = list(rv.slots)
+        if {tuple(b.shape) for b in buffers} != {tuple(buffer.shape)}:
+            raise RuntimeError(f"all_gather_blocks: ranks gathered buffers of different shapes {buffers}")
+        for k, (start, count) in enumerate(blocks):
+            if k != self.cp_rank:
+                buffer[start : start + count] = buffers[k][start : start + count].to(buffer.device)
+        rv.wait()  # every rank has read the blocks before any writes its next one
+
 
 def run_lockstep(cp_size: int, rank_fn: Callable[[LockstepGroup], R]) -> list[R]:
     """``rank_fn(group)`` on ``cp_size`` threads, one :class:`LockstepGroup` rank each; results by rank.

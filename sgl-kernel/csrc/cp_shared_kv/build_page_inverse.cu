@@ -1,4 +1,4 @@
-// build_page_inverse: per batch, the page of every dense slot -> per-request inverse (int32 [R * C]).
+// build_page_inverse: per batch, every (request, page) entry's dense slot -> per-request inverse (int32 [R * C]).
 #include "cp_shared_kv.h"
 #include "row_copy.cuh"
 
@@ -8,24 +8,26 @@ namespace {
 
 constexpr int kInverseThreads = 256;
 
-/// One thread per dense slot s: claim inverse[slot_req[s] * C + slot_pages[s]] with a compare-and-swap from -1
-/// (the launcher has filled the inverse with -1 first, on the same stream). A slot that finds its entry taken holds
-/// a page its request holds twice: it is counted, and the first claim stands.
+/// One thread per entry e: claim inverse[entry_req[e] * C + entry_pages[e]] for entry_slots[e] with a
+/// compare-and-swap from -1 (the launcher has filled the inverse with -1 first, on the same stream). An entry that
+/// finds its key taken holds a page its request holds twice: it is counted, and the first claim stands.
 template <typename PageIdT>
 __global__ void __launch_bounds__(kInverseThreads)
-    build_page_inverse_kernel(const PageIdT* __restrict__ slot_pages,  // [S]
-                              const int64_t* __restrict__ slot_req,    // [S]
-                              int64_t num_slots,                       // S
-                              int64_t num_requests,                    // R
-                              int64_t capacity,                        // C
-                              int32_t* __restrict__ inverse,           // [R * C], all -1
-                              int32_t* __restrict__ errors) {          // [kNumErrorKinds]
-  const int64_t s = static_cast<int64_t>(blockIdx.x) * kInverseThreads + threadIdx.x;
-  if (s >= num_slots) return;
-  const int64_t page = static_cast<int64_t>(slot_pages[s]);
-  const int64_t req = slot_req[s];
-  if (page == -1 || req == -1) return;  // a slot of the layout's rounding
-  if (page >= capacity || page < -1) {
+    build_page_inverse_kernel(const PageIdT* __restrict__ entry_pages,  // [E]
+                              const int64_t* __restrict__ entry_req,    // [E]
+                              const int32_t* __restrict__ entry_slots,  // [E]
+                              int64_t num_entries,                      // E
+                              int64_t num_requests,                     // R
+                              int64_t capacity,                         // C
+                              int32_t* __restrict__ inverse,            // [R * C], all -1
+                              int32_t* __restrict__ errors) {           // [kNumErrorKinds]
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * kInverseThreads + threadIdx.x;
+  if (e >= num_entries) return;
+  const int64_t page = static_cast<int64_t>(entry_pages[e]);
+  const int64_t req = entry_req[e];
+  const int32_t slot = entry_slots[e];
+  if (page == -1 || req == -1) return;  // an entry of the layout's rounding
+  if (page >= capacity || page < -1 || slot < 0) {
     detail::count_error(errors, kErrPageOutOfRange);
     return;
   }
@@ -33,7 +35,7 @@ __global__ void __launch_bounds__(kInverseThreads)
     detail::count_error(errors, kErrReqOutOfRange);
     return;
   }
-  if (atomicCAS(inverse + req * capacity + page, -1, static_cast<int32_t>(s)) != -1) {
+  if (atomicCAS(inverse + req * capacity + page, -1, slot) != -1) {
     detail::count_error(errors, kErrPageOutOfRange);
   }
 }
@@ -41,9 +43,10 @@ __global__ void __launch_bounds__(kInverseThreads)
 }  // namespace
 
 template <typename PageIdT>
-cudaError_t build_page_inverse(const PageIdT* slot_pages,
-                               const int64_t* slot_req,
-                               int64_t num_slots,
+cudaError_t build_page_inverse(const PageIdT* entry_pages,
+                               const int64_t* entry_req,
+                               const int32_t* entry_slots,
+                               int64_t num_entries,
                                int64_t num_requests,
                                int64_t capacity,
                                int32_t* inverse,
@@ -51,18 +54,18 @@ cudaError_t build_page_inverse(const PageIdT* slot_pages,
                                cudaStream_t stream) {
   const int64_t entries = num_requests * capacity;
   if (entries == 0) return cudaSuccess;
-  // 0xFF bytes are int32 -1: every entry absent until a slot claims it.
+  // 0xFF bytes are int32 -1: every key absent until an entry claims it.
   cudaError_t status = cudaMemsetAsync(inverse, 0xFF, static_cast<size_t>(entries) * sizeof(int32_t), stream);
-  if (status != cudaSuccess || num_slots == 0) return status;
-  const unsigned blocks = static_cast<unsigned>((num_slots + kInverseThreads - 1) / kInverseThreads);
+  if (status != cudaSuccess || num_entries == 0) return status;
+  const unsigned blocks = static_cast<unsigned>((num_entries + kInverseThreads - 1) / kInverseThreads);
   build_page_inverse_kernel<PageIdT><<<blocks, kInverseThreads, 0, stream>>>(
-      slot_pages, slot_req, num_slots, num_requests, capacity, inverse, errors);
+      entry_pages, entry_req, entry_slots, num_entries, num_requests, capacity, inverse, errors);
   return cudaGetLastError();
 }
 
 template cudaError_t build_page_inverse<int32_t>(
-    const int32_t*, const int64_t*, int64_t, int64_t, int64_t, int32_t*, int32_t*, cudaStream_t);
+    const int32_t*, const int64_t*, const int32_t*, int64_t, int64_t, int64_t, int32_t*, int32_t*, cudaStream_t);
 template cudaError_t build_page_inverse<int64_t>(
-    const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int32_t*, int32_t*, cudaStream_t);
+    const int64_t*, const int64_t*, const int32_t*, int64_t, int64_t, int64_t, int32_t*, int32_t*, cudaStream_t);
 
 }  // namespace sglang_cpkv

@@ -26,18 +26,20 @@ constexpr int kErrReqOutOfRange = 1;
 constexpr int kErrLocOutOfRange = 2;
 constexpr int kNumErrorKinds = 3;
 
-// inverse[slot_req[s] * C + slot_pages[s]] = s; -1 everywhere else. A slot with page or request -1 is skipped (the
-// layout's rounding); page ids >= C or < -1, and a page a request holds in two slots (the second claim), count
-// errors[kErrPageOutOfRange]; request ids >= R or < -1 count errors[kErrReqOutOfRange]. A memset of -1, then
-// one thread per slot claims its entry with atomicCAS. PageIdT: int32_t, int64_t.
+// inverse[entry_req[e] * C + entry_pages[e]] = entry_slots[e]; -1 everywhere else. An entry with page or request -1
+// is skipped (the layout's rounding); page ids >= C or < -1, a negative slot, and a page a request holds in two
+// entries (the second claim) count errors[kErrPageOutOfRange]; request ids >= R or < -1 count
+// errors[kErrReqOutOfRange]. A memset of -1, then one thread per entry claims its key with atomicCAS. Several
+// requests' entries may point at one slot (a shared history slot). PageIdT: int32_t, int64_t.
 template <typename PageIdT>
-cudaError_t build_page_inverse(const PageIdT* slot_pages,  // [S] pool page of each dense slot
-                               const int64_t* slot_req,    // [S] request row of each dense slot
-                               int64_t num_slots,          // S
-                               int64_t num_requests,       // R
-                               int64_t capacity,           // C
-                               int32_t* inverse,           // [R * C], written entirely
-                               int32_t* errors,            // [kNumErrorKinds]
+cudaError_t build_page_inverse(const PageIdT* entry_pages,   // [E] page id of each entry
+                               const int64_t* entry_req,     // [E] request row of each entry
+                               const int32_t* entry_slots,   // [E] dense slot each entry points at
+                               int64_t num_entries,          // E
+                               int64_t num_requests,         // R
+                               int64_t capacity,             // C
+                               int32_t* inverse,             // [R * C], written entirely
+                               int32_t* errors,              // [kNumErrorKinds]
                                cudaStream_t stream);
 
 // dense[n, k] = inverse[req_id[n] * C + locs[n, k] / page_size] * page_size + locs[n, k] % page_size, or -1

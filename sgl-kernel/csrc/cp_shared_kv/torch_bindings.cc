@@ -148,30 +148,32 @@ cudaError_t dispatch_index_type(const at::Tensor& index, Fn&& fn) {
 
 }  // namespace
 
-at::Tensor build_page_inverse(const at::Tensor& slot_pages,
-                              const at::Tensor& slot_req,
+at::Tensor build_page_inverse(const at::Tensor& entry_pages,
+                              const at::Tensor& entry_req,
+                              const at::Tensor& entry_slots,
                               int64_t num_requests,
                               int64_t capacity,
                               at::Tensor& errors) {
-  check_cuda_tensor(slot_pages, "slot_pages", slot_pages, "slot_pages");
-  check_index_vector(slot_pages, "slot_pages", slot_pages.numel(), "dense slot");
-  check_cuda_tensor(slot_req, "slot_req", slot_pages, "slot_pages");
-  CPKV_CHECK(slot_req.scalar_type() == at::kLong, "slot_req must be int64, got ", slot_req.scalar_type());
-  check_index_vector(slot_req, "slot_req", slot_pages.numel(), "slot_pages entry");
+  check_cuda_tensor(entry_pages, "entry_pages", entry_pages, "entry_pages");
+  check_index_vector(entry_pages, "entry_pages", entry_pages.numel(), "page-table entry");
+  check_cuda_tensor(entry_req, "entry_req", entry_pages, "entry_pages");
+  CPKV_CHECK(entry_req.scalar_type() == at::kLong, "entry_req must be int64, got ", entry_req.scalar_type());
+  check_index_vector(entry_req, "entry_req", entry_pages.numel(), "entry_pages entry");
+  check_cuda_tensor(entry_slots, "entry_slots", entry_pages, "entry_pages");
+  CPKV_CHECK(entry_slots.scalar_type() == at::kInt, "entry_slots must be int32, got ", entry_slots.scalar_type());
+  check_index_vector(entry_slots, "entry_slots", entry_pages.numel(), "entry_pages entry");
   CPKV_CHECK(capacity >= 1, "capacity must be >= 1, got ", capacity);
   CPKV_CHECK(num_requests >= 0, "num_requests must be >= 0, got ", num_requests);
-  CPKV_CHECK(slot_pages.numel() <= std::numeric_limits<int32_t>::max(),
-              slot_pages.numel(),
-              " dense slots do not fit the int32 inverse");
-  check_error_counter(errors, slot_pages, "slot_pages");
-  const c10::cuda::CUDAGuard device_guard(slot_pages.device());
-  at::Tensor inverse = at::empty({num_requests * capacity}, slot_pages.options().dtype(at::kInt));
+  check_error_counter(errors, entry_pages, "entry_pages");
+  const c10::cuda::CUDAGuard device_guard(entry_pages.device());
+  at::Tensor inverse = at::empty({num_requests * capacity}, entry_pages.options().dtype(at::kInt));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const cudaError_t status = dispatch_index_type(slot_pages, [&](auto page_id) {
+  const cudaError_t status = dispatch_index_type(entry_pages, [&](auto page_id) {
     using PageIdT = decltype(page_id);
-    return sglang_cpkv::build_page_inverse<PageIdT>(slot_pages.data_ptr<PageIdT>(),
-                                                    slot_req.data_ptr<int64_t>(),
-                                                    slot_pages.numel(),
+    return sglang_cpkv::build_page_inverse<PageIdT>(entry_pages.data_ptr<PageIdT>(),
+                                                    entry_req.data_ptr<int64_t>(),
+                                                    entry_slots.data_ptr<int32_t>(),
+                                                    entry_pages.numel(),
                                                     num_requests,
                                                     capacity,
                                                     inverse.data_ptr<int32_t>(),
@@ -398,11 +400,11 @@ void materialize_and_fill(const at::Tensor& pool,
 }  // namespace sglang_cpkv
 
 TORCH_LIBRARY(sglang_cpkv, m) {
-  // Per batch: the page and request of every dense slot -> per-request inverse int32 [R * C]; counts bad and
-  // repeated page ids and bad request ids.
+  // Per batch: the page, request and dense slot of every page-table entry -> per-request inverse int32 [R * C];
+  // counts bad and repeated page ids, negative slots and bad request ids.
   m.def(
-      "build_page_inverse(Tensor slot_pages, Tensor slot_req, int num_requests, int capacity, Tensor(a!) errors) -> "
-      "Tensor");
+      "build_page_inverse(Tensor entry_pages, Tensor entry_req, Tensor entry_slots, int num_requests, int capacity, "
+      "Tensor(a!) errors) -> Tensor");
   // Per batch / per layer: pool locations [N] or [N, K] of request req_id[n] -> dense locations (int32).
   m.def(
       "remap_locs(Tensor locs, Tensor req_id, Tensor inverse, int num_requests, int capacity, int page_size, "

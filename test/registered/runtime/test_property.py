@@ -29,13 +29,17 @@ from hypothesis import strategies as st
 
 from sglang_cpkv.testing.batches import (
     COLLISION,
+    HISTORY_WRITTEN,
     REACHABLE,
+    SHARED_HISTORY,
+    SHARED_REUSE,
     batch_cases,
     check_against_truth,
     make_pool_and_current,
     random_case,
     random_topk,
     run_case_on_ranks,
+    sharing_patterns,
     value_keyed_read_mismatches,
 )
 from sglang_cpkv.testing.ci_register import register_cpu_ci
@@ -60,13 +64,14 @@ CLASS_COUNTS: Counter = Counter()
     seed=st.integers(0, 2**16),
     checked=st.booleans(),
     layer_ahead=st.booleans(),
-    # None: the whole history all-gather in one round; 1-3 pages per rank: several rounds (reserved buffers).
-    exchange_pages_per_round=st.sampled_from([None, 1, 2, 3]),
 )
-def _property(case, row_kind, seed, checked, layer_ahead, exchange_pages_per_round):
+def _property(case, row_kind, seed, checked, layer_ahead):
     event(case.state_class)
     CLASS_COUNTS[case.state_class] += 1
     CLASS_COUNTS[f"cp{case.cp_size}"] += 1
+    for pattern in sharing_patterns(case):
+        event(pattern)
+        CLASS_COUNTS[pattern] += 1
     dtype, width = (torch.bfloat16, 6) if row_kind == "bf16" else (torch.uint8, 10)
     pool, current = make_pool_and_current(case, dtype, width, seed)
     topk, positions = random_topk(case, 4, seed)
@@ -78,7 +83,6 @@ def _property(case, row_kind, seed, checked, layer_ahead, exchange_pages_per_rou
         topk,
         checked=checked and seed % 4 == 0,
         layer_ahead=layer_ahead,
-        exchange_pages_per_round=exchange_pages_per_round,
     )
     problems = check_against_truth(case, pool, current, positions, results)
     assert problems == [], f"{case.state_class} case {case}: {problems[:5]}"
@@ -92,6 +96,8 @@ def test_runtime_equals_per_request_truth_on_random_batches():
     assert total >= PROPERTY_EXAMPLES
     assert CLASS_COUNTS[REACHABLE] >= total // 20 and CLASS_COUNTS[COLLISION] >= total // 5, CLASS_COUNTS
     assert all(CLASS_COUNTS[f"cp{cp}"] > 0 for cp in range(1, 9)), CLASS_COUNTS
+    # The sharing patterns the shared history slots must keep apart (testing/batches.py, sharing_patterns).
+    assert all(CLASS_COUNTS[p] >= total // 20 for p in (SHARED_HISTORY, HISTORY_WRITTEN, SHARED_REUSE)), CLASS_COUNTS
 
 
 def _control_cases(state_class, count, seed):

@@ -60,13 +60,15 @@ def test_shared_page_5_each_request_keeps_its_own_slot_and_current_write():
     assert case.state_class == COLLISION
     plan = host_plan(case, 0)
     C = case.capacity
-    # Ragged layout: request 0's slots are 0, 1 and request 1's 2, 3.
-    assert plan.slot_starts == (0, 2) and plan.slot_pages.tolist() == [1, 5, 9, 5]
+    # The history region holds each page read as history once (1, 5, 9: slots 0-2); page 5 takes current tokens of
+    # both requests, so each request has its own slot of it (3 and 4), its history rows copied in.
+    assert plan.history_region_slots == 3 and plan.slot_pages.tolist() == [1, 5, 9, 5, 5]
+    assert plan.slot_req.tolist() == [-1, -1, -1, 0, 1]
     inverse = plan.inverse.tolist()
-    assert inverse[0 * C + 5] == 1 and inverse[1 * C + 5] == 3
+    assert inverse[0 * C + 5] == 3 and inverse[1 * C + 5] == 4
     assert inverse[0 * C + 1] == 0 and inverse[1 * C + 9] == 2
     # Current tokens: positions 5, 6 of each request, i.e. page 5 offsets 1, 2, in its OWN slot.
-    assert plan.current_dense_locs.tolist() == [5, 6, 3 * 4 + 1, 3 * 4 + 2]
+    assert plan.current_dense_locs.tolist() == [3 * 4 + 1, 3 * 4 + 2, 4 * 4 + 1, 4 * 4 + 2]
     pool, current = make_pool_and_current(case, torch.bfloat16, 8, seed=1)
     pipe = _pipeline(plan, pool)
     dense = pipe.dense_view("kv", 0, current)
@@ -244,13 +246,13 @@ def test_checked_mode_raises_at_the_op(monkeypatch):
 
 def test_page_ids_past_int32_are_bad_ids_not_wrapped():
     """An int64 page id of a device table is checked before the int32 cast: 2**32 + 5 must not become page 5."""
-    from sglang_cpkv.runtime.plan import _slot_pages
+    from sglang_cpkv.runtime.plan import _entry_pages
 
     table = torch.tensor([[1, 2**32 + 5]], dtype=torch.int64)
-    pages = _slot_pages(table, torch.tensor([0, 0]), torch.tensor([0, 1]), capacity=16)
+    pages = _entry_pages(table, torch.tensor([0, 0]), torch.tensor([0, 1]), capacity=16)
     assert pages.tolist() == [1, 16]  # 16 = C: counted as out of range by the inverse build
     errors = torch.zeros(3, dtype=torch.int32)
-    inverse = reference.build_page_inverse(pages, torch.tensor([0, 0]), 1, 16, errors)
+    inverse = reference.build_page_inverse(pages, torch.tensor([0, 0]), torch.tensor([0, 1], dtype=torch.int32), 1, 16, errors)
     assert errors.tolist() == [1, 0, 0] and int(inverse[5]) == -1
 
 
@@ -309,9 +311,11 @@ def test_under_cp_a_rank_addresses_its_pool_by_owner_pool_page():
         page = out_cache_loc // ps
         expected = torch.where(page % cp == rank, (page // cp) * ps + out_cache_loc % ps, -1)
         assert torch.equal(plan.owned_cache_write_locs, expected)
-        (exchange_round,) = plan.exchange_rounds
-        sent = [p for p in exchange_round.send_pages.tolist() if p >= 0]
-        assert sent == [p // cp for p in history_pages if p % cp == rank]
+        # The rank's block of the history region: its owned history pages, packed from their pool pages.
+        mine = [p for p in history_pages if p % cp == rank]
+        start, count = plan.gather_blocks[rank]
+        assert plan.pool_copy_pages.tolist() == [p // cp for p in mine]
+        assert plan.pool_copy_slots.tolist() == list(range(start, start + count)) and count == len(mine)
     # The rank's pool, sized for all 16 page ids, is refused at the history step.
     plan = host_plan(case, 0)
     pipe = LayerPipeline(
@@ -348,7 +352,7 @@ def test_dense_rounding_is_bounded():
         rounded = round_dense_slots(slots)
         assert slots <= rounded <= slots * (1 + MAX_ROUNDING), slots
     assert [round_dense_slots(n) for n in (0, 1, 63, 64, 65, 100, 4097)] == [1, 1, 63, 64, 66, 100, 4224]
-    assert host_plan(SHARED_5, 0).num_slots == 4  # 2 + 2 pages, nothing to round below 64 slots
+    assert host_plan(SHARED_5, 0).num_slots == 5  # 3 history-region + 2 own slots, nothing to round below 64 slots
 
 
 if __name__ == "__main__":

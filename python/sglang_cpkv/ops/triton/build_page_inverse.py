@@ -1,12 +1,12 @@
-"""Triton :func:`build_page_inverse`: the page of every dense slot -> per-request inverse.
+"""Triton :func:`build_page_inverse`: every (request, page) entry's dense slot -> per-request inverse.
 
 Contract: :func:`sglang_cpkv.ops.reference.build_page_inverse`.
 
-The inverse is filled with -1 (one ``fill_``), then one program per block of slots claims entry
-``slot_req[s] * C + slot_pages[s]`` for slot ``s`` with an atomic compare-and-swap from -1: the first
-slot of a request to claim a page wins, and a slot that finds the entry taken is counted (a page twice
-in one request). Lanes past the slot count compare against -2, which no entry ever holds, so they never
-write (``atomic_cas`` has no mask).
+The inverse is filled with -1 (one ``fill_``), then one program per block of entries claims
+``entry_req[e] * C + entry_pages[e]`` for entry ``e`` with an atomic compare-and-swap from -1, writing
+``entry_slots[e]``: the first entry of a request to claim a page wins, and an entry that finds it taken is
+counted (a page twice in one request). Lanes past the entry count compare against -2, which no entry ever
+holds, so they never write (``atomic_cas`` has no mask).
 """
 
 from __future__ import annotations
@@ -18,31 +18,33 @@ import triton.language as tl
 from sglang_cpkv.ops.errors import ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE
 from sglang_cpkv.ops.triton._common import check_errors, check_index, next_power_of_2
 
-# GPU: 1024 slots per program (a 256K-token batch of 64-token pages is 4096 slots: 4 programs).
+# GPU: 1024 entries per program (a 256K-token batch of 64-token pages is 4096 entries: 4 programs).
 _GPU_BLOCK = 1024
-# Interpreter: each program instance costs ~1 ms, so one program for up to 64K slots.
+# Interpreter: each program instance costs ~1 ms, so one program for up to 64K entries.
 _CPU_MAX_BLOCK = 1 << 16
 
 
 @triton.jit
 def _build_page_inverse_kernel(
-    slot_pages_ptr,  # int32/int64 [S]
-    slot_req_ptr,  # int64 [S]
+    entry_pages_ptr,  # int32/int64 [E]
+    entry_req_ptr,  # int64 [E]
+    entry_slots_ptr,  # int32/int64 [E]
     inverse_ptr,  # int32 [R * C], all -1 on entry
     errors_ptr,  # int32 [NUM_ERROR_KINDS]
-    num_slots,  # S
+    num_entries,  # E
     num_requests,  # R
     capacity,  # C
     BLOCK: tl.constexpr,
     ERR_PAGE: tl.constexpr,
     ERR_REQ: tl.constexpr,
 ):
-    slot = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_range = slot < num_slots
-    page = tl.load(slot_pages_ptr + slot, mask=in_range, other=-1).to(tl.int64)
-    req = tl.load(slot_req_ptr + slot, mask=in_range, other=-1).to(tl.int64)
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = e < num_entries
+    page = tl.load(entry_pages_ptr + e, mask=in_range, other=-1).to(tl.int64)
+    req = tl.load(entry_req_ptr + e, mask=in_range, other=-1).to(tl.int64)
+    slot = tl.load(entry_slots_ptr + e, mask=in_range, other=-1).to(tl.int64)
     padding = (page == -1) | (req == -1)
-    bad_page = ~padding & ((page >= capacity) | (page < -1))
+    bad_page = ~padding & ((page >= capacity) | (page < -1) | (slot < 0))
     bad_req = ~padding & ~bad_page & ((req >= num_requests) | (req < -1))
     valid = in_range & ~(padding | bad_page | bad_req)
     entry = tl.where(valid, req * capacity + page, 0)
@@ -55,8 +57,9 @@ def _build_page_inverse_kernel(
 
 
 def build_page_inverse(
-    slot_pages: torch.Tensor,
-    slot_req: torch.Tensor,
+    entry_pages: torch.Tensor,
+    entry_req: torch.Tensor,
+    entry_slots: torch.Tensor,
     num_requests: int,
     capacity: int,
     errors: torch.Tensor,
@@ -67,36 +70,42 @@ def build_page_inverse(
     """Per-request page inverse (contract: :func:`sglang_cpkv.ops.reference.build_page_inverse`).
 
     Args:
-        slot_pages: int32/int64 ``[S]``; slot_req: int64 ``[S]``; num_requests: ``R``; capacity: ``C``.
-        errors: int32 ``[NUM_ERROR_KINDS]`` counter.
-        block: slots per program (power of two). 0 = auto: 1024 on a GPU, ``next_power_of_2(S)`` up to
+        entry_pages: int32/int64 ``[E]``; entry_req: int64 ``[E]``; entry_slots: int32/int64 ``[E]``;
+        num_requests: ``R``; capacity: ``C``. errors: int32 ``[NUM_ERROR_KINDS]`` counter.
+        block: entries per program (power of two). 0 = auto: 1024 on a GPU, ``next_power_of_2(E)`` up to
             65536 on CPU (the interpreter).
         num_warps: warps per program.
 
     Returns:
         int32 ``[R * C]``.
     """
-    slot_pages = check_index("slot_pages", slot_pages, slot_pages.device)
-    slot_req = check_index("slot_req", slot_req, slot_pages.device)
-    if slot_pages.shape != slot_req.shape:
+    device = entry_pages.device
+    entry_pages = check_index("entry_pages", entry_pages, device)
+    entry_req = check_index("entry_req", entry_req, device)
+    entry_slots = check_index("entry_slots", entry_slots, device)
+    if entry_slots.dtype != torch.int32:
+        raise ValueError(f"entry_slots must be int32, got {entry_slots.dtype}")
+    if entry_req.shape != entry_pages.shape or entry_slots.shape != entry_pages.shape:
         raise ValueError(
-            f"slot_pages and slot_req must be 1-D of one length, got {tuple(slot_pages.shape)} and {tuple(slot_req.shape)}"
+            "entry_pages, entry_req and entry_slots must be 1-D of one length, got "
+            f"{tuple(entry_pages.shape)}, {tuple(entry_req.shape)} and {tuple(entry_slots.shape)}"
         )
     if capacity < 1 or num_requests < 0:
         raise ValueError(f"capacity must be >= 1 and num_requests >= 0, got {capacity}, {num_requests}")
-    check_errors(errors, slot_pages.device)
-    inverse = torch.full((num_requests * capacity,), -1, dtype=torch.int32, device=slot_pages.device)
-    num_slots = slot_pages.numel()
-    if num_slots == 0 or inverse.numel() == 0:
+    check_errors(errors, device)
+    inverse = torch.full((num_requests * capacity,), -1, dtype=torch.int32, device=device)
+    num_entries = entry_pages.numel()
+    if num_entries == 0 or inverse.numel() == 0:
         return inverse
-    on_cpu = slot_pages.device.type == "cpu"
-    block = block or (min(next_power_of_2(num_slots), _CPU_MAX_BLOCK) if on_cpu else _GPU_BLOCK)
-    _build_page_inverse_kernel[(triton.cdiv(num_slots, block),)](
-        slot_pages,
-        slot_req,
+    on_cpu = device.type == "cpu"
+    block = block or (min(next_power_of_2(num_entries), _CPU_MAX_BLOCK) if on_cpu else _GPU_BLOCK)
+    _build_page_inverse_kernel[(triton.cdiv(num_entries, block),)](
+        entry_pages,
+        entry_req,
+        entry_slots,
         inverse,
         errors,
-        num_slots,
+        num_entries,
         num_requests,
         capacity,
         BLOCK=block,
