@@ -401,10 +401,9 @@ class Bench:
             params = {"bs": rows, "capacity": capacity, "pages_per_req": ppr}
             nbytes = rows * capacity * 4 + table.numel() * 4
             errors = self.new_errors(self.device)
-            slot_pages, slot_req = _slots(table)
-            expected = self.reference.build_page_inverse(slot_pages, slot_req, rows, capacity, errors)
+            entry_pages, entry_req, entry_slots = _slots(table)
+            expected = self.reference.build_page_inverse(entry_pages, entry_req, entry_slots, rows, capacity, errors)
             flat = table.view(-1).to(torch.int64)
-            slot = torch.arange(flat.numel(), device=self.device, dtype=torch.int32)
             target = torch.where(
                 flat >= 0,
                 torch.arange(rows, device=self.device).repeat_interleave(ppr) * capacity + flat,
@@ -413,13 +412,15 @@ class Bench:
 
             def best():
                 inv = torch.full((rows * capacity + 1,), -1, dtype=torch.int32, device=self.device)
-                inv.index_put_((target,), slot)
+                inv.index_put_((target,), entry_slots)
                 return inv[:-1]
 
             candidates = [
                 (
                     "torch_ref",
-                    lambda: self.reference.build_page_inverse(slot_pages, slot_req, rows, capacity, errors),
+                    lambda: self.reference.build_page_inverse(
+                        entry_pages, entry_req, entry_slots, rows, capacity, errors
+                    ),
                     True,
                 ),
                 ("torch_best full+index_put_", best, False),
@@ -427,7 +428,9 @@ class Bench:
             candidates += [
                 (
                     name,
-                    lambda impl=impl: impl.build_page_inverse(slot_pages, slot_req, rows, capacity, errors),
+                    lambda impl=impl: impl.build_page_inverse(
+                        entry_pages, entry_req, entry_slots, rows, capacity, errors
+                    ),
                     False,
                 )
                 for name, impl in self.providers("build_page_inverse")
@@ -438,7 +441,7 @@ class Bench:
                         (
                             f"triton[block={block}]",
                             lambda block=block: self.triton.build_page_inverse(
-                                slot_pages, slot_req, rows, capacity, errors, block=block
+                                entry_pages, entry_req, entry_slots, rows, capacity, errors, block=block
                             ),
                             False,
                         )
@@ -633,10 +636,13 @@ class Bench:
         return result
 
 
-def _slots(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dense slots of a ``[R, P]`` table of full requests: slot ``r * P + j`` holds ``table[r, j]``."""
+def _slots(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(entry_pages, entry_req, entry_slots)`` of a ``[R, P]`` table of full requests: slot ``r * P + j`` holds
+    ``table[r, j]``."""
     rows, width = table.shape
-    return table.reshape(-1), torch.arange(rows, device=table.device).repeat_interleave(width)
+    entry_req = torch.arange(rows, device=table.device).repeat_interleave(width)
+    entry_slots = torch.arange(rows * width, dtype=torch.int32, device=table.device)
+    return table.reshape(-1), entry_req, entry_slots
 
 
 def parse_args(argv=None):

@@ -229,7 +229,6 @@ def _traffic_row(traffic: LayerTraffic, gpu: GpuPreset) -> dict[str, Any]:
 
 def _layer_figures(inputs: PlanInputs, cp: int, node: NodeCapacity, reservation) -> dict[str, Any]:
     latent, index_k = node.latent_token_bytes, node.index_k_token_bytes
-    k = None if reservation is None else reservation.exchange_pages_per_round or None
 
     def traffic(history: int) -> LayerTraffic:
         return layer_traffic(
@@ -239,7 +238,6 @@ def _layer_figures(inputs: PlanInputs, cp: int, node: NodeCapacity, reservation)
             cp_size=cp,
             latent_token_bytes=latent,
             index_k_token_bytes=index_k,
-            exchange_pages_per_round=k,
         )
 
     batch = _traffic_row(traffic(inputs.batch_history), inputs.gpu)

@@ -46,7 +46,7 @@ def table(rows: list[dict[str, Any]], title: str, request_tokens: int) -> str:
         "(latent + index K; lower bounds at the GPU's peaks):",
     ]
     head = (
-        f"{'cp':>3} {'rounds':>6} {'link MB':>9} {'HBM MB':>9} {'exchange':>10} {'copies':>10} {'total':>10} "
+        f"{'cp':>3} {'packed':>6} {'link MB':>9} {'HBM MB':>9} {'exchange':>10} {'copies':>10} {'total':>10} "
         f"{'floor':>10} {'floor MB':>9}  measured layer"
     )
     lines += [head, "-" * len(head)]
@@ -60,7 +60,7 @@ def table(rows: list[dict[str, Any]], title: str, request_tokens: int) -> str:
                 f"({measured['heads']} heads, top-k {measured['topk']})"
             )
         lines.append(
-            f"{row['cp']:>3} {layer['rounds']:>6} {layer['link_bytes'] / 1e6:>9.1f} {layer['hbm_bytes'] / 1e6:>9.1f} "
+            f"{row['cp']:>3} {layer['packed_pages']:>6} {layer['link_bytes'] / 1e6:>9.1f} {layer['hbm_bytes'] / 1e6:>9.1f} "
             f"{_us(layer['exchange_s']):>10} {_us(layer['copies_s']):>10} {_us(layer['total_s']):>10} "
             f"{_us(layer['floor_s']):>10} {(layer['floor_link_bytes'] + layer['floor_hbm_bytes']) / 1e6:>9.1f}  {seen}"
         )

@@ -1,22 +1,24 @@
 """Bytes the mode moves per layer for one batch, counted from the real plan, and their time at a GPU's peaks.
 
-A batch is each request's history and current token counts; every request holds distinct pages. Its plan is
-:func:`~sglang_cpkv.runtime.build_plan`'s (host tensors, on the CPU), with the exchange rounds bounded by the
-reservation's exchange buffers as in serving. Per layer and kind of paged KV (latent rows; DSA index-K pages),
-on one rank (the one packing the most pages), what ``runtime/pipeline.py`` moves:
+A batch is each request's history and current token counts, its requests on distinct pages or, with
+``shared_history``, all on one shared prompt of that length (a radix hit). Its plan is
+:func:`~sglang_cpkv.runtime.build_plan`'s (host tensors, on the CPU). Per layer and kind of paged KV (latent rows;
+DSA index-K pages), on one rank (the one packing the most pages), what ``runtime/pipeline.py`` moves:
 
-* cp 1: the history copy, pool -> dense view (``ops.copy_pages``: every history page read and written);
-* cp > 1, per exchange round of ``K`` pages per rank: the pack (this rank's owned history pages of the round
-  into the send buffer, read and written), the all-gather (``(cp - 1) * K`` pages received over the link; the
-  ``cp * K`` gathered pages written and the send buffer read in HBM), the unpack (every history slot's page from
-  the gathered buffer into the dense view, read and written);
+* cp 1: the history copy, pool -> dense view (``ops.copy_pages``: each distinct history page read and written
+  once, the plan's history region, plus the history rows of own pages);
+* cp > 1: the pack (this rank's owned distinct history pages, pool -> its block of the dense view's history
+  region, read and written), the all-gather of the blocks in place (the other ranks' pages received over the link
+  and written; this rank's block read to send), and the copies of own pages' history rows from the region
+  (CURRENT_REUSE pages; none when histories are page-aligned, as upstream's radix tree keeps them);
 * the current rows into the dense view (the latent kind's ``scatter_rows``; upstream's own kernel writes the
   index-K keys there instead of into the pool, so that kind adds nothing). The owned rows persisted replace
   upstream's own cache write and are not counted.
 
-The floor is what any owner-sharded exchange must move: the all-gather of a perfectly balanced, unpadded
-share of the batch's distinct history pages (``ceil(D / cp)`` per rank, one round) straight into the dense view,
-plus packing this rank's owned pages; at cp 1 nothing (the attention could read the pool itself).
+The floor is what any owner-sharded exchange must move: the all-gather of the batch's distinct history pages
+straight into the dense view plus packing this rank's owned pages (the current rows are counted on both sides);
+at cp 1 the history copy. Since the history region is gathered in place (issue 24), today's pipeline moves the
+floor's bytes plus the own pages' history rows.
 
 Times are lower bounds: bytes over the vendor's peak (HBM; NVLink per direction), the serial chain's steps
 summed.
@@ -39,17 +41,25 @@ def batch_plan(
     page_size: int,
     cp_size: int,
     cp_rank: int,
-    exchange_pages_per_round: int | None = None,
+    shared_history: bool = False,
 ):
     """The plan of a batch whose requests hold distinct consecutive page ids after the ``cp_size`` ids upstream's
-    page-interleave allocator reserves (page 0 of each rank's pool; at cp 1 page 0), on ``cp_size`` x pool pages."""
-    pages = [-(-(p + e) // page_size) for p, e in zip(prefix, extend)]
-    starts = [cp_size + sum(pages[:r]) for r in range(len(pages))]
-    table = [list(range(starts[r], starts[r] + pages[r])) for r in range(len(pages))]
+    page-interleave allocator reserves (page 0 of each rank's pool; at cp 1 page 0), on ``cp_size`` x pool pages.
+    ``shared_history``: every request's history is the first ``prefix[0]`` tokens of one shared prompt (equal
+    prefixes, page-aligned, as a radix hit gives them), its current pages its own."""
+    if shared_history and (len(set(prefix)) != 1 or prefix[0] % page_size):
+        raise ValueError(f"a shared history needs one page-aligned prefix for every request, got {list(prefix)}")
+    history_pages = prefix[0] // page_size if shared_history else 0
+    own = [-(-(p + e) // page_size) - history_pages for p, e in zip(prefix, extend)]
+    starts = [cp_size + history_pages + sum(own[:r]) for r in range(len(own))]
+    shared = list(range(cp_size, cp_size + history_pages))
+    table = [shared + list(range(starts[r], starts[r] + own[r])) for r in range(len(own))]
     out_cache_loc = torch.cat(
         [
-            torch.arange(starts[r] * page_size + prefix[r], starts[r] * page_size + prefix[r] + extend[r])
-            for r in range(len(pages))
+            torch.tensor(
+                [table[r][p // page_size] * page_size + p % page_size for p in range(prefix[r], prefix[r] + extend[r])]
+            )
+            for r in range(len(own))
         ]
     )
     split = cp_size > 1 and sum(extend) >= cp_size
@@ -58,12 +68,11 @@ def batch_plan(
         list(prefix),
         list(extend),
         out_cache_loc,
-        capacity=cp_size * -(-(sum(pages) + cp_size) // cp_size),
+        capacity=cp_size * -(-(starts[-1] + own[-1]) // cp_size),
         page_size=page_size,
         cp_size=cp_size,
         cp_rank=cp_rank,
         strategy="interleave" if split else "none",
-        exchange_pages_per_round=exchange_pages_per_round,
         checked=False,
     )
 
@@ -73,21 +82,22 @@ class LayerTraffic:
     """One layer's bytes on one rank (both kinds), today's pipeline and the floor, and their lower-bound times.
 
     Attributes:
-        history_pages: the dense view's history slots (every request's history pages).
-        packed_pages: distinct history pages this rank packs (its owned ones; 0 at cp 1).
-        rounds, pages_per_round: the exchange's rounds and ``K``.
-        dense_rows: the plan's dense rows (``num_slots * page_size``).
+        history_pages: the distinct history pages of the batch (the plan's history region).
+        packed_pages: distinct history pages this rank packs (its owned ones; at cp 1 every history copy).
+        own_history_pages: own pages that take history rows (copied from the region under CP).
+        dense_rows: the plan's dense rows (``num_slots * page_size``); entry_rows: what one view per request
+            would need (``sum n_r`` pages).
         link_bytes, hbm_bytes: today's pipeline; hbm_parts: its HBM bytes by step (``history copy`` at cp 1;
-            ``pack``, ``all-gather``, ``unpack`` under CP; ``current rows``). floor_link_bytes, floor_hbm_bytes: the
-            floor.
+            ``pack``, ``all-gather``, ``own history rows`` under CP; ``current rows``). floor_link_bytes,
+            floor_hbm_bytes: the floor (module docstring).
     """
 
     cp_size: int
     history_pages: int
     packed_pages: int
-    rounds: int
-    pages_per_round: int
+    own_history_pages: int
     dense_rows: int
+    entry_rows: int
     link_bytes: int
     hbm_bytes: int
     hbm_parts: dict[str, int]
@@ -109,47 +119,42 @@ def layer_traffic(
     cp_size: int,
     latent_token_bytes: int,
     index_k_token_bytes: int,
-    exchange_pages_per_round: int | None = None,
+    shared_history: bool = False,
 ) -> LayerTraffic:
     """Per-layer bytes of the batch (module docstring), on the rank that packs the most pages."""
     plans = [
-        batch_plan(
-            prefix,
-            extend,
-            page_size=page_size,
-            cp_size=cp_size,
-            cp_rank=rank,
-            exchange_pages_per_round=exchange_pages_per_round,
-        )
+        batch_plan(prefix, extend, page_size=page_size, cp_size=cp_size, cp_rank=rank, shared_history=shared_history)
         for rank in range(cp_size)
     ]
-    packed = [sum(int((r.send_pages >= 0).sum()) for r in plan.exchange_rounds) for plan in plans]
+    packed = [int(plan.pool_copy_pages.numel()) for plan in plans]
     rank = max(range(cp_size), key=packed.__getitem__)
     plan = plans[rank]
     page_bytes = page_size * (latent_token_bytes + index_k_token_bytes)
-    history = int(plan.history_slots.numel())
-    rounds, k = len(plan.exchange_rounds), plan.exchange_pages_per_round
+    region = plan.history_region_slots
+    own_history = int(plan.view_copy_dst_slots.numel())
+    current = 2 * plan.num_tokens * latent_token_bytes
     if cp_size == 1:
-        link, parts = 0, {"history copy": 2 * history * page_bytes}
-        floor_link = floor_hbm = 0
+        link, parts = 0, {"history copy": 2 * packed[rank] * page_bytes}
+        own_history = packed[rank] - region
+        floor_link, floor_hbm = 0, 2 * region * page_bytes + current
     else:
-        link = rounds * (cp_size - 1) * k * page_bytes
+        received = region - packed[rank]
+        link = received * page_bytes
         parts = {
             "pack": 2 * packed[rank] * page_bytes,
-            "all-gather": rounds * (cp_size + 1) * k * page_bytes,  # the gathered pages written, the send read
-            "unpack": 2 * history * page_bytes,
+            "all-gather": (received + packed[rank]) * page_bytes,  # the others' pages written, this rank's read
+            "own history rows": 2 * own_history * page_bytes,
         }
-        share = -(-history // cp_size)  # distinct pages: every request holds its own
-        floor_link = (cp_size - 1) * share * page_bytes
-        floor_hbm = 2 * share * page_bytes + (cp_size + 1) * share * page_bytes
-    parts["current rows"] = 2 * plan.num_tokens * latent_token_bytes
+        floor_link = link
+        floor_hbm = parts["pack"] + parts["all-gather"] + current
+    parts["current rows"] = current
     return LayerTraffic(
         cp_size=cp_size,
-        history_pages=history,
+        history_pages=region,
         packed_pages=packed[rank],
-        rounds=rounds,
-        pages_per_round=k,
+        own_history_pages=own_history,
         dense_rows=plan.dense_rows,
+        entry_rows=plan.entries * page_size,
         link_bytes=link,
         hbm_bytes=sum(parts.values()),
         hbm_parts=parts,

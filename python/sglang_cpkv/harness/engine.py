@@ -253,9 +253,12 @@ def run_forward(
         tr.reads[:, a.done : end] = torch.stack([x[token : token + e] for x in reads])
         tr.read_mask[:, a.done : end] = torch.stack([m[token : token + e] for m in masks])
         tr.computed[a.done : end] = True
-        # A request's dense rows are contiguous, in position order, in either layout.
-        start = plan.dense_location(r, 0) if control is None else control.dense_start(r)
-        tr.dense_views.append(torch.stack([d[start : start + end] for d in denses]))
+        # The request's view in position order (the control's layout keeps it contiguous from its start).
+        if control is None:
+            rows = plan.request_locations(r, end)
+        else:
+            rows = control.dense_start(r) + torch.arange(end)
+        tr.dense_views.append(torch.stack([d[rows] for d in denses]))
         token += e
         a.done = end
     return case.state_class

@@ -137,12 +137,8 @@ def _dense_views(world: Any) -> dict[str, torch.Tensor]:
         return {}
     batch = state.batch
     plan = batch.plan
-    slot, offset = [], []
-    for r in range(plan.num_requests):
-        positions = torch.arange(plan.prefix_lens[r] + plan.extend_lens[r])
-        slot.append(plan.slot_starts[r] + positions // PAGE)
-        offset.append(positions % PAGE)
-    slot, offset = torch.cat(slot), torch.cat(offset)
+    locations = torch.cat([plan.request_locations(r) for r in range(plan.num_requests)])
+    slot, offset = locations // PAGE, locations % PAGE
     views = {}
     layers = range(world.route.num_layers)
     index_k_layers = [i for i in layers if not world.route.skip_topk_layers[i]]

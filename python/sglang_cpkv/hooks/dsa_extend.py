@@ -108,8 +108,7 @@ class ReservedBuffers:
         return tuple(held)
 
     def held_bytes(self, prefix: str) -> int:
-        """Bytes of the buffers held under names starting with ``prefix`` (``"latent"``: its views, exchange
-        and scratch)."""
+        """Bytes of the buffers held under names starting with ``prefix`` (``"latent"``: its views and scratch)."""
         return sum(b.nbytes for key, held in self._held.items() if key[0].startswith(prefix) for b in held)
 
 
@@ -202,8 +201,9 @@ class BackendState:
         )
         return self.batch
 
-    def _reserved(self, name: str, reservation: Reservation, page: torch.Tensor, token_bytes: int):
-        """The dense views and, under CP, the exchange buffers of one kind whose pool pages look like ``page``."""
+    def _views(self, name: str, reservation: Reservation, page: torch.Tensor, token_bytes: int):
+        """The reserved dense views of one kind whose pool pages look like ``page`` (under CP the history all-gather
+        lands in them: no exchange buffer)."""
         page_bytes = page.numel() * page.element_size()
         if page_bytes != reservation.page_size * token_bytes:
             raise CpSharedKvError(
@@ -211,19 +211,12 @@ class BackendState:
                 f"{reservation.page_size} x {token_bytes}"
             )
         shape = (page.numel(), page.dtype, page.device)
-        views = self.buffers.get(name, reservation.dense_slots, *shape, reservation.views_per_kind)
-        exchange = None
-        if reservation.cp_size > 1:
-            per_round = reservation.exchange_pages_per_round
-            (send,) = self.buffers.get(f"{name}/exchange-send", per_round, *shape, 1)
-            (gathered,) = self.buffers.get(f"{name}/exchange-gathered", reservation.cp_size * per_round, *shape, 1)
-            exchange = (send, gathered)
-        return views, exchange
+        return self.buffers.get(name, reservation.dense_slots, *shape, reservation.views_per_kind)
 
     def _latent_kind(self, pool: Any, plan: CpSharedKvPlan, reservation: Reservation) -> PagedKind:
         first = pool.kv_buffer[0]
         page = first[: plan.page_size]
-        views, exchange = self._reserved(LATENT, reservation, page, reservation.latent_token_bytes)
+        views = self._views(LATENT, reservation, page, reservation.latent_token_bytes)
         return PagedKind(
             name=LATENT,
             layers=tuple(range(pool.start_layer, pool.start_layer + pool.layer_num)),
@@ -231,7 +224,6 @@ class BackendState:
             buffers=views,
             row_shape=tuple(first.shape[1:]),
             row_dtype=first.dtype,
-            exchange=exchange,
         )
 
     def _index_k_kind(self, pool: Any, plan: CpSharedKvPlan, reservation: Reservation) -> PagedKind | None:
@@ -244,13 +236,12 @@ class BackendState:
         if not layers:
             return None
         page = pool.get_index_k_with_scale_buffer(layers[0])[0]
-        views, exchange = self._reserved(INDEX_K, reservation, page, reservation.index_k_token_bytes)
+        views = self._views(INDEX_K, reservation, page, reservation.index_k_token_bytes)
         return PagedKind(
             name=INDEX_K,
             layers=layers,
             pool_pages=pool.get_index_k_with_scale_buffer,
             buffers=views,
-            exchange=exchange,
         )
 
     def batch_of(self, forward_batch: Any) -> ExtendBatch | None:
@@ -336,12 +327,11 @@ def on_extend_metadata(
         cp_size=parallel.attn_cp_size,
         cp_rank=parallel.attn_cp_rank,
         strategy="interleave" if split else "none",
-        exchange_pages_per_round=reservation.exchange_pages_per_round or None,
     )
     if split:
         metadata = forward_batch.attn_cp_metadata
         check_split_matches_upstream(plan, metadata.per_rank_logical_token, metadata.per_rank_actual_token)
-    reservation.check_batch(sum(plan.request_pages) * page_size, plan.num_slots, plan.num_tokens)
+    reservation.check_batch(plan.needed_slots * page_size, plan.num_slots, plan.num_tokens)
     group = exchange_group() if parallel.attn_cp_size > 1 else SingleRankGroup()
     batch = backend_state(backend).begin(backend, forward_batch, plan, group, reservation)
     return remap_page_table(batch, page_table, bs_idx)

@@ -9,7 +9,8 @@ Called from ``patches/core/reserve-cp-shared-kv-buffers.patch``:
   target's reservation already counts the draft's backend (as upstream counts the kv-shard scratch of an
   EAGLE draft on the target).
 * :func:`defers_request` - ``PrefillAdder.add_one_req``, before anything is reserved for the request:
-  a request whose dense KV would take the batch past the limit waits for a later batch
+  a request whose dense KV would take the batch past the limit waits for a later batch (history that requests
+  share through the radix tree counts once, as the plan's shared history slots hold it once)
   (``AddReqResult.OTHER``). The first request of a batch is never deferred (that would never end); start-up
   validation makes the limit hold one request of the full context length.
 
@@ -24,7 +25,7 @@ from typing import Any
 
 from sglang_cpkv.hooks.settings import layer_ahead, max_batch_tokens
 from sglang_cpkv.ops.errors import CpSharedKvError
-from sglang_cpkv.runtime.reservation import SETTING, Reservation, page_rounded
+from sglang_cpkv.runtime.reservation import SETTING, Reservation
 
 logger = logging.getLogger(__name__)
 
@@ -86,21 +87,53 @@ def pool_overhead_bytes(kvc: Any) -> int:
     return publish(reservation).total_bytes
 
 
+def _history_nodes(tree_cache: Any, req: Any) -> list[tuple[int, int]] | None:
+    """``(node identity, tokens)`` of every radix node on the path from the root to ``req.last_node`` (host objects
+    only), or None when that path does not hold exactly the request's ``prefix_len`` tokens (a disabled radix cache,
+    a chunked continuation it does not keep): then the request's history counts as its own."""
+    node = getattr(req, "last_node", None)
+    core = getattr(tree_cache, "tree_core", None)
+    if node is not None and not hasattr(node, "parent") and core is not None:
+        node = core.node_by_id(node)  # a NodeId of upstream's unified tree
+    path = []
+    while node is not None and getattr(node, "parent", None) is not None and node.key is not None:
+        path.append((id(node), len(node.key)))
+        node = node.parent
+    return path if sum(tokens for _, tokens in path) == req.prefix_len else None
+
+
+def dense_pages(tree_cache: Any, requests: list[tuple[Any, int]], page_size: int) -> int:
+    """Slots the batch's dense view needs for ``(request, end)`` pairs (its tokens ``[0, end)`` this round): the
+    distinct history pages (the plan's history region: radix nodes several requests share count once) and each
+    request's own pages (from its first page that takes current tokens). An upper bound of the plan's slots."""
+    shared: dict[int, int] = {}
+    region = own = 0
+    for req, end in requests:
+        prefix = req.prefix_len
+        nodes = _history_nodes(tree_cache, req) if prefix else []
+        if nodes is None:
+            region += -(-prefix // page_size)
+        else:
+            shared.update(nodes)
+        own += -(-end // page_size) - prefix // page_size
+    return region + sum(-(-tokens // page_size) for tokens in shared.values()) + own
+
+
 def defers_request(adder: Any, req: Any) -> bool:
-    """Whether ``req`` waits for a later batch: its dense KV this round (its tokens up to the end of what the
-    chunk budget leaves it, page-rounded; an upper bound, so a request may wait that would just have fit) would
-    take the batch's past the limit."""
+    """Whether ``req`` waits for a later batch: the batch's dense view (:func:`dense_pages`, with the candidate's
+    tokens up to the end of what the chunk budget leaves it; an upper bound, so a request may wait that would just
+    have fit) would hold more than the limit."""
     reservation = _published
     if reservation is None or not adder.can_run_list:
         return False
     page_size = reservation.page_size
-    admitted = sum(page_rounded(r.extend_end, page_size) for r in adder.can_run_list)
     end = len(req.full_untruncated_fill_ids)
     if adder.rem_chunk_tokens is not None:
         # An upper bound: upstream may round the chunk end down to a page. (No HiCache host hit extends the prefix:
         # start-up refuses HiCache beside the mode.)
         end = min(end, req.prefix_len + max(adder.rem_chunk_tokens, 0))
-    wanted = admitted + page_rounded(end, page_size)
+    batch = [(r, r.extend_end) for r in adder.can_run_list] + [(req, end)]
+    wanted = dense_pages(adder.tree_cache, batch, page_size) * page_size
     if wanted <= reservation.max_batch_tokens:
         return False
     logger.debug(

@@ -109,9 +109,11 @@ def _probe() -> str | None:
     results, split and fused, equal the reference's."""
     device = torch.device("cuda", torch.cuda.current_device())
     capacity, page_size, width = 12, 4, 8
-    # Ragged slots of [[1, 5], [9, 5]], a rounding slot (-1) and a bad page id (40) of request 1.
-    slot_pages = torch.tensor([1, 5, 9, 5, -1, 40], dtype=torch.int32, device=device)
-    slot_req = torch.tensor([0, 0, 1, 1, -1, 1], dtype=torch.int64, device=device)
+    # The entries of [[1, 5], [9, 5]] (page 1 in a slot request 1's page 9 shares, as shared history slots do), a
+    # rounding entry (-1) and a bad page id (40) of request 1.
+    entry_pages = torch.tensor([1, 5, 9, 5, -1, 40], dtype=torch.int32, device=device)
+    entry_req = torch.tensor([0, 0, 1, 1, -1, 1], dtype=torch.int64, device=device)
+    entry_slots = torch.tensor([0, 1, 0, 3, -1, 5], dtype=torch.int32, device=device)
     locs = torch.tensor([[4, 21, 7, -1], [36, 22, 3, 47], [4, 5, -1, 6]], dtype=torch.int64, device=device)
     req_id = torch.tensor([0, 1, 7], dtype=torch.int64, device=device)  # 7: a bad request row
     pool = torch.arange(capacity * page_size * width, dtype=torch.int32, device=device).view(capacity, -1)
@@ -124,7 +126,7 @@ def _probe() -> str | None:
     for name in ("reference", "cuda", "cuda fused"):
         ops = reference if name == "reference" else module
         errors = new_error_counter(device)
-        inverse = ops.build_page_inverse(slot_pages, slot_req, 2, capacity, errors)
+        inverse = ops.build_page_inverse(entry_pages, entry_req, entry_slots, 2, capacity, errors)
         dense_locs = ops.remap_locs(locs, req_id, inverse, 2, capacity, page_size, errors)
         dense = torch.full((4, page_size * width), 7, dtype=torch.int32, device=device)
         if name == "cuda fused":

@@ -163,6 +163,13 @@ class CpSharedKvPlan:
         start = self.entry_starts[request]
         return self.entry_slots_host[start : start + self.request_pages[request]]
 
+    def request_locations(self, request: int, end: int | None = None) -> torch.Tensor:
+        """int64 host ``[end]``: the dense location of each logical position ``[0, end)`` of ``request`` (default
+        ``end``: its history and current tokens), i.e. its view in position order."""
+        end = self.prefix_lens[request] + self.extend_lens[request] if end is None else end
+        positions = torch.arange(end, dtype=torch.int64)
+        return self.request_slots(request)[positions // self.page_size] * self.page_size + positions % self.page_size
+
     def dense_location(self, request: int, position: int) -> int:
         """The dense location of logical position ``position`` of ``request`` (host arithmetic)."""
         slot = int(self.entry_slots_host[self.entry_starts[request] + position // self.page_size])

@@ -1,8 +1,9 @@
 """The CP shared-KV mode's buffers, reserved: sized once from one operator limit, never grown.
 
 One limit bounds every buffer of the mode, ``max_batch_tokens`` (server flag
-``--cp-shared-kv-max-batch-tokens``): the KV tokens one extend batch's dense view may hold - each
-request's history and current chunk, rounded up to whole pages, summed over the batch. The default,
+``--cp-shared-kv-max-batch-tokens``): the KV tokens one extend batch's dense view may hold - the distinct history
+pages the batch reads (a prompt many requests share counts once: the plan's shared history slots) and each
+request's current pages, rounded up to whole pages. The default,
 :func:`default_max_batch_tokens`, is one request of the full context length plus a full chunk of other
 requests' tokens, each request's page rounding counted. The scheduler admits requests against it (``hooks/reservation.py``: a request that
 would exceed it waits for a later batch); a batch that still exceeds it is refused at plan build with a
@@ -13,10 +14,7 @@ target's, and a speculative draft's, which has its own backend and pool):
 
 * ``S = round_dense_slots(ceil(max_batch_tokens / page_size))`` dense slots;
 * per kind (latent KV; DSA index K): ``views`` dense buffers of ``S`` pages (two with the layer-ahead
-  history, else one);
-* under CP, per kind, the history all-gather's send buffer of ``K = ceil(S / cp)`` pages and its
-  gathered buffer of ``cp * K``: a batch whose history pages are spread evenly over the owners exchanges
-  in one round, an uneven one in more rounds, never in more memory;
+  history, else one); under CP the history all-gather writes them in place (no exchange buffer);
 * the current-row scratch: ``chunk_tokens + 1`` rows of the latent row format.
 
 :attr:`Reservation.total_bytes` is what the KV budget is charged before the pool is sized.
@@ -87,11 +85,6 @@ class Reservation:
         """``S``: dense slots (pages) of every dense buffer."""
         return round_dense_slots(-(-self.max_batch_tokens // self.page_size))
 
-    @property
-    def exchange_pages_per_round(self) -> int:
-        """``K``: pages each rank sends per round of the history all-gather (0 at cp 1: no exchange)."""
-        return 0 if self.cp_size == 1 else -(-self.dense_slots // self.cp_size)
-
     def parts(self) -> dict[str, int]:
         """Bytes of each buffer group of one backend."""
         page_tokens = self.page_size
@@ -102,8 +95,6 @@ class Reservation:
                 continue
             page_bytes = page_tokens * token_bytes
             parts[f"{kind} dense views"] = self.views_per_kind * self.dense_slots * page_bytes
-            if self.cp_size > 1:
-                parts[f"{kind} exchange"] = (1 + self.cp_size) * self.exchange_pages_per_round * page_bytes
         parts["current-row scratch"] = (self.chunk_tokens + 1) * self.latent_token_bytes
         return parts
 

@@ -13,7 +13,8 @@ returned ``AddReqResult``), against ``sglang_cpkv.hooks.reservation.defers_reque
 * the first request of a batch is admitted even when it alone is past the limit; the next one waits;
 * with no reservation published (the mode off) the same three requests are all admitted (upstream's behaviour);
 * under a chunk budget smaller than a long prompt, the long request counts only its chunk (the batch's remaining
-  chunk budget, page-rounded), not its whole prompt: it is admitted as the batch's chunked request.
+  chunk budget, page-rounded), not its whole prompt: it is admitted as the batch's chunked request;
+* requests on one cached prompt (a radix hit) count the prompt once, as the plan's shared history slots hold it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import New
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool  # noqa: E402
-from sglang.srt.mem_cache.radix_cache import RadixCache  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 from sglang.srt.runtime_context import get_schedule  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
@@ -234,6 +236,40 @@ def test_a_chunked_request_counts_only_its_chunk(monkeypatch):
     assert rids(adder) == ["r0"]
     assert results == {"r0": AddReqResult.CONTINUE, "r1": AddReqResult.OTHER}
     assert adder.new_chunked_req is None
+
+
+def _cache_prompt(world: World, tokens: list[int]) -> None:
+    """A prompt already prefilled and cached (page-aligned): its pages allocated and inserted in the radix tree."""
+    locs = world.allocator.alloc(len(tokens))
+    world.tree_cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=locs))
+
+
+def _shared_prompt_requests(prompt: list[int], count: int, suffix: int) -> list[Req]:
+    sampling_params = SamplingParams(max_new_tokens=16, temperature=0.0)
+    sampling_params.normalize(None)
+    sampling_params.verify(VOCAB)
+    return [
+        Req(f"s{i}", "", array("q", prompt + list(range(50_000 + 1000 * i, 50_000 + 1000 * i + suffix))), sampling_params)
+        for i in range(count)
+    ]
+
+
+@pytest.mark.parametrize(("limit", "admitted"), [((3 + 4) * PAGE, 4), ((3 + 4) * PAGE - 1, 3)])
+def test_a_shared_prompt_counts_once(monkeypatch, limit, admitted):
+    """Four requests on one cached 3-page prompt, one page of their own each: the batch's dense view holds the prompt
+    once (shared history slots) and four own pages, 7 pages, where one copy per request would be 16. A limit of 7
+    pages admits all four, one token less three (the fourth would make 3 + 4 pages)."""
+    world = World(monkeypatch, mode_on=True)
+    prompt = list(range(7000, 7000 + 3 * PAGE))
+    _cache_prompt(world, prompt)
+    publish_limit(limit)
+    waiting = _shared_prompt_requests(prompt, 4, suffix=PAGE)
+    adder, results = world.prefill_pass(waiting)
+    assert [req.prefix_len for req in waiting[:admitted]] == [3 * PAGE] * admitted  # the radix hit
+    assert rids(adder) == [f"s{i}" for i in range(admitted)]
+    assert reservation_hooks.dense_pages(
+        world.tree_cache, [(r, r.extend_end) for r in adder.can_run_list], PAGE
+    ) == 3 + admitted
 
 
 if __name__ == "__main__":

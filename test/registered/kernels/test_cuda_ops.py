@@ -21,7 +21,13 @@ import pytest
 import torch
 
 from sglang_cpkv.ops import cuda_build, reference
-from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE, new_error_counter
+from sglang_cpkv.ops.errors import (
+    ERR_LOC_OUT_OF_RANGE,
+    ERR_PAGE_OUT_OF_RANGE,
+    ERR_REQ_OUT_OF_RANGE,
+    CpSharedKvError,
+    new_error_counter,
+)
 from sglang_cpkv.testing.batches import ROW_LAYOUTS, flat_slots
 from sglang_cpkv.testing.ci_register import register_cuda_ci
 
@@ -116,17 +122,109 @@ def test_build_page_inverse(cuda_ops, rows, pages_per_request, dtype, bad_ids):
 
 def test_build_page_inverse_repeated_pages_and_empty(cuda_ops):
     """A page twice in one request: counted, one of its slots kept; bad request ids counted; R = 0 and S = 0."""
-    slot_pages = torch.tensor([3, 7, 3, 2, 3, -1, 5], dtype=torch.int32, device=DEVICE)
-    slot_req = torch.tensor([0, 0, 0, 1, 1, -1, 4], dtype=torch.int64, device=DEVICE)
-    want, want_errors = _run(reference, "build_page_inverse", slot_pages, slot_req, 2, 12)
-    have, have_errors = _run(cuda_ops, "build_page_inverse", slot_pages, slot_req, 2, 12)
+    entry_pages = torch.tensor([3, 7, 3, 2, 3, -1, 5], dtype=torch.int32, device=DEVICE)
+    entry_req = torch.tensor([0, 0, 0, 1, 1, -1, 4], dtype=torch.int64, device=DEVICE)
+    entry_slots = torch.arange(7, dtype=torch.int32, device=DEVICE)
+    want, want_errors = _run(reference, "build_page_inverse", entry_pages, entry_req, entry_slots, 2, 12)
+    have, have_errors = _run(cuda_ops, "build_page_inverse", entry_pages, entry_req, entry_slots, 2, 12)
     assert have_errors.tolist() == want_errors.tolist() == [1, 1, 0]
     assert int(have[3]) in (0, 2)  # the repeated page: either slot, unspecified
     keep = torch.arange(24, device=DEVICE) != 3
     assert torch.equal(have[keep], want[keep]) and int(have[12 + 3]) == 4
-    none = torch.empty(0, dtype=torch.int32, device=DEVICE), torch.empty(0, dtype=torch.int64, device=DEVICE)
+    none = (
+        torch.empty(0, dtype=torch.int32, device=DEVICE),
+        torch.empty(0, dtype=torch.int64, device=DEVICE),
+        torch.empty(0, dtype=torch.int32, device=DEVICE),
+    )
     assert cuda_ops.build_page_inverse(*none, 0, CAPACITY, new_error_counter(DEVICE)).numel() == 0
     assert bool((cuda_ops.build_page_inverse(*none, 2, CAPACITY, new_error_counter(DEVICE)) == -1).all())
+
+
+def _shared_slot_entries(
+    rows: int, own_per_request: int, num_shared: int, capacity: int, gen: torch.Generator, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """Entries of ``rows`` requests: each its own pages plus ``num_shared`` history pages every request holds, whose
+    entries all point at one shared slot per page; slots a random permutation (not arange), entries in a random
+    order (a shared slot's entries spread over blocks), one -1 rounding entry per request.
+
+    Returns ``(entry_pages, entry_req, entry_slots, shared_pages, shared_slots)``."""
+    perm = torch.randperm(capacity, generator=gen)
+    shared_pages = perm[:num_shared]
+    own = perm[num_shared:]
+    num_slots = num_shared + rows * own_per_request
+    slots = torch.randperm(num_slots, generator=gen)
+    shared_slots, own_slots = slots[:num_shared], slots[num_shared:]
+    pages, reqs, entry_slots = [], [], []
+    for r in range(rows):
+        # Each request's own pages: any pages but the shared ones (requests may hold the same own page id).
+        mine = own[torch.randperm(own.numel(), generator=gen)[:own_per_request]]
+        pages += [shared_pages, mine, torch.tensor([-1])]
+        reqs += [torch.full((num_shared + own_per_request,), r), torch.tensor([-1])]
+        entry_slots += [shared_slots, own_slots[r * own_per_request : (r + 1) * own_per_request], torch.tensor([-1])]
+    order = torch.randperm(rows * (num_shared + own_per_request + 1), generator=gen)
+    return (
+        torch.cat(pages)[order].to(dtype).to(DEVICE),
+        torch.cat(reqs)[order].to(torch.int64).to(DEVICE),
+        torch.cat(entry_slots)[order].to(torch.int32).to(DEVICE),
+        shared_pages.tolist(),
+        shared_slots.tolist(),
+    )
+
+
+@pytest.mark.parametrize("dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("own_per_request, num_shared", [(4, 3), (300, 200)])  # 300 + 200: several blocks
+@pytest.mark.parametrize("rows", [2, 3, 8])
+def test_build_page_inverse_shared_and_permuted_slots(cuda_ops, rows, own_per_request, num_shared, dtype):
+    """Entries of several requests point at one shared history slot; slots are a permutation, not arange."""
+    capacity = 6000 if own_per_request == 300 else CAPACITY
+    entry_pages, entry_req, entry_slots, shared_pages, shared_slots = _shared_slot_entries(
+        rows, own_per_request, num_shared, capacity, _gen("shared slots", rows, own_per_request, dtype), dtype
+    )
+    valid_slots = entry_slots[entry_slots >= 0]
+    assert not torch.equal(valid_slots.sort().values, valid_slots)
+    want, want_errors = _run(reference, "build_page_inverse", entry_pages, entry_req, entry_slots, rows, capacity)
+    have, have_errors = _run(cuda_ops, "build_page_inverse", entry_pages, entry_req, entry_slots, rows, capacity)
+    _assert_same_bytes(have, want, "inverse")
+    assert have_errors.tolist() == want_errors.tolist() == [0, 0, 0]
+    view = have.view(rows, capacity)
+    for page, slot in zip(shared_pages[:8], shared_slots[:8]):
+        assert view[:, page].tolist() == [slot] * rows  # every request's entry, one shared slot
+    valid = entry_pages >= 0
+    key = entry_req[valid] * capacity + entry_pages[valid].to(torch.int64)
+    assert torch.equal(have[key], entry_slots[valid]) and int((have >= 0).sum()) == int(valid.sum())
+
+
+def test_build_page_inverse_counts_negative_slots(cuda_ops):
+    """A negative slot of an entry that is not padding: counted once in ERR_PAGE_OUT_OF_RANGE, its key stays -1;
+    padding entries (page -1 or request -1) with negative slots are not counted."""
+    entry_pages = torch.tensor([3, 7, 3, 8, -1, 6], dtype=torch.int32, device=DEVICE)
+    entry_req = torch.tensor([0, 0, 1, 1, 1, -1], dtype=torch.int64, device=DEVICE)
+    entry_slots = torch.tensor([-2, 5, 1, -1, -3, -1], dtype=torch.int32, device=DEVICE)
+    want, want_errors = _run(reference, "build_page_inverse", entry_pages, entry_req, entry_slots, 2, 12)
+    have, have_errors = _run(cuda_ops, "build_page_inverse", entry_pages, entry_req, entry_slots, 2, 12)
+    expected = [0] * 3
+    expected[ERR_PAGE_OUT_OF_RANGE] = 2
+    assert have_errors.tolist() == want_errors.tolist() == expected
+    _assert_same_bytes(have, want, "inverse")
+    assert int(have[3]) == -1 and int(have[12 + 8]) == -1  # the bad entries' keys stay absent
+    assert int(have[7]) == 5 and int(have[12 + 3]) == 1 and int((have >= 0).sum()) == 2
+
+
+def test_build_page_inverse_refuses_int64_slots(cuda_ops, monkeypatch):
+    """Slots are int32 by contract: the dispatcher refuses int64 (CpSharedKvError) before the CUDA op, which refuses
+    them too (RuntimeError); nothing is counted."""
+    from sglang_cpkv import ops
+
+    monkeypatch.setenv(ops.BACKEND_ENV, "cuda")
+    entry_pages = torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)
+    entry_req = torch.tensor([0, 0], dtype=torch.int64, device=DEVICE)
+    entry_slots = torch.tensor([0, 1], dtype=torch.int64, device=DEVICE)
+    errors = new_error_counter(DEVICE)
+    with pytest.raises(CpSharedKvError, match=r"entry_slots must be int32, got torch\.int64"):
+        ops.build_page_inverse(entry_pages, entry_req, entry_slots, 1, 4, errors)
+    with pytest.raises(RuntimeError, match="entry_slots must be int32, got Long"):
+        cuda_ops.build_page_inverse(entry_pages, entry_req, entry_slots, 1, 4, errors)
+    assert errors.tolist() == [0, 0, 0]
 
 
 def _locs_and_req(
@@ -602,15 +700,44 @@ def test_probe_refuses_missing_stale_and_jit_off(cuda_ops, tmp_path):
             lambda: (
                 torch.zeros(6, dtype=torch.float32, device=DEVICE),
                 torch.zeros(6, dtype=torch.int64, device=DEVICE),
+                torch.zeros(6, dtype=torch.int32, device=DEVICE),
                 2,
                 12,
             ),
-            "slot_pages must be int32 or int64, got Float",
+            "entry_pages must be int32 or int64, got Float",
         ),
         (
             "build_page_inverse",
-            lambda: (torch.zeros(6, dtype=torch.int32), torch.zeros(6, dtype=torch.int64), 2, 12),
-            "slot_pages must be a CUDA tensor",
+            lambda: (
+                torch.zeros(6, dtype=torch.int32),
+                torch.zeros(6, dtype=torch.int64),
+                torch.zeros(6, dtype=torch.int32),
+                2,
+                12,
+            ),
+            "entry_pages must be a CUDA tensor",
+        ),
+        (
+            "build_page_inverse",
+            lambda: (
+                torch.zeros(6, dtype=torch.int32, device=DEVICE),
+                torch.zeros(6, dtype=torch.int64, device=DEVICE),
+                torch.zeros(6, dtype=torch.int64, device=DEVICE),
+                2,
+                12,
+            ),
+            "entry_slots must be int32, got Long",
+        ),
+        (
+            "build_page_inverse",
+            lambda: (
+                torch.zeros(6, dtype=torch.int32, device=DEVICE),
+                torch.zeros(6, dtype=torch.int64, device=DEVICE),
+                torch.zeros(5, dtype=torch.int32, device=DEVICE),
+                2,
+                12,
+            ),
+            "entry_slots must have one entry per entry_pages entry (6), got 5",
         ),
         (
             "copy_pages",

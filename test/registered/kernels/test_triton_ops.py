@@ -29,7 +29,6 @@ from sglang_cpkv.ops.errors import (
 )
 from sglang_cpkv.testing.batches import (
     ROW_LAYOUTS,
-    BatchCase,
     check_against_truth,
     current_locs,
     flat_slots,
@@ -73,8 +72,10 @@ def test_kernels_run_in_the_interpreter():
 @pytest.mark.parametrize("block", [0, 8])  # 0: auto (one program); 8: several programs
 def test_build_page_inverse_matches_reference(index_dtype, block):
     case = sparse_case(3, 16, 40, 7, _gen(1), shared_pages=(5,))
-    slot_pages, slot_req = flat_slots(padded_page_table(case, 9).to(index_dtype))
-    (ref, ref_err), (tri, tri_err) = _both("build_page_inverse", slot_pages, slot_req, 3, 40, block=block)
+    entry_pages, entry_req, entry_slots = flat_slots(padded_page_table(case, 9).to(index_dtype))
+    (ref, ref_err), (tri, tri_err) = _both(
+        "build_page_inverse", entry_pages, entry_req, entry_slots, 3, 40, block=block
+    )
     assert torch.equal(ref, tri), (ref.view(3, 40), tri.view(3, 40))
     assert torch.equal(ref_err, tri_err) and int(tri_err.sum()) == 0
     assert int((tri >= 0).sum()) == sum(len(t) for t in case.page_tables)
@@ -83,9 +84,12 @@ def test_build_page_inverse_matches_reference(index_dtype, block):
 @pytest.mark.parametrize("block", [0, 4])
 def test_build_page_inverse_counts_bad_ids_and_repeated_pages(block):
     # request 0: pages 3, 12 (>= C), 3 again (repeated); request 1: -7 (< -1), 2; a rounding slot; request 9 (>= R).
-    slot_pages = torch.tensor([3, 12, 3, -7, 2, -1, 4], dtype=torch.int32)
-    slot_req = torch.tensor([0, 0, 0, 1, 1, -1, 9])
-    (ref, ref_err), (tri, tri_err) = _both("build_page_inverse", slot_pages, slot_req, 2, 12, block=block)
+    entry_pages = torch.tensor([3, 12, 3, -7, 2, -1, 4], dtype=torch.int32)
+    entry_req = torch.tensor([0, 0, 0, 1, 1, -1, 9])
+    entry_slots = torch.arange(7, dtype=torch.int32)
+    (ref, ref_err), (tri, tri_err) = _both(
+        "build_page_inverse", entry_pages, entry_req, entry_slots, 2, 12, block=block
+    )
     expected = [0] * 3
     expected[ERR_PAGE_OUT_OF_RANGE] = 3  # 12, -7 and the second page 3 of request 0
     expected[ERR_REQ_OUT_OF_RANGE] = 1
@@ -98,9 +102,96 @@ def test_build_page_inverse_counts_bad_ids_and_repeated_pages(block):
 
 
 def test_build_page_inverse_empty_batch():
-    empty = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64)
+    empty = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int32)
     (ref, _), (tri, tri_err) = _both("build_page_inverse", *empty, 2, 12)
     assert torch.equal(ref, tri) and bool((tri == -1).all()) and int(tri_err.sum()) == 0
+
+
+def _shared_slot_entries(index_dtype, num_requests, capacity, seed):
+    """Entries of ``num_requests`` requests: each its own pages plus 3 history pages every request holds, whose
+    entries all point at one shared slot per page; slots a random permutation (not arange), entries in a random
+    order (a shared slot's entries spread over programs), one -1 rounding entry per request."""
+    gen = _gen(seed)
+    shared_pages = torch.randperm(capacity, generator=gen)[:3]
+    pages, reqs = [], []
+    own = torch.randperm(capacity, generator=gen)
+    own = own[~torch.isin(own, shared_pages)]
+    per_request = 4
+    for r in range(num_requests):
+        pages += shared_pages.tolist() + own[r * per_request : (r + 1) * per_request].tolist() + [-1]
+        reqs += [r] * (len(shared_pages) + per_request) + [-1]
+    num_slots = len(shared_pages) + num_requests * per_request
+    slots = torch.randperm(num_slots, generator=gen)
+    shared_slots = slots[: len(shared_pages)].tolist()
+    own_slots = slots[len(shared_pages) :].tolist()
+    entry_slots = []
+    for r in range(num_requests):
+        entry_slots += shared_slots + own_slots[r * per_request : (r + 1) * per_request] + [-1]
+    order = torch.randperm(len(pages), generator=gen)
+    return (
+        torch.tensor(pages, dtype=index_dtype)[order],
+        torch.tensor(reqs, dtype=torch.int64)[order],
+        torch.tensor(entry_slots, dtype=torch.int32)[order],
+        shared_pages.tolist(),
+        shared_slots,
+    )
+
+
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("num_requests", [2, 5])
+@pytest.mark.parametrize("block", [0, 4])
+def test_build_page_inverse_shared_slots_and_permuted_slots(index_dtype, num_requests, block):
+    capacity = 40
+    entry_pages, entry_req, entry_slots, shared_pages, shared_slots = _shared_slot_entries(
+        index_dtype, num_requests, capacity, seed=10 + num_requests
+    )
+    assert not torch.equal(entry_slots[entry_slots >= 0].sort().values, entry_slots[entry_slots >= 0])
+    (ref, ref_err), (tri, tri_err) = _both(
+        "build_page_inverse", entry_pages, entry_req, entry_slots, num_requests, capacity, block=block
+    )
+    assert same_bytes(ref, tri), (ref.view(num_requests, capacity), tri.view(num_requests, capacity))
+    assert torch.equal(ref_err, tri_err) and int(tri_err.sum()) == 0
+    view = tri.view(num_requests, capacity)
+    for page, slot in zip(shared_pages, shared_slots):
+        assert view[:, page].tolist() == [slot] * num_requests  # every request's entry, one shared slot
+    valid = entry_pages >= 0
+    key = entry_req[valid] * capacity + entry_pages[valid].to(torch.int64)
+    assert torch.equal(tri[key], entry_slots[valid]) and int((tri >= 0).sum()) == int(valid.sum())
+
+
+@pytest.mark.parametrize("block", [0, 4])
+def test_build_page_inverse_counts_negative_slots(block):
+    # request 0: page 3 slot -2 (bad), page 7 slot 5; request 1: page 3 slot 1, page 8 slot -1 (bad: not padding);
+    # padding entries (page -1 or request -1) with negative slots are not counted.
+    entry_pages = torch.tensor([3, 7, 3, 8, -1, 6], dtype=torch.int32)
+    entry_req = torch.tensor([0, 0, 1, 1, 1, -1])
+    entry_slots = torch.tensor([-2, 5, 1, -1, -3, -1], dtype=torch.int32)
+    (ref, ref_err), (tri, tri_err) = _both(
+        "build_page_inverse", entry_pages, entry_req, entry_slots, 2, 12, block=block
+    )
+    expected = [0] * 3
+    expected[ERR_PAGE_OUT_OF_RANGE] = 2
+    assert tri_err.tolist() == ref_err.tolist() == expected
+    assert same_bytes(ref, tri)
+    assert int(tri[3]) == -1 and int(tri[12 + 8]) == -1  # the bad entries' keys stay absent
+    assert int(tri[7]) == 5 and int(tri[12 + 3]) == 1 and int((tri >= 0).sum()) == 2
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_build_page_inverse_refuses_int64_slots(backend, monkeypatch):
+    """Slots are int32 by contract: the dispatcher (any backend), the reference and the Triton wrapper refuse int64."""
+    monkeypatch.setenv(ops.BACKEND_ENV, backend)
+    entry_pages = torch.tensor([1, 2], dtype=torch.int32)
+    entry_req = torch.tensor([0, 0])
+    entry_slots = torch.tensor([0, 1], dtype=torch.int64)
+    errors = new_error_counter("cpu")
+    with pytest.raises(CpSharedKvError, match=r"entry_slots must be int32, got torch\.int64"):
+        ops.build_page_inverse(entry_pages, entry_req, entry_slots, 1, 4, errors)
+    with pytest.raises(CpSharedKvError, match=r"entry_slots must be int32, got torch\.int64"):
+        reference.build_page_inverse(entry_pages, entry_req, entry_slots, 1, 4, errors)
+    with pytest.raises(ValueError, match=r"entry_slots must be int32, got torch\.int64"):
+        triton_ops.build_page_inverse(entry_pages, entry_req, entry_slots, 1, 4, errors)
+    assert errors.tolist() == [0, 0, 0]
 
 
 # --- remap_locs -----------------------------------------------------------------------------
@@ -283,6 +374,7 @@ def test_shape_and_dtype_errors_name_the_values():
         triton_ops.build_page_inverse(
             torch.zeros(2, dtype=torch.int32),
             torch.zeros(2, dtype=torch.int64),
+            torch.zeros(2, dtype=torch.int32),
             1,
             4,
             torch.zeros(3, dtype=torch.int64),
@@ -299,8 +391,16 @@ def test_contract_violations_refused_on_every_backend(backend, monkeypatch):
     rows = torch.zeros(4, 8)
     with pytest.raises(CpSharedKvError, match=r"dst_loc must be int32 or int64, got torch\.float32"):
         ops.scatter_rows(rows[:1], torch.tensor([1.7]), rows, errors)
-    with pytest.raises(CpSharedKvError, match="slot_pages must be int32 or int64"):
-        ops.build_page_inverse(torch.tensor([1.0]), torch.tensor([0]), 1, 4, errors)
+    with pytest.raises(CpSharedKvError, match="entry_pages must be int32 or int64"):
+        ops.build_page_inverse(
+            torch.tensor([1.0]), torch.tensor([0]), torch.tensor([0], dtype=torch.int32), 1, 4, errors
+        )
+    with pytest.raises(CpSharedKvError, match="entry_req must be int32 or int64"):
+        ops.build_page_inverse(
+            torch.tensor([1]), torch.tensor([0.0]), torch.tensor([0], dtype=torch.int32), 1, 4, errors
+        )
+    with pytest.raises(CpSharedKvError, match=r"entry_slots must be int32, got torch\.int64"):
+        ops.build_page_inverse(torch.tensor([1]), torch.tensor([0]), torch.tensor([0]), 1, 4, errors)
     inverse = ops.build_page_inverse(*flat_slots(torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)), 2, 6, errors)
     with pytest.raises(CpSharedKvError, match=r"inverse must be int32 \[num_requests \* capacity\] = \[2 \* 3\]"):
         ops.remap_locs(torch.tensor([[4]]), torch.tensor([1]), inverse, 2, 3, 2, errors)  # 12 entries, C = 3
@@ -358,7 +458,12 @@ def test_forced_backend_setting(monkeypatch):
     monkeypatch.setenv(ops.BACKEND_ENV, "cuda")
     with pytest.raises(RuntimeError, match=r"SGLANG_CPKV_OPS_BACKEND=cuda cannot run .* cpu tensors"):
         ops.build_page_inverse(
-            torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), 1, 4, new_error_counter("cpu")
+            torch.zeros(1, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int64),
+            torch.zeros(1, dtype=torch.int32),
+            1,
+            4,
+            new_error_counter("cpu"),
         )
     monkeypatch.setenv(ops.BACKEND_ENV, "fastest")
     with pytest.raises(RuntimeError, match="must be one of auto, cuda, triton, torch, got 'fastest'"):
