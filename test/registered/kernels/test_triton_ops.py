@@ -29,7 +29,6 @@ from sglang_cpkv.ops.errors import (
 )
 from sglang_cpkv.testing.batches import (
     ROW_LAYOUTS,
-    BatchCase,
     check_against_truth,
     current_locs,
     flat_slots,
