@@ -34,8 +34,8 @@ CONFIGS = (("mode off", False, "1"), ("mode on, layer-ahead", True, "1"), ("mode
 
 def _case(args, history: int, cp: int) -> BatchCase:
     longest = history + args.extend
-    capacity = kit_capacity(args.requests, longest)
-    tables = distinct_page_tables([longest] * args.requests, capacity, seed=0)
+    capacity = kit_capacity(args.requests, longest, cp)
+    tables = distinct_page_tables([longest] * args.requests, capacity, seed=0, cp_size=cp)
     return BatchCase(PAGE, capacity, tables, (history,) * args.requests, (args.extend,) * args.requests, cp)
 
 

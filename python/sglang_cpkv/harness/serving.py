@@ -76,8 +76,9 @@ class Scenario:
 
 def scenarios(bs: int, cp: int, max_bs: int) -> dict[str, Scenario]:
     """The scenarios for a batch of ``bs`` requests on a pool sized for ``max_bs``."""
-    capacity = kit_capacity(max_bs, LONGEST)
-    pages = torch.randperm(capacity - 1, generator=torch.Generator().manual_seed(bs)).add(1).tolist()
+    capacity = kit_capacity(max_bs, LONGEST, cp)
+    # Page ids [0, cp) are the page-interleave allocator's reserved ids (page 0 of every rank's pool).
+    pages = torch.randperm(capacity - cp, generator=torch.Generator().manual_seed(bs)).add(cp).tolist()
     shared, pages = tuple(pages[:2]), pages[2:]
 
     def tables(totals: list[int]) -> tuple[tuple[int, ...], ...]:

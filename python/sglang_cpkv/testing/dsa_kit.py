@@ -16,7 +16,14 @@ layout as its ``loc_fn``) and its pool writer. What differs from the kit's own c
   from upstream's own strategy and padding), the current KV handed to ``forward_extend`` is the
   all-gathered chunk (:meth:`KitWorld.forward` projects every row on each rank, as upstream's attention-CP
   all-gather - a CUDA-only op - would hand them; :meth:`KitWorld.time_layers` under CP runs that all-gather);
-  with the mode on the rank's pool holds only the pages it owns;
+* **page ids and pools**: a case's page ids number :attr:`KitWorld.capacity` pages (a multiple of ``cp``). With the
+  mode on at cp > 1 the rank's pool is upstream's pool class of ``capacity / cp`` pages, holding only the pages it
+  owns (page id ``p`` of rank ``p % cp`` at its pool page ``p // cp``, :mod:`sglang_cpkv.runtime.ownership`), and
+  the runner's token allocator is upstream's ``PageInterleavePoolAllocator``, built by the mode's hook
+  (:func:`sglang_cpkv.hooks.page_ids.page_interleave_allocator`) as the patched KV-cache configurator builds it;
+  with the mode off (or at cp 1) the pool is a replica of all ``capacity`` pages, so the same case runs in both.
+  Page ids ``[0, cp)`` are reserved (pool page 0 of every rank; page 0 at cp 1): a case's pages are drawn from
+  ``[cp, capacity)`` (:func:`kit_capacity`, :func:`distinct_page_tables`), in both modes;
 * **top-k**: the indexer's fused transform is applied to request-local positions exactly as upstream's
   top-k kernel does (PAGED: ``page_table_1[row's request, position]``; RAGGED: ``position +
   topk_indices_offset[row]``), so the mode's remapped tables decide what the attention kernel reads;
@@ -46,8 +53,8 @@ from typing import Any
 
 import torch
 
-from sglang_cpkv.runtime import page_owner
-from sglang_cpkv.testing.batches import POISON_BYTE, BatchCase
+from sglang_cpkv.runtime.ownership import owner_pool_loc, page_owner
+from sglang_cpkv.testing.batches import BatchCase
 from sglang_cpkv.testing.upstream_env import set_cp_shared_kv_flag
 
 PAGE = 64
@@ -87,12 +94,14 @@ DSA_CONFIG = {
 }
 
 
-def kit_capacity(num_requests: int, longest: int) -> int:
-    """Page ids of the pool ``DSAMockModelRunner`` makes for ``num_requests`` requests of up to ``longest``
-    tokens (:class:`KitWorld`'s ``max_requests`` and ``longest``; page 0 is reserved, so a case's pages are
-    drawn from ``[1, capacity)``)."""
+def kit_capacity(num_requests: int, longest: int, cp_size: int = 1) -> int:
+    """Page ids of :class:`KitWorld` for ``num_requests`` requests of up to ``longest`` tokens (its ``max_requests``
+    and ``longest``) at ``cp_size``: the pages of the pool ``DSAMockModelRunner`` makes, rounded up to a multiple of
+    ``cp_size`` (under CP the page ids number ``cp`` x one rank's pool pages). Page ids ``[0, cp_size)`` are
+    reserved, so a case's pages are drawn from ``[cp_size, capacity)``."""
     max_context = -(-longest // PAGE) * PAGE
-    return 3 + num_requests * max_context // PAGE
+    pages = 3 + num_requests * max_context // PAGE
+    return cp_size * -(-pages // cp_size)
 
 
 def kit_reservation(
@@ -115,10 +124,12 @@ def kit_reservation(
     )
 
 
-def distinct_page_tables(lengths, capacity: int, seed: int) -> tuple[tuple[int, ...], ...]:
-    """Each request of ``lengths`` tokens its own pages, drawn across the pool's ``[1, capacity)`` (page 0 is
-    reserved) so that requests interleave in it."""
-    pages = torch.randperm(capacity - 1, generator=torch.Generator().manual_seed(seed)).add(1).tolist()
+def distinct_page_tables(lengths, capacity: int, seed: int, cp_size: int = 1) -> tuple[tuple[int, ...], ...]:
+    """Each request of ``lengths`` tokens its own pages, drawn across ``[cp_size, capacity)`` (the page ids
+    ``[0, cp_size)`` are reserved, :func:`kit_capacity`) so that requests interleave in the pool (every owner's, under
+    CP)."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = torch.randperm(capacity - cp_size, generator=gen).add(cp_size).tolist()
     tables = []
     for n in lengths:
         count = -(-n // PAGE)
@@ -253,7 +264,7 @@ class KitRun:
     kernel: list[KernelReads]  # one per layer
     index_k: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (keys, scales) as the indexer read them
     local_tokens: torch.Tensor  # global token of each real local query row
-    pool_after: list[torch.Tensor]  # per layer, this rank's KV pool rows as bytes
+    pool_after: list[torch.Tensor]  # per layer, this rank's KV pool rows as bytes (KitWorld.pool_rows: their locations)
 
 
 def _kit_case(up: dict, case: BatchCase, heads: int):
@@ -273,6 +284,13 @@ class KitWorld:
     """One CP rank's upstream objects, built by the kit, kept across the forwards of a test (so a chunked
     continuation reads the history its first chunk persisted).
 
+    Attributes:
+        capacity: the page ids a case is laid out on (``kit_capacity(pool_requests or max_requests, longest,
+            cp_size)``); the rank's pool holds ``capacity / cp_size`` pages with the mode on at cp > 1, else
+            ``capacity`` (module docstring).
+        allocator: upstream's ``PageInterleavePoolAllocator`` of the mode at cp > 1 (the runner's
+            ``token_to_kv_pool_allocator``), else None.
+
     Args:
         route: pool format, prefill backend, top-k fusion and layers.
         max_requests, longest: the kit runner's shape (``DSAMockModelRunner``'s ``ReqToTokenPool`` rows and
@@ -281,7 +299,7 @@ class KitWorld:
         cp_size, cp_rank: the attention-CP rank (cp > 1: the caller published the server's args and made the
             exchange group, :func:`publish_prefill_cp_server_args`).
         run_triton: also run the real ``triton_sparse_mla`` kernel (GPU).
-        pool_requests: size the KV pool for this many requests of ``longest`` tokens instead of ``max_requests``
+        pool_requests: size the page ids for this many requests of ``longest`` tokens instead of ``max_requests``
             (the kit's formula; a smaller pool than the batch's tokens needs prefix sharing).
         heads, topk: attention heads of a layer and its top-k width (the kit's sparse cases: 4 and 128;
             DeepSeek-V3.2's top-k is 2048; upstream's ``triton_sparse_mla`` refuses more than 32 heads per rank).
@@ -341,10 +359,14 @@ class KitWorld:
             fp8_kv_cache=route.fp8,
         )
         kit_pool = runner.token_to_kv_pool
-        size = kit_pool.size if pool_requests is None else (kit_capacity(pool_requests, longest) - 1) * PAGE
-        self.capacity = (size + PAGE) // PAGE
+        if pool_requests is None and (kit_pool.size + PAGE) // PAGE != kit_capacity(max_requests, longest):
+            raise AssertionError("kit_capacity no longer follows DSAMockModelRunner's pool")
+        self.capacity = kit_capacity(max_requests if pool_requests is None else pool_requests, longest, cp_size)
+        # With the mode on under CP a rank's pool holds its owned pages only (module docstring).
+        self.widened = mode_on and cp_size > 1
+        pool_pages = self.capacity // cp_size if self.widened else self.capacity
         runner.token_to_kv_pool = up["pool_cls"](
-            size=size,
+            size=(pool_pages - 1) * PAGE,
             page_size=PAGE,
             kv_lora_rank=NOPE,
             dtype=kit_pool.dtype,
@@ -367,6 +389,26 @@ class KitWorld:
         get_parallel().override_permanently(
             attn_cp_size=cp_size, attn_cp_rank=cp_rank, attn_dcp_size=1, attn_dcp_rank=0
         )
+        self.allocator = None
+        if self.widened:
+            # The token allocator the patched KV-cache configurator builds under the mode (it reads the published
+            # args and the attention-CP size, both in place now); the mode's extend refuses a CP pool without it.
+            from sglang_cpkv.hooks.page_ids import page_interleave_allocator
+
+            self.allocator = page_interleave_allocator(
+                pool_tokens=self.pool.size,
+                page_size=PAGE,
+                dtype=self.pool.dtype,
+                device=str(self.device),
+                kvcache=self.pool,
+                need_sort=False,
+            )
+            if self.allocator.num_pages + cp_size != self.capacity:
+                raise AssertionError(
+                    f"the allocator numbers {self.allocator.num_pages} + {cp_size} reserved page ids, the world "
+                    f"{self.capacity}"
+                )
+            runner.token_to_kv_pool_allocator = self.allocator
         torch.manual_seed(seed)
         self.modules = []
         for layer in range(route.num_layers):
@@ -387,6 +429,12 @@ class KitWorld:
             raise ValueError(
                 f"the case must be laid out on this world's pool: capacity {self.capacity}, cp {self.cp_size}; "
                 f"got {case.capacity}, {case.cp_size}"
+            )
+        reserved = sorted({p for table in case.page_tables for p in table if p < self.cp_size})
+        if reserved:
+            raise ValueError(
+                f"the case uses reserved page ids {reserved}: page ids [0, {self.cp_size}) are pool page 0 of a rank "
+                "(the allocator never hands them out)"
             )
 
     def _hidden(self, locs: torch.Tensor, layer: int) -> torch.Tensor:
@@ -415,24 +463,35 @@ class KitWorld:
             )
         )
 
+    def pool_rows(self, locs: torch.Tensor) -> torch.Tensor:
+        """The rows of this rank's pool that hold token locations ``locs`` (owned ones, with the mode on under CP:
+        :func:`~sglang_cpkv.runtime.ownership.owner_pool_loc`; the locations themselves in a replica)."""
+        if not self.widened:
+            return locs
+        if bool((page_owner(locs // PAGE, self.cp_size) != self.cp_rank).any()):
+            raise ValueError(f"rank {self.cp_rank}'s pool holds only the pages it owns")
+        return owner_pool_loc(locs, PAGE, self.cp_size)
+
     def write_history(self, case: BatchCase) -> None:
         """The pool rows of every request's prefix positions, as an earlier prefill wrote them (a radix hit's
-        history): every row with the mode off, under the mode each rank's owned pages only."""
+        history): every row with the mode off; under the mode at cp > 1 each rank's owned token locations, at
+        their rows of its pool (:meth:`pool_rows`). The values are those of the token location either way."""
         self._check(case)
         locs = torch.tensor(
             sorted({case.pool_loc(r, p) for r in range(case.num_requests) for p in range(case.prefix_lens[r])}),
             dtype=torch.int64,
         )
+        if self.widened:
+            locs = locs[page_owner(locs // PAGE, self.cp_size) == self.cp_rank]
         if not locs.numel():
             return
+        rows = self.pool_rows(locs).to(self.device)
         for layer, module in enumerate(self.modules):
             k_nope, k_rope = module.project_k(self._hidden(locs, layer))
-            self.pool.set_mla_kv_buffer(module.attn, locs.to(self.device), k_nope.view(-1, 1, NOPE), k_rope)
+            self.pool.set_mla_kv_buffer(module.attn, rows, k_nope.view(-1, 1, NOPE), k_rope)
             if not self.route.skip_topk_layers[layer]:
                 index_k, index_k_scale = self.act_quant(self._keys(locs, layer), 128, None)
-                self.pool.set_index_k_scale_buffer(layer, locs.to(self.device), index_k, index_k_scale)
-        if self.mode_on and self.cp_size > 1:
-            _keep_owned_pages(self.pool, case, self.cp_rank, self.route)
+                self.pool.set_index_k_scale_buffer(layer, rows, index_k, index_k_scale)
 
     def _extend_batch(self, case: BatchCase):
         """The kit's forward batch of ``case`` (our page layout), the chunk's pool locations, and this rank's
@@ -527,16 +586,6 @@ def _act_quant():
     from sglang.kernels.ops.quantization.act_quant_triton import act_quant
 
     return act_quant
-
-
-def _keep_owned_pages(pool: Any, case: BatchCase, cp_rank: int, route: KitRoute) -> None:
-    """What the mode leaves in a rank's pool: the pages it owns (others poisoned, so a stray read shows)."""
-    owner = page_owner(torch.arange(case.capacity), case.cp_size)
-    foreign = (owner != cp_rank).to(pool.kv_buffer[0].device)
-    for layer in range(route.num_layers):
-        pool.kv_buffer[layer].view(torch.uint8).view(case.capacity, -1)[foreign] = POISON_BYTE
-        if not route.skip_topk_layers[layer]:
-            pool.get_index_k_with_scale_buffer(layer)[foreign] = POISON_BYTE
 
 
 def _cp_split(case: BatchCase, forward_batch: Any, cp_rank: int) -> tuple[torch.Tensor, Any]:

@@ -187,9 +187,9 @@ def test_the_cli_writes_the_table_json_and_plot(planned):
 
 
 def test_the_node_figures_are_upstreams_allocator_capacity(planned):
-    """Each column is the allocator upstream builds for its server: kv-sharding's page-interleave allocator widens
-    the page ids cp times over its per-rank pool; the mode's server gets upstream's plain paged allocator over its
-    per-rank pool, so today its node holds that pool (the README's headline), less what its reservation costs."""
+    """Each column is the allocator upstream builds for its server: kv-sharding's and the mode's (the patched
+    configurator, hooks/page_ids.py) page-interleave allocator widens the page ids cp times over the per-rank pool,
+    so the mode's node holds cp pools less what its reservation costs each rank; replicated CP holds one pool."""
     rows = {row["cp"]: row for row in planned[2]["rows"]}
     for cp, row in rows.items():
         if cp == 1:
@@ -197,12 +197,14 @@ def test_the_node_figures_are_upstreams_allocator_capacity(planned):
         sharding = row["kv_sharding"]
         assert (sharding["allocator"], sharding["widening"]) == ("PageInterleavePoolAllocator", cp)
         assert sharding["kv_tokens"] == cp * sharding["pool_tokens_per_rank"]
+        replicated = row["replicated"]
+        assert (replicated["allocator"], replicated["widening"]) == ("PagedTokenToKVPoolAllocator", 1)
         if not row["mode_runs"]:
             continue
-        assert (row["allocator"], row["widening"]) == ("PagedTokenToKVPoolAllocator", 1)
-        assert row["kv_tokens"] == row["pool_tokens_per_rank"]
+        assert (row["allocator"], row["widening"]) == ("PageInterleavePoolAllocator", cp)
+        assert row["kv_tokens"] == cp * row["pool_tokens_per_rank"]
         reserved_tokens = row["reservation"]["bytes"] // row["cell_bytes"]
-        assert row["kv_tokens_replicated"] - row["kv_tokens"] <= reserved_tokens + 64
+        assert 0 <= row["kv_tokens_replicated"] - row["pool_tokens_per_rank"] <= reserved_tokens + 64
 
 
 def test_the_per_layer_link_bytes_follow_the_plan(planned):

@@ -44,9 +44,9 @@ SHAPE = (2, 200)
 
 
 def _case(seed: int) -> BatchCase:
-    """Two requests with a history and a chunk each; another page layout per seed."""
+    """Two requests with a history and a chunk each; another page layout per seed (page 0 is reserved)."""
     capacity = kit_capacity(*SHAPE)
-    tables = (((2, 5, 7), (3, 6)), ((8, 1, 4), (9, 0)))[seed % 2]
+    tables = (((2, 5, 7), (3, 6)), ((8, 1, 4), (9, 10)))[seed % 2]
     return BatchCase(PAGE, capacity, tables, (100, 70), (30, 20))
 
 

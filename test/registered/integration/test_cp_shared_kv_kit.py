@@ -12,7 +12,11 @@ For every route a server can take - bf16 and 656-byte FP8 pools; ``flashmla_spar
 (the kit's own sparse-prefill cases, bs > 1 with shared prefix pages and radix hits, a request one CP rank
 drops, a chunked continuation whose history the mode itself persisted owner-sharded), at cp 1 in this
 process and cp 2 over gloo: the kernel reads the same KV rows with the mode on as with it off, the indexer
-reads the same index K, and each request of a bs > 1 batch reads what it reads alone (bs = 1).
+reads the same index K, and each request of a bs > 1 batch reads what it reads alone (bs = 1). At cp 2 with the
+mode on each rank's pool holds only its owned pages (``capacity / 2`` pages, upstream's page-interleave allocator
+as the runner's token allocator), the replicated mode-off run holds all of them; one batch's page tables are the
+ones that allocator hands out (a shared prefix, rotation bases as upstream's allocation passes them), and its
+ranks' pools after the forward are the replica's owned pages, byte for byte.
 
 Regressions (each failed before its fix): a) IndexShare layers crashed the mode at layer 0; b) the RAGGED
 route with a radix hit asserted on the pool capacity; c) the fused-indexer store bypassed the mode; d) the
@@ -305,6 +309,10 @@ def _gloo_rank(rank, model_dir, init_method, out_dir):
             world = KitWorld(
                 route, max_requests=shape[0], longest=shape[1], mode_on=mode_on, device="cpu", cp_size=CP, cp_rank=rank
             )
+            results[("pool pages", name, mode_on)] = world.pool.kv_buffer[0].shape[0] // PAGE
+            if mode_on and name == "allocator-shared-prefix-paged":
+                # The world's own allocator (built by the mode's hook) hands out the same page tables.
+                results[("allocator", name)] = (type(world.allocator).__name__, _allocator_case(world.allocator))
             runs = []
             for i, case in enumerate(cases):
                 if i == 0:
@@ -335,6 +343,47 @@ def _mtp_seed(world):
         return backend.prepare_mtp_seed_indices(topk, world.up["extend"]).clone()
 
 
+def _allocator_case(allocator=None):
+    """``(case, rotation bases)``: a bs 3 batch whose page tables upstream's ``PageInterleavePoolAllocator`` hands
+    out at cp 2 (a fresh one sized as a mode-on KitWorld's, or ``allocator``), through ``alloc_extend`` with the
+    rotation bases upstream's allocation passes: a cached two-page prefix prefilled first (a new chain: base None,
+    resolved by the allocator), then requests A and B that hit it (the prefix chain's base, page-aligned prefix) and
+    C, a new chain. Page ids stay global; each rank's pool holds its owned ones."""
+    from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
+
+    capacity = kit_capacity(*SHARED_SHAPE, CP)
+    if allocator is None:
+        allocator = PageInterleavePoolAllocator(
+            (capacity // CP - 1) * PAGE,
+            physical_page_size=PAGE,
+            shard_size=CP,
+            dtype=torch.bfloat16,
+            device="cpu",
+            kvcache=None,
+            need_sort=False,
+        )
+
+    def alloc(prefix_lens, seq_lens, last_loc, bases):
+        p, q = torch.tensor(prefix_lens), torch.tensor(seq_lens)
+        n = int((q - p).sum())
+        return allocator.alloc_extend(p, p, q, q, torch.tensor(last_loc), n, rotation_bases=bases)
+
+    prefix, extend = 2 * PAGE, (150, 90, 100)
+    prefix_base = [None]
+    prefix_locs = alloc([0], [prefix], [-1], prefix_base)
+    shared = tuple((prefix_locs[::PAGE] // PAGE).tolist())
+    bases = [prefix_base[0], prefix_base[0], None]
+    prefix_lens = (prefix, prefix, 0)
+    last = int(prefix_locs[-1])
+    locs = alloc(list(prefix_lens), [p + e for p, e in zip(prefix_lens, extend)], [last, last, -1], bases).tolist()
+    tables, start = [], 0
+    for p, e in zip(prefix_lens, extend):
+        new = tuple(dict.fromkeys(loc // PAGE for loc in locs[start : start + e]))  # extends start page-aligned
+        tables.append((shared if p else ()) + new)
+        start += e
+    return BatchCase(PAGE, capacity, tuple(tables), prefix_lens, extend, CP), tuple(bases)
+
+
 def _cp2_scenarios():
     shared = _shared_prefix_case()
     shared2 = BatchCase(
@@ -362,6 +411,8 @@ def _cp2_scenarios():
         # RAGGED chunk 1 has no prefix: no dense latent view, the owned rows go straight to the pool; chunk 2
         # reads them back as history through the view.
         ("chunked-ragged", RAGGED_FP8, [chunk1, chunk2], SHARED_SHAPE),
+        # Page tables of upstream's page-interleave allocator (bs 3, a shared prefix of two requests).
+        ("allocator-shared-prefix-paged", PAGED_BF16, [_allocator_case()[0]], SHARED_SHAPE),
     ]
 
 
@@ -384,6 +435,42 @@ def test_cp2_each_rank_reads_the_same_kv_with_the_mode_on(gloo_results, name):
         off, on = results[(name, False)][0], results[(name, True)][0]
         for forward, (a, b) in enumerate(zip(off, on)):
             _assert_same_reads(a, b, f"{name} rank {rank} forward {forward}")
+
+
+def test_cp2_allocator_page_tables_come_from_its_owner_classes(gloo_results):
+    """The batch is what it claims: its page ids are the page-interleave allocator's, none reserved, each chain's
+    pages cycling through the owner classes from its rotation base (A and B the prefix chain's), the prefix pages
+    shared; every rank's mode-on world holds that allocator (built by the mode's hook) and it hands out the same."""
+    case, bases = _allocator_case()
+    tables = case.page_tables
+    assert tables[0][:2] == tables[1][:2] and bases[0] == bases[1]
+    pages = [p for table in tables for p in table]
+    assert min(pages) >= CP and len(set(pages)) == len(pages) - 2 and max(pages) < case.capacity
+    for table, base in zip(tables, bases):
+        assert [p % CP for p in table] == [(base + j) % CP for j in range(len(table))], (table, base)
+    assert {p % CP for p in pages} == set(range(CP))
+    for rank, results in enumerate(gloo_results):
+        name, (got_case, got_bases) = results[("allocator", "allocator-shared-prefix-paged")]
+        assert name == "PageInterleavePoolAllocator"
+        assert (got_case.page_tables, got_bases) == (tables, bases), rank
+
+
+def test_cp2_each_rank_pool_holds_the_replicas_owned_pages(gloo_results):
+    """With the mode on each rank's pool is ``capacity / cp`` pages, and after the forward its pool page ``q`` holds
+    the bytes the replicated mode-off pool holds at page id ``q * cp + rank`` (history and current rows; pool page 0,
+    the reserved one, left as the replica's reserved page ``rank``: unwritten)."""
+    name = "allocator-shared-prefix-paged"
+    case = _scenario_case(name, 0)
+    for rank, results in enumerate(gloo_results):
+        assert results[("pool pages", name, True)] == case.capacity // CP
+        assert results[("pool pages", name, False)] == case.capacity
+        off, on = results[(name, False)][0][0], results[(name, True)][0][0]
+        for layer, (replica, mine) in enumerate(zip(off.pool_after, on.pool_after)):
+            replica = replica.reshape(case.capacity, -1)
+            mine = mine.reshape(case.capacity // CP, -1)
+            owned = torch.arange(case.capacity // CP) * CP + rank
+            assert same_bytes(mine, replica[owned]), f"rank {rank} layer {layer}: the pool is not the replica's pages"
+            assert bool(replica[owned[1:]].any()) and not bool(mine[0].any())
 
 
 def test_cp2_the_dropped_request_is_on_one_rank_only(gloo_results):

@@ -130,7 +130,7 @@ def _decode_reads(pools, rank, src_pages, positions, page_size=4):
     return got
 
 
-def test_flag_on_each_rank_sends_its_owned_pool_pages_and_ranks_partition_the_request(up, mode):
+def test_flag_on_each_rank_sends_its_owned_pages_and_ranks_partition_the_request(up, mode):
     mode(True)
     pools = _rank_pools(PAGES)
     sent_positions, read = [], {}

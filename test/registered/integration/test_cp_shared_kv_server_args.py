@@ -315,10 +315,24 @@ REFUSED_FEATURE_CASES = [
         ALL_RANKS_ENV,
         "--decoupled-spec-role",
     ),
+    # The page-interleave allocator of the mode's page ids (hooks/page_ids.py) needs upstream's built-in radix cache.
+    ("radix cache backend", "dsa", ["--radix-cache-backend", "flexkv"], ALL_RANKS_ENV, "--radix-cache-backend"),
+    ("streaming session", "dsa", ["--enable-streaming-session"], ALL_RANKS_ENV, "--enable-streaming-session"),
+    ("session radix cache", "dsa", ["--enable-session-radix-cache"], ALL_RANKS_ENV, "--enable-session-radix-cache"),
 ]
 BAD_CASES += [
     (name, model, [*CP, *PREFILL, *extra, FLAG], env, _refused(flag))
     for name, model, extra, env, flag in REFUSED_FEATURE_CASES
+]
+TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
+BAD_CASES += [
+    (
+        "radix tree core other than python",
+        "dsa",
+        [*CP, *PREFILL, FLAG],
+        {**ALL_RANKS_ENV, TREE_CORE_ENV: "rust"},  # upstream's default core, chosen explicitly
+        f"requires {TREE_CORE_ENV}=python (or unset) with the radix cache on",
+    ),
 ]
 # Refused by upstream's own resolution beside the mode's base configuration (the message is upstream's).
 UPSTREAM_REFUSED_CASES = [
@@ -499,6 +513,37 @@ def test_refusals_only_a_glm5next_server_reaches(models, flag, monkeypatch):
     server_args._resolved_overrides.append(("glm5next", GLM5NEXT_ONLY[flag](resolving_view(server_args))))
     with pytest.raises(ValueError, match=re.escape(_refused(flag))):
         validate_cp_shared_kv_args(server_args)
+
+
+@pytest.mark.parametrize(
+    "core, extra, left",
+    [(None, [], "python"), ("python", [], "python"), ("rust", ["--disable-radix-cache"], "rust")],
+    ids=["unset", "python", "rust-without-radix-cache"],
+)
+def test_the_mode_takes_the_rotation_aware_tree_core(models, monkeypatch, core, extra, left):
+    """The radix tree core the page-interleave allocator needs: chosen when the operator did not choose (as upstream's
+    kv-sharding does), kept when it is upstream's Python core, and any core with the radix cache off (no tree)."""
+    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+
+    install_torchvision_stub()
+    import torch
+    from sglang.srt.server_args import prepare_server_args
+
+    from sglang_cpkv.hooks.server_args import validate_cp_shared_kv_args
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    for name, value in ALL_RANKS_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(TREE_CORE_ENV, "unused")  # recorded, so that the value the hook leaves is put back
+    if core is None:
+        monkeypatch.delenv(TREE_CORE_ENV)
+    else:
+        monkeypatch.setenv(TREE_CORE_ENV, core)
+    server_args = prepare_server_args([*_valid_case(models)["argv"], *extra])
+    server_args.resolve_once()
+    assert server_args.enable_cp_shared_kv
+    validate_cp_shared_kv_args(server_args)  # accepted, and again on the value it left
+    assert os.environ[TREE_CORE_ENV] == left
 
 
 def test_every_refused_feature_has_a_case():

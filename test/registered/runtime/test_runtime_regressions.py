@@ -321,7 +321,9 @@ def test_under_cp_a_rank_addresses_its_pool_by_owner_pool_page():
     pipe = LayerPipeline(
         plan, _LoneRank(cp, 0), [rows_kind("kv", [torch.zeros(16 * ps, 8)], plan, layer_ahead=False)], layer_ahead=False
     )
-    with pytest.raises(CpSharedKvError, match=r"pool of layer 0 is \(16, 32\) pages, expected \[8 \(capacity 16 / cp 2\)"):
+    with pytest.raises(
+        CpSharedKvError, match=r"pool of layer 0 is \(16, 32\) pages, expected \[8 \(capacity 16 / cp 2\)"
+    ):
         pipe.dense_pages("kv", 0)
     with pytest.raises(CpSharedKvError, match="capacity 15 is not a multiple of cp_size 2"):
         build_plan(

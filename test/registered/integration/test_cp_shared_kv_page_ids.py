@@ -1,0 +1,134 @@
+"""The mode's page ids are upstream's page-interleave allocator's, built through upstream's own objects (CPU).
+
+Each case resolves a real ``ServerArgs`` for the DeepSeek-V3.2 fixture config as a P/D prefill server with DSA
+prefill CP 2 (TP 2), publishes it, builds upstream's ``KVCacheConfigurator`` for it
+(:func:`sglang_cpkv.capacity.upstream.kv_cache_configurator`, a Hopper device capability), sizes the pool of a
+budget and asks the configurator's (patched, ``patches/core/widen-page-ids-under-cp-shared-kv.patch``)
+``_build_token_to_kv_pool_allocator`` for the token allocator. Checked:
+
+* with the mode on it is upstream's ``PageInterleavePoolAllocator`` over ``shard_size = attn_cp_size``, what upstream's
+  scheduler reads through ``page_interleave_shard_size``; its free page ids are exactly ``[cp, C)`` for
+  ``C = page_id_capacity(pool)`` (the ``C`` of the mode's plan, ``hooks/page_ids.py``): ids ``[0, cp)`` reserved,
+  class ``r`` holding rank ``r``'s pages ``1 ..`` of its pool;
+* with the mode off it is upstream's plain paged allocator (no widening);
+* ``page_id_capacity`` refuses a CP pool whose allocator the hook did not build (none, or one of another cp).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from sglang_cpkv.testing.ci_register import register_cpu_ci
+
+register_cpu_ci(est_time=20, suite="cpkv-cpu")
+
+pytest.importorskip("sglang", reason="needs upstream sglang 0.5.23 installed (make setup)")
+
+from sglang_cpkv.testing.upstream_env import install_torchvision_stub  # noqa: E402
+
+install_torchvision_stub()
+
+from sglang_cpkv.capacity.upstream import (  # noqa: E402
+    kv_cache_configurator,
+    playing_gpu,
+    prefill_cp_server,
+    resolve_and_publish,
+)
+from sglang_cpkv.hooks import page_ids as page_id_hooks  # noqa: E402
+from sglang_cpkv.ops.errors import CpSharedKvError  # noqa: E402
+from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E402, F401 (autouse: context per test)
+
+MODEL_DIR = Path(__file__).resolve().parents[1] / "upstream" / "fixtures" / "dsa_v32"  # DeepseekV32ForCausalLM
+CP = 2
+BUDGET = 8 * 2**30
+LAYERS = 4
+
+
+def _allocator(mode_on: bool):
+    """``(allocator, the pool it was built for, attn_cp_size)`` of a CP-2 prefill server, the mode as asked."""
+    from sglang.srt.runtime_context import get_parallel, get_schedule
+
+    server = prefill_cp_server(str(MODEL_DIR), tp_size=CP, enable_cp_shared_kv=mode_on)
+    with playing_gpu((9, 0)):
+        args = resolve_and_publish(server)
+        assert bool(args.enable_cp_shared_kv) is mode_on
+        page_size = get_schedule().page_size
+        kvc = kv_cache_configurator(args, layers=LAYERS, page_size=page_size)
+        sizes = kvc._derive_pool_sizes(config=kvc.config_from_budget(BUDGET))
+        kvc.device = "cpu"  # the allocator's free lists only
+        pool = SimpleNamespace(size=sizes.max_total_num_tokens, page_size=page_size)  # the pool the allocator serves
+        allocator = kvc._build_token_to_kv_pool_allocator(
+            sizes=sizes,
+            token_to_kv_pool=pool,
+            is_dsv4_model=False,
+            req_to_token_pool=None,
+            token_to_kv_pool_allocator=None,
+        )
+    return allocator, pool, get_parallel().attn_cp_size
+
+
+def test_mode_on_builds_upstreams_page_interleave_allocator_over_the_cp_ranks(monkeypatch):
+    from sglang.srt.mem_cache.allocator.page_interleave import (
+        PageInterleavePoolAllocator,
+        page_interleave_shard_size,
+    )
+
+    monkeypatch.setattr(page_id_hooks, "_built_for_cp", None)
+    allocator, pool, cp = _allocator(True)
+    assert cp == CP
+    assert type(allocator) is PageInterleavePoolAllocator
+    assert allocator.shard_size == cp and page_interleave_shard_size(allocator) == cp  # what the scheduler reads
+    assert allocator.get_kvcache() is pool and allocator.shard_spec is None  # the mode's buffers are its reservation
+    assert allocator.page_size == pool.page_size == 64  # the physical page: every scheduler seam's quantum
+    assert page_id_hooks._built_for_cp == cp
+
+    # The plan's C is the allocator's page-id space: its free ids are [cp, C), the first cp reserved.
+    capacity = page_id_hooks.page_id_capacity(pool)
+    assert capacity == cp * (pool.size + pool.page_size) // pool.page_size
+    free = torch.sort(allocator.get_all_free_pages()).values
+    assert torch.equal(free, torch.arange(cp, capacity))
+    assert allocator.available_size() == allocator.aggregate_free_size() == (capacity - cp) * pool.page_size
+    pool_pages = capacity // cp
+    for rank, pages in enumerate(allocator.class_free_pages):
+        # Class r is rank r's pool pages 1 .. pool_pages - 1 (pool page 0 reserved), as page ids q * cp + r.
+        assert torch.equal(pages, torch.arange(1, pool_pages) * cp + rank)
+
+
+def test_mode_off_keeps_upstreams_paged_allocator(monkeypatch):
+    from sglang.srt.mem_cache.allocator.page_interleave import page_interleave_shard_size
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+
+    monkeypatch.setattr(page_id_hooks, "_built_for_cp", None)
+    allocator, pool, cp = _allocator(False)
+    assert cp == CP
+    assert type(allocator) is PagedTokenToKVPoolAllocator
+    assert page_interleave_shard_size(allocator) == 1
+    assert allocator.num_pages == pool.size // pool.page_size
+    assert page_id_hooks._built_for_cp is None
+
+
+def test_page_id_capacity_refuses_a_cp_pool_without_the_allocator(monkeypatch):
+    from sglang.srt.runtime_context import get_parallel
+
+    pool = SimpleNamespace(size=15 * 64, page_size=64)
+    with get_parallel().override(attn_cp_size=CP):
+        monkeypatch.setattr(page_id_hooks, "_built_for_cp", None)
+        with pytest.raises(CpSharedKvError, match=f"at cp {CP} needs the token allocator .* and none was built"):
+            page_id_hooks.page_id_capacity(pool)
+        monkeypatch.setattr(page_id_hooks, "_built_for_cp", 4)
+        with pytest.raises(CpSharedKvError, match="one was built for cp 4"):
+            page_id_hooks.page_id_capacity(pool)
+        monkeypatch.setattr(page_id_hooks, "_built_for_cp", CP)
+        assert page_id_hooks.page_id_capacity(pool) == CP * 16
+    with get_parallel().override(attn_cp_size=1):
+        monkeypatch.setattr(page_id_hooks, "_built_for_cp", None)
+        assert page_id_hooks.page_id_capacity(pool) == 16  # cp 1: the pool's own pages, no allocator needed
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
