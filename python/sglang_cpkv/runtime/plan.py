@@ -68,6 +68,7 @@ class CpSharedKvPlan:
         entry_slots_host: int64 ``[sum n_r]``, the dense slot of every entry (module docstring).
         history_region_slots: ``H``, the slots of the history region (distinct pages read as history).
         gather_blocks: under CP, ``(start, count)`` of each rank's block of the history region (empty at cp 1).
+        needed_slots: slots the batch's pages fill: the history region and the own slots (the view rounds it up).
         num_slots: slots of the dense view (``H`` + own slots, rounded).
         num_tokens: ``N = sum(extend_lens)``.
         split: the CP split of the current tokens (:class:`~.cp_split.CpSplit`).
@@ -106,6 +107,7 @@ class CpSharedKvPlan:
     entry_slots_host: torch.Tensor
     history_region_slots: int
     gather_blocks: tuple[tuple[int, int], ...]
+    needed_slots: int
     num_slots: int
     num_tokens: int
     split: CpSplit
@@ -147,11 +149,6 @@ class CpSharedKvPlan:
     def dense_rows(self) -> int:
         """Rows of the dense view: ``num_slots * page_size``."""
         return self.num_slots * self.page_size
-
-    @property
-    def needed_slots(self) -> int:
-        """Slots the batch's pages fill: the history region and the own slots (the view rounds it up)."""
-        return self.history_region_slots + int((self.entry_slots_host >= self.history_region_slots).sum())
 
     @property
     def entries(self) -> int:
@@ -265,7 +262,9 @@ class _Layout:
     slot_req: torch.Tensor  # [needed] the request of every own slot, -1 in the history region
     region_pages: torch.Tensor  # [H] the page id of every history-region slot
     gather_blocks: tuple[tuple[int, int], ...]  # under CP (start, count) of each rank's block; () at cp 1
-    own_history: torch.Tensor  # [M] entries whose own slot holds history rows (copied into it)
+    own_history_pages: torch.Tensor  # [M] page ids of the own entries that hold history rows (copied into their slot)
+    own_history_slots: torch.Tensor  # [M] their own slots
+    own_history_sources: torch.Tensor  # [M] the region slot of each of those pages
 
 
 def _dense_layout(
@@ -306,8 +305,18 @@ def _dense_layout(
     entry_slots[own] = region.numel() + torch.arange(num_own)
     slot_pages = torch.cat([region, pages[own]])
     slot_req = torch.cat([torch.full((region.numel(),), PADDING_ID, dtype=torch.int64), entry_req[own]])
-    own_history = (own & (history_rows > 0) & fetchable).nonzero().flatten()
-    return _Layout(entry_slots, slot_pages, slot_req, region, blocks, own_history)
+    own_history = own & (history_rows > 0) & fetchable
+    own_history_pages = pages[own_history]
+    return _Layout(
+        entry_slots,
+        slot_pages,
+        slot_req,
+        region,
+        blocks,
+        own_history_pages,
+        entry_slots[own_history],
+        region_slot[own_history_pages],
+    )
 
 
 def build_plan(
@@ -443,22 +452,16 @@ def build_plan(
 
     # History: this rank's pool pages into the view, then (under CP) the gather and the copies into own slots.
     region = layout.region_pages
-    own_history_pages = layout_pages[layout.own_history]
-    own_history_slots = layout.entry_slots[layout.own_history]
     empty = torch.empty(0, dtype=torch.int64)
     if cp_size == 1:
-        pool_pages, pool_slots = (
-            torch.cat([region, own_history_pages]),
-            torch.cat([torch.arange(region.numel()), own_history_slots]),
-        )
+        pool_pages = torch.cat([region, layout.own_history_pages])
+        pool_slots = torch.cat([torch.arange(region.numel()), layout.own_history_slots])
         view_src, view_dst = empty, empty
     else:
         start, count = layout.gather_blocks[cp_rank] if layout.gather_blocks else (0, 0)
         pool_pages = owner_pool_page(region[start : start + count], cp_size)
         pool_slots = torch.arange(start, start + count)
-        region_slot = {int(page): slot for slot, page in enumerate(region.tolist())}
-        view_src = torch.tensor([region_slot[int(p)] for p in own_history_pages.tolist()], dtype=torch.int64)
-        view_dst = own_history_slots
+        view_src, view_dst = layout.own_history_sources, layout.own_history_slots
 
     local_token_index = _to_device(split.local_token_index, device)
     current_gather_index = _to_device(split.gather_index, device)
@@ -482,6 +485,7 @@ def build_plan(
         entry_slots_host=layout.entry_slots,
         history_region_slots=int(region.numel()),
         gather_blocks=layout.gather_blocks,
+        needed_slots=needed,
         num_slots=num_slots,
         num_tokens=num_tokens,
         split=split,

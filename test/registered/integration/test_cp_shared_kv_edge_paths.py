@@ -155,9 +155,10 @@ def test_negative_locations_other_than_minus_one_are_counted_bad_ids(backend, ne
     assert plan.errors[ERR_LOC_OUT_OF_RANGE] == 1
 
 
-def test_an_exchange_round_carries_only_the_pages_the_batch_needs():
-    """The reserved bound K splits a large history exchange into rounds; a small one was padded to K pages per rank
-    (8 x more link bytes than needed at cp 8 for 8 x 8192 history tokens, the planner's count)."""
+def test_the_history_region_is_gathered_in_place_in_owner_blocks():
+    """Under CP the dense view's history region is ordered as the all-gather delivers it: rank k's block holds the
+    distinct history pages it owns, packed from its pool straight into the view; a page two requests read is one
+    slot (their inverse entries both point at it), and nothing is exchanged through a buffer of its own."""
     case = BatchCase(PAGE, 64, ((4, 9, 2, 7, 11), (4, 9, 5)), (256, 128), (10, 20), cp_size=2)
     for rank in range(2):
         plan = build_plan(
@@ -170,11 +171,16 @@ def test_an_exchange_round_carries_only_the_pages_the_batch_needs():
             cp_size=2,
             cp_rank=rank,
             strategy="interleave",
-            exchange_pages_per_round=100,
         )
-        # distinct history pages 2, 4, 7, 9 (rank 1: 7, 9; rank 0: 2, 4): two per rank, one round
-        assert (plan.exchange_pages_per_rank, plan.exchange_pages_per_round) == (2, 2)
-        assert len(plan.exchange_rounds) == 1 and plan.exchange_rounds[0].send_pages.numel() == 2
+        # distinct history pages 2, 4 (rank 0) and 7, 9 (rank 1): blocks of two, rank-major; then the own pages
+        assert plan.gather_blocks == ((0, 2), (2, 2)) and plan.history_region_slots == 4
+        assert plan.slot_pages.tolist()[:4] == [2, 4, 7, 9]
+        start, count = plan.gather_blocks[rank]
+        assert plan.pool_copy_slots.tolist() == list(range(start, start + count))
+        assert plan.pool_copy_pages.tolist() == [p // 2 for p in plan.slot_pages.tolist()[start : start + count]]
+        # pages 4 and 9: one slot each, read by both requests
+        assert plan.request_slots(0).tolist()[:2] == plan.request_slots(1).tolist()[:2] == [1, 3]
+        assert plan.needed_slots == 4 + 2  # the region and the own pages 11 and 5
 
 
 def test_the_default_limit_holds_one_full_context_request_and_a_chunk_of_others_page_rounded():

@@ -129,7 +129,9 @@ def _shared_prefix_case():
 
 
 def _alone(case, r):
-    return BatchCase(PAGE, case.capacity, (case.page_tables[r],), (case.prefix_lens[r],), (case.extend_lens[r],))
+    return BatchCase(
+        PAGE, case.capacity, (case.page_tables[r],), (case.prefix_lens[r],), (case.extend_lens[r],), case.cp_size
+    )
 
 
 def _rows_of_request(run, case, r, layer=0):
@@ -168,6 +170,68 @@ def test_bs_gt_1_shared_prefix_reads_what_each_request_reads_alone(route_name):
         assert same_bytes(rows, solo.kernel[0].rows), f"request {r} reads other rows in the batch than alone"
 
 
+def _sharing_case(cp_size=1):
+    """The dense layout's sharing patterns in one batch (testing/batches.sharing_patterns): A and B share pages 4
+    and 9 as history only (one shared history slot each); B reads page 2 as history while A's history ends in it
+    and A's chunk continues it (a shared page that is A's CURRENT_REUSE page); C reads page 7 as history while A
+    writes its current tokens into page 7 (allocator reuse). The last two are collision-class states: upstream's
+    own pool path cannot serve them (it writes the chunk into the pool before attention), so each request is
+    compared with itself alone."""
+    capacity = kit_capacity(*SHARED_SHAPE, cp_size)
+    return BatchCase(PAGE, capacity, ((4, 9, 2, 7), (4, 9, 2, 5), (7, 3)), (170, 192, 64), (50, 40, 30), cp_size)
+
+
+def _request_reads(runs_and_cases, layer=0):
+    """``{(request, position): (valid, rows)}`` of every query row of the runs (one per CP rank) of one case."""
+    reads = {}
+    for run, case in runs_and_cases:
+        starts = [sum(case.extend_lens[:r]) for r in range(case.num_requests)]
+        kernel = run.kernel[layer]
+        for i, t in enumerate(run.local_tokens.tolist()):
+            r = max(k for k in range(case.num_requests) if starts[k] <= t)
+            reads[(r, case.prefix_lens[r] + t - starts[r])] = (kernel.valid[i], kernel.rows[i])
+    return reads
+
+
+def _assert_reads_alone(batch_reads, alone_reads, what):
+    assert batch_reads.keys() == alone_reads.keys(), what
+    for key, (valid, rows) in batch_reads.items():
+        alone_valid, alone_rows = alone_reads[key]
+        assert torch.equal(valid, alone_valid), (what, key)
+        assert same_bytes(rows, alone_rows), f"{what}: request {key[0]} position {key[1]} reads other rows than alone"
+
+
+@pytest.mark.parametrize("route_name", [*ROUTES, "flashmla_sparse-fp8-ragged-indexshare"])
+def test_sharing_patterns_read_what_each_request_reads_alone(route_name):
+    from sglang_cpkv.testing.batches import HISTORY_WRITTEN, SHARED_HISTORY, SHARED_REUSE, sharing_patterns
+
+    route = ROUTES.get(route_name) or KitRoute("flashmla_sparse", fp8=True, skip_topk_layers=INDEX_SHARE)
+    case = _sharing_case()
+    assert sharing_patterns(case) == {SHARED_HISTORY, SHARED_REUSE, HISTORY_WRITTEN}
+    world = _world(route, SHARED_SHAPE, True)
+    world.write_history(case)
+    batch = world.forward(case)
+    plan = world.backend.cp_shared_kv.batch.plan
+    # Pages 4 and 9 are one shared history slot each; pages 2 and 7 take A's current tokens, so every entry of them
+    # is its request's own slot (B's and C's history rows copied in from the region), never shared.
+    region = plan.history_region_slots
+    assert region == 4 and plan.request_slots(0)[:2].tolist() == plan.request_slots(1)[:2].tolist()
+    assert all(int(plan.request_slots(r)[-1]) >= region for r in range(3))
+    assert int(plan.request_slots(1)[2]) >= region and int(plan.request_slots(2)[0]) >= region
+    assert plan.needed_slots == region + 6  # region (2, 4, 7, 9) + A's 2, 7, B's 2, 5, C's 7, 3
+    for layer in range(route.num_layers):
+        alone = {}
+        for r in range(case.num_requests):
+            solo_case = _alone(case, r)
+            solo = _world(route, SHARED_SHAPE, True)
+            solo.write_history(solo_case)
+            run = solo.forward(solo_case)
+            alone.update({(r, p): v for (_, p), v in _request_reads([(run, solo_case)], layer).items()})
+        _assert_reads_alone(_request_reads([(batch, case)], layer), alone, f"{route_name} layer {layer}")
+    for layer in batch.index_k:  # the indexer read each request's own history too (dense index-K pages)
+        assert batch.index_k[layer]
+
+
 @pytest.mark.xfail(strict=True, reason="upstream 0.5.23, docs/upstream-findings.md item 3 (mode off)")
 def test_upstream_ragged_reads_a_history_less_request_alike_in_any_batch():
     """Upstream's RAGGED route decides ``_has_prefix`` for the whole batch: a request without history reads its
@@ -193,11 +257,11 @@ def test_a_batch_past_the_reservation_is_refused_naming_the_setting():
     from sglang_cpkv.ops.errors import CpSharedKvError
     from sglang_cpkv.runtime.reservation import SETTING
 
-    case = _shared_prefix_case()  # 4 + 3 + 2 pages
+    case = _shared_prefix_case()  # the history region (4, 9, 2) and own pages (A's 2, 7; B's 5; C's 11, 3): 8 pages
     world = _world(PAGED_BF16, SHARED_SHAPE, True)
     world.write_history(case)
     publish(dataclasses.replace(published(), max_batch_tokens=6 * PAGE))
-    with pytest.raises(CpSharedKvError, match=f"needs 576 tokens of dense KV .* more than {SETTING} 384"):
+    with pytest.raises(CpSharedKvError, match=f"needs 512 tokens of dense KV .* more than {SETTING} 384"):
         world.forward(case)
 
 
@@ -328,6 +392,20 @@ def _gloo_rank(rank, model_dir, init_method, out_dir):
             if name == "ragged-no-prefix-cut":
                 seed = _mtp_seed(world)
             results[(name, mode_on)] = (runs, seed)
+            if mode_on and name in SHARING_CP2_ROUTES:
+                for r in range(cases[0].num_requests):
+                    solo_case = _alone(cases[0], r)
+                    solo = KitWorld(
+                        route,
+                        max_requests=shape[0],
+                        longest=shape[1],
+                        mode_on=True,
+                        device="cpu",
+                        cp_size=CP,
+                        cp_rank=rank,
+                    )
+                    solo.write_history(solo_case)
+                    results[("alone", name, r)] = (solo.forward(solo_case), solo_case)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -413,7 +491,16 @@ def _cp2_scenarios():
         ("chunked-ragged", RAGGED_FP8, [chunk1, chunk2], SHARED_SHAPE),
         # Page tables of upstream's page-interleave allocator (bs 3, a shared prefix of two requests).
         ("allocator-shared-prefix-paged", PAGED_BF16, [_allocator_case()[0]], SHARED_SHAPE),
+        # The sharing patterns of the dense layout, collision class: compared with each request alone (below).
+        *((name, route, [_sharing_case(CP)], SHARED_SHAPE) for name, route in SHARING_CP2_ROUTES.items()),
     ]
+
+
+SHARING_CP2_ROUTES = {
+    "sharing-paged": PAGED_BF16,
+    "sharing-ragged-indexshare": KitRoute("flashmla_sparse", fp8=True, skip_topk_layers=INDEX_SHARE),
+    "sharing-unfused": KitRoute("flashmla_sparse", fused_topk=False),
+}
 
 
 @pytest.fixture(scope="module")
@@ -429,12 +516,28 @@ def test_cp2_exchange_group_made_by_the_patched_model_parallel_init(gloo_results
         assert results["group"] == (CP, rank, True)
 
 
-@pytest.mark.parametrize("name", [s[0] for s in _cp2_scenarios()])
+@pytest.mark.parametrize("name", [s[0] for s in _cp2_scenarios() if s[0] not in SHARING_CP2_ROUTES])
 def test_cp2_each_rank_reads_the_same_kv_with_the_mode_on(gloo_results, name):
     for rank, results in enumerate(gloo_results):
         off, on = results[(name, False)][0], results[(name, True)][0]
         for forward, (a, b) in enumerate(zip(off, on)):
             _assert_same_reads(a, b, f"{name} rank {rank} forward {forward}")
+
+
+@pytest.mark.parametrize("name", list(SHARING_CP2_ROUTES))
+def test_cp2_sharing_patterns_read_what_each_request_reads_alone(gloo_results, name):
+    """The collision-class sharing batch at cp 2 (both ranks' query rows together) reads, at every position of every
+    request, what that request reads alone at cp 2: shared history slots gathered in place, CURRENT_REUSE and reused
+    pages in own slots."""
+    case = _sharing_case(CP)
+    route = SHARING_CP2_ROUTES[name]
+    for layer in range(route.num_layers):
+        batch = _request_reads([(results[(name, True)][0][0], case) for results in gloo_results], layer)
+        alone = {}
+        for r in range(case.num_requests):
+            runs = [results[("alone", name, r)] for results in gloo_results]
+            alone.update({(r, p): v for (_, p), v in _request_reads(runs, layer).items()})
+        _assert_reads_alone(batch, alone, f"{name} layer {layer}")
 
 
 def test_cp2_allocator_page_tables_come_from_its_owner_classes(gloo_results):
@@ -492,6 +595,7 @@ def test_cp2_the_dropped_request_is_on_one_rank_only(gloo_results):
 HOST_MEMORY_READS = {
     "runtime.plan:_validate_host_ids",
     "runtime.plan:_validate_host_locations",
+    "runtime.plan:_dense_layout",  # the layout of the one host copy of the page ids (build_plan's read)
     "ops.errors:describe_errors",
 }
 

@@ -94,7 +94,11 @@ def test_the_limit_sizes_the_reservation(monkeypatch):
     reserved = reservation_hooks.published()
     assert reserved.max_batch_tokens == 2 * CONTEXT
     assert reserved.dense_slots >= -(-2 * CONTEXT // PAGE)
-    assert reserved.exchange_pages_per_round == -(-reserved.dense_slots // 8)
+    # Under CP the history all-gather lands in the dense views themselves: no exchange buffer is reserved.
+    page_bytes = PAGE * (reserved.latent_token_bytes + reserved.index_k_token_bytes)
+    views = reserved.views_per_kind * reserved.dense_slots * page_bytes
+    assert sorted(reserved.parts()) == ["current-row scratch", "index_k dense views", "latent dense views"]
+    assert sum(reserved.parts().values()) == views + (reserved.chunk_tokens + 1) * reserved.latent_token_bytes
 
 
 if __name__ == "__main__":
