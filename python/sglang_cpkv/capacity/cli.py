@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -64,6 +65,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--context-length", type=int, help="--context-length (default: the model's)")
     p.add_argument("--chunked-prefill-size", type=int, default=65536)
     p.add_argument("--cp-shared-kv-max-batch-tokens", type=int, help="the mode's limit (default: context + chunk)")
+    p.add_argument(
+        "--layer-ahead",
+        choices=["on", "off"],
+        help="the mode's layer-ahead history prefetch, as SGLANG_CPKV_LAYER_AHEAD sets it on the server (two dense "
+        "views per kind, or one); default: the server's (on under CP, or this process's SGLANG_CPKV_LAYER_AHEAD)",
+    )
     p.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=["fp8_e4m3", "bf16"])
     p.add_argument("--request-tokens", type=int, default=131072, help="request length for the concurrency figure")
     p.add_argument("--batch-requests", type=int, default=8, help="requests of the per-layer batch")
@@ -131,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if args.layer_ahead is not None:  # read by the mode's reservation at the server's start-up (hooks/settings.py)
+        from sglang_cpkv.hooks.settings import LAYER_AHEAD_ENV
+
+        os.environ[LAYER_AHEAD_ENV] = "1" if args.layer_ahead == "on" else "0"
     from sglang_cpkv.capacity.planner import plan, stderr_progress
     from sglang_cpkv.capacity.report import plot, table, write_json
     from sglang_cpkv.testing.upstream_env import install_torchvision_stub

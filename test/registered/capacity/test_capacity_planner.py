@@ -7,8 +7,8 @@ Calibration (each figure the planner predicts that the project measures):
   reservation the kit's cp 2 world publishes, whose bytes ``test_cp_shared_kv_kit.py``
   (``test_cp2_the_buffers_are_the_reservation_reused_across_batches``) proves the backend holds;
 * the GLM-5.1-FP8 cp 8 reservation and its pool cost equal the recorded benchmark
-  (``benchmark/results/2026-12-01-reservation/glm51_cp8.json``, the reservation row of RESULTS.md);
-* the dense rows of the dense-layout table's batches equal the recorded benchmark (``ratio.json``);
+  (``benchmark/results/2026-12-02-shared-history/reservation_glm51_cp8.json``, the reservation row of RESULTS.md);
+* the dense rows of the dense-layout table's batches equal the recorded benchmark (``dense_layout_ratio.json``);
 * the cp 1 history copy time of the profiled kit layer (one H200, ``profiled_kit_layer_bf16_h4_k128.json``) is
   within the stated tolerance of the planner's lower bound: the prediction at the vendor's 4.8 TB/s must not
   exceed the measurement (it is a lower bound) and the measurement must be within 1.25x of it. Why 1.25: that
@@ -90,7 +90,7 @@ def test_the_kit_cp2_reservation_is_what_the_planner_reads_from_upstreams_pool_s
 
 
 def test_the_glm51_cp8_reservation_row_is_reproduced():
-    recorded = json.loads((RESULTS / "2026-12-01-reservation" / "glm51_cp8.json").read_text())
+    recorded = json.loads((RESULTS / "2026-12-02-shared-history" / "reservation_glm51_cp8.json").read_text())
     row = recorded["rows"][0]
     assert row["config"] == "deployment (chunk 65536)"
     server = prefill_cp_server(
@@ -111,20 +111,31 @@ def test_the_glm51_cp8_reservation_row_is_reproduced():
 
 def test_the_dense_rows_of_the_dense_layout_table_are_reproduced():
     recorded = {
-        row["batch"]: row for row in json.loads((RESULTS / "2026-12-01-dense-layout" / "ratio.json").read_text())
+        row["batch"]: row
+        for row in json.loads((RESULTS / "2026-12-02-shared-history" / "dense_layout_ratio.json").read_text())
     }
     batches = {
-        "8 x 64K distinct history + 2K": ([64 * 1024] * 8, [2048] * 8),
-        "1 x 160K history + 31 new": ([160 * 1024] + [0] * 31, [512] * 32),
-        "3 x 1K + 1 x 100K history, 512 each": ([1024] * 3 + [100 * 1024], [512] * 4),
-        "16 x 60K shared prompt + 1K": ([60 * 1024] * 16, [1024] * 16),
+        "8 x 64K distinct history + 2K": ([64 * 1024] * 8, [2048] * 8, False),
+        "1 x 160K history + 31 new": ([160 * 1024] + [0] * 31, [512] * 32, False),
+        "3 x 1K + 1 x 100K history, 512 each": ([1024] * 3 + [100 * 1024], [512] * 4, False),
+        "16 x 60K shared prompt + 1K": ([60 * 1024] * 16, [1024] * 16, True),
     }
-    for name, (prefix, extend) in batches.items():
+    for name, (prefix, extend, shared) in batches.items():
         traffic = layer_traffic(
-            prefix, extend, page_size=64, cp_size=8, latent_token_bytes=656, index_k_token_bytes=132
+            prefix,
+            extend,
+            page_size=64,
+            cp_size=8,
+            latent_token_bytes=656,
+            index_k_token_bytes=132,
+            shared_history=shared,
         )
         assert traffic.dense_rows == recorded[name]["dense_rows"], name
-        assert traffic.history_pages == sum(-(-p // 64) for p in prefix), name
+        distinct = -(-prefix[0] // 64) if shared else sum(-(-p // 64) for p in prefix)
+        assert traffic.history_pages == distinct, name
+    # The shared prompt is held once: 960 history pages and 16 x 16 own pages, where one view per request held 16x.
+    shared = recorded["16 x 60K shared prompt + 1K"]
+    assert shared["dense_rows"] == (960 + 16 * 16) * 64 and shared["per_request_rows"] == 16 * 976 * 64
 
 
 def test_the_cp1_history_copy_time_is_within_tolerance_of_the_measured_one():
@@ -207,17 +218,34 @@ def test_the_node_figures_are_upstreams_allocator_capacity(planned):
         assert 0 <= row["kv_tokens_replicated"] - row["pool_tokens_per_rank"] <= reserved_tokens + 64
 
 
-def test_the_per_layer_link_bytes_follow_the_plan(planned):
-    """cp 8, 8 x 8192 history: one round of the pages the batch needs per rank (the reservation's K only bounds a
-    round; before issue 21 a round was padded to it, about 4x these bytes); the floor is the batch's 1024 distinct
-    pages spread evenly, and the batch's distinct pages are spread evenly here, so the link moves the floor."""
+def test_the_per_layer_bytes_are_the_floors(planned):
+    """cp 8, 8 x 8192 history on distinct pages: each rank packs the 128 distinct pages it owns into its block of the
+    dense view and receives the other 7 x 128 over the link, straight into the view (no exchange buffer, no unpack):
+    today's pipeline moves the floor's bytes, on the link and in HBM."""
     row = next(r for r in planned[2]["rows"] if r["cp"] == 8)
     layer = row["layer"]
     page_bytes = 64 * (layer["latent_token_bytes"] + layer["index_k_token_bytes"])
-    k = -(-row["reservation"]["dense_slots"] // 8)
-    assert layer["rounds"] == 1 and layer["pages_per_round"] < k
-    assert layer["link_bytes"] == 7 * layer["pages_per_round"] * page_bytes == layer["floor_link_bytes"]
-    assert layer["floor_link_bytes"] == 7 * (8 * 8192 // 64 // 8) * page_bytes
+    share = 8 * 8192 // 64 // 8
+    assert layer["packed_pages"] == share and layer["own_history_pages"] == 0
+    assert layer["link_bytes"] == 7 * share * page_bytes == layer["floor_link_bytes"]
+    assert layer["hbm_bytes"] == layer["floor_hbm_bytes"]
+    assert layer["total_s"] == pytest.approx(layer["floor_s"])
+
+
+def test_layer_ahead_off_halves_the_views_and_holds_more(planned, tmp_path, monkeypatch):
+    """``--layer-ahead off`` sizes the server as SGLANG_CPKV_LAYER_AHEAD=0 runs it: one dense view per kind instead of
+    two, so the node holds more KV (the README's two headline figures)."""
+    import contextlib
+    import io
+
+    monkeypatch.setenv("SGLANG_CPKV_LAYER_AHEAD", "1")  # the CLI overrides it; monkeypatch puts it back
+    argv = ["--preset", "glm-5.1-fp8", "--gpu", "h200", "--tp", "8", "--cp", "8", "--layer-ahead", "off"]
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert cli.main([*argv, "--json", str(tmp_path / "off.json")]) == 0
+    (off,) = json.loads((tmp_path / "off.json").read_text())["rows"]
+    on = next(r for r in planned[2]["rows"] if r["cp"] == 8)
+    assert off["reservation"]["parts_mib"]["latent dense views"] * 2 == on["reservation"]["parts_mib"]["latent dense views"]
+    assert off["kv_tokens"] > on["kv_tokens"] and off["ratio"] > on["ratio"]
 
 
 @pytest.mark.parametrize(
