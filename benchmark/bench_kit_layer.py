@@ -33,9 +33,17 @@ CONFIGS = (("mode off", False, "1"), ("mode on, layer-ahead", True, "1"), ("mode
 
 
 def _case(args, history: int, cp: int) -> BatchCase:
+    """``--requests`` requests of ``history`` + ``--extend`` tokens on distinct pages, or (``--shared-history``) all
+    on the first request's history pages (one shared prompt, a radix hit: history page-aligned) and pages of
+    their own for the current tokens."""
     longest = history + args.extend
     capacity = kit_capacity(args.requests, longest, cp)
     tables = distinct_page_tables([longest] * args.requests, capacity, seed=0, cp_size=cp)
+    if args.shared_history:
+        if history % PAGE:
+            raise SystemExit(f"--shared-history needs a page-aligned --history (multiple of {PAGE}), got {history}")
+        prompt = tables[0][: history // PAGE]
+        tables = tuple(prompt + table[history // PAGE :] for table in tables)
     return BatchCase(PAGE, capacity, tables, (history,) * args.requests, (args.extend,) * args.requests, cp)
 
 
@@ -93,6 +101,9 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--topk", type=int, default=128)
     parser.add_argument("--cp", type=int, default=1, help="CP ranks, one process per GPU over NCCL")
+    parser.add_argument(
+        "--shared-history", action="store_true", help="every request on one shared prompt of --history tokens"
+    )
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU time of one forward, per config")
     parser.add_argument("--out", help="write the figures here (json)")
     args = parser.parse_args(argv)
@@ -122,7 +133,8 @@ def main(argv=None) -> int:
         ]
     print(
         f"kit layer, triton_sparse_mla, {'FP8 656-byte' if args.fp8 else 'bf16'} pool, cp {args.cp}: {args.requests} "
-        f"requests x history + {args.extend} extend, {args.layers} layers, {args.heads} heads, top-k {args.topk}, "
+        f"requests x {'one shared' if args.shared_history else 'distinct'} history + {args.extend} extend, "
+        f"{args.layers} layers, {args.heads} heads, top-k {args.topk}, "
         f"median of {args.reps}" + (", the slowest rank's" if args.cp > 1 else "")
     )
     for row in rows:

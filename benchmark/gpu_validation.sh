@@ -96,6 +96,11 @@ if want kit-layer; then
       grep -vE '^\[20|[Ww]arn' "$OUT/$name.log" | tail -n 40
     done
   done
+  # Issue 24: 8 requests on one shared 8192-token history vs 8 distinct histories (the run above), same shape.
+  name="kit_layer_fp8_h32_k2048_shared"
+  python3 benchmark/bench_kit_layer.py --requests 8 --history 8192 --extend 1024 --layers 4 --heads 32 --topk 2048 \
+    --fp8 --shared-history --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
+  grep -vE '^\[20|[Ww]arn' "$OUT/$name.log" | tail -n 40
 fi
 
 if want ops; then
