@@ -244,7 +244,10 @@ def test_layer_ahead_off_halves_the_views_and_holds_more(planned, tmp_path, monk
         assert cli.main([*argv, "--json", str(tmp_path / "off.json")]) == 0
     (off,) = json.loads((tmp_path / "off.json").read_text())["rows"]
     on = next(r for r in planned[2]["rows"] if r["cp"] == 8)
-    assert off["reservation"]["parts_mib"]["latent dense views"] * 2 == on["reservation"]["parts_mib"]["latent dense views"]
+    assert (
+        off["reservation"]["parts_mib"]["latent dense views"] * 2
+        == on["reservation"]["parts_mib"]["latent dense views"]
+    )
     assert off["kv_tokens"] > on["kv_tokens"] and off["ratio"] > on["ratio"]
 
 

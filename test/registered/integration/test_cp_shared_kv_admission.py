@@ -41,9 +41,9 @@ from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder  # noqa: E402
 from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker  # noqa: E402
 from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
+from sglang.srt.mem_cache.base_prefix_cache import InsertParams  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool  # noqa: E402
-from sglang.srt.mem_cache.base_prefix_cache import InsertParams  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
 from sglang.srt.runtime_context import get_schedule  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
@@ -249,7 +249,12 @@ def _shared_prompt_requests(prompt: list[int], count: int, suffix: int) -> list[
     sampling_params.normalize(None)
     sampling_params.verify(VOCAB)
     return [
-        Req(f"s{i}", "", array("q", prompt + list(range(50_000 + 1000 * i, 50_000 + 1000 * i + suffix))), sampling_params)
+        Req(
+            f"s{i}",
+            "",
+            array("q", prompt + list(range(50_000 + 1000 * i, 50_000 + 1000 * i + suffix))),
+            sampling_params,
+        )
         for i in range(count)
     ]
 
@@ -267,9 +272,10 @@ def test_a_shared_prompt_counts_once(monkeypatch, limit, admitted):
     adder, results = world.prefill_pass(waiting)
     assert [req.prefix_len for req in waiting[:admitted]] == [3 * PAGE] * admitted  # the radix hit
     assert rids(adder) == [f"s{i}" for i in range(admitted)]
-    assert reservation_hooks.dense_pages(
-        world.tree_cache, [(r, r.extend_end) for r in adder.can_run_list], PAGE
-    ) == 3 + admitted
+    assert (
+        reservation_hooks.dense_pages(world.tree_cache, [(r, r.extend_end) for r in adder.can_run_list], PAGE)
+        == 3 + admitted
+    )
 
 
 if __name__ == "__main__":
