@@ -272,6 +272,7 @@ def test_a_shared_prompt_counts_once(monkeypatch, limit, admitted):
     adder, results = world.prefill_pass(waiting)
     assert [req.prefix_len for req in waiting[:admitted]] == [3 * PAGE] * admitted  # the radix hit
     assert rids(adder) == [f"s{i}" for i in range(admitted)]
+    assert list(results.values())[admitted:] == ([AddReqResult.OTHER] if admitted < 4 else [])
     assert (
         reservation_hooks.dense_pages(world.tree_cache, [(r, r.extend_end) for r in adder.can_run_list], PAGE)
         == 3 + admitted
