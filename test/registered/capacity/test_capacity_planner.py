@@ -7,7 +7,7 @@ Calibration (each figure the planner predicts that the project measures):
   reservation the kit's cp 2 world publishes, whose bytes ``test_cp_shared_kv_kit.py``
   (``test_cp2_the_buffers_are_the_reservation_reused_across_batches``) proves the backend holds;
 * the GLM-5.1-FP8 cp 8 reservation and its pool cost equal the recorded benchmark
-  (``benchmark/results/2026-12-02-shared-history/reservation_glm51_cp8.json``, the reservation row of RESULTS.md);
+  (``benchmark/results/2026-12-01-shared-history/reservation_glm51_cp8.json``, the reservation row of RESULTS.md);
 * the dense rows of the dense-layout table's batches equal the recorded benchmark (``dense_layout_ratio.json``);
 * the cp 1 history copy time of the profiled kit layer (one H200, ``profiled_kit_layer_bf16_h4_k128.json``) is
   within the stated tolerance of the planner's lower bound: the prediction at the vendor's 4.8 TB/s must not
@@ -90,7 +90,7 @@ def test_the_kit_cp2_reservation_is_what_the_planner_reads_from_upstreams_pool_s
 
 
 def test_the_glm51_cp8_reservation_row_is_reproduced():
-    recorded = json.loads((RESULTS / "2026-12-02-shared-history" / "reservation_glm51_cp8.json").read_text())
+    recorded = json.loads((RESULTS / "2026-12-01-shared-history" / "reservation_glm51_cp8.json").read_text())
     row = recorded["rows"][0]
     assert row["config"] == "deployment (chunk 65536)"
     server = prefill_cp_server(
@@ -112,7 +112,7 @@ def test_the_glm51_cp8_reservation_row_is_reproduced():
 def test_the_dense_rows_of_the_dense_layout_table_are_reproduced():
     recorded = {
         row["batch"]: row
-        for row in json.loads((RESULTS / "2026-12-02-shared-history" / "dense_layout_ratio.json").read_text())
+        for row in json.loads((RESULTS / "2026-12-01-shared-history" / "dense_layout_ratio.json").read_text())
     }
     batches = {
         "8 x 64K distinct history + 2K": ([64 * 1024] * 8, [2048] * 8, False),
