@@ -1,8 +1,10 @@
 """Requests are admitted against ``--cp-shared-kv-max-batch-tokens``: upstream's prefill adder with the patched hook (CPU).
 
 Each case resolves a real ``ServerArgs`` for the local GLM-5 DSA config as a P/D prefill server with CP 8 and the
-mode on (off for the baseline), publishes it, builds a real paged KV allocator (page 64) over a small MLA pool on
-CPU, upstream's ``RadixCache`` and upstream's ``PrefillAdder`` with the arguments upstream's scheduler gives it, and
+mode on (off for the baseline), publishes it, builds the token allocator upstream's configurator builds for it
+(with the mode under CP the page-interleave allocator of ``hooks/page_ids.py``; off, upstream's plain paged one, page
+64) over a small MLA pool on CPU, upstream's default tree cache (``UnifiedRadixCache``, full-attention component) and
+upstream's ``PrefillAdder`` with the arguments upstream's scheduler gives it, and
 drives it as ``Scheduler._get_new_batch_prefill_raw`` does (``init_next_round_input`` then ``add_one_req`` for each
 waiting request until one is not ``CONTINUE``). The reservation the pool-sizing hook would publish at start-up is
 published directly with a small limit. Checked, on the adder's own results (``can_run_list``, ``extend_end``, the
@@ -14,7 +16,8 @@ returned ``AddReqResult``), against ``sglang_cpkv.hooks.reservation.defers_reque
 * with no reservation published (the mode off) the same three requests are all admitted (upstream's behaviour);
 * under a chunk budget smaller than a long prompt, the long request counts only its chunk (the batch's remaining
   chunk budget, page-rounded), not its whole prompt: it is admitted as the batch's chunked request;
-* requests on one cached prompt (a radix hit) count the prompt once, as the plan's shared history slots hold it.
+* requests on one cached prompt (a radix hit) count the prompt once, as the plan's shared history slots hold it: the
+  issue's 16 requests on a 60K-token prompt are admitted whole under the deployment's default limit.
 """
 
 from __future__ import annotations
@@ -44,14 +47,17 @@ from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # 
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams  # noqa: E402
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool  # noqa: E402
-from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey  # noqa: E402
+from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
+from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
 from sglang.srt.runtime_context import get_schedule  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 from sglang_cpkv.capacity.upstream import prefill_cp_server  # noqa: E402
+from sglang_cpkv.hooks import page_ids as page_id_hooks  # noqa: E402
 from sglang_cpkv.hooks import reservation as reservation_hooks  # noqa: E402
-from sglang_cpkv.runtime.reservation import Reservation  # noqa: E402
+from sglang_cpkv.runtime.reservation import Reservation, default_max_batch_tokens  # noqa: E402
 from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E402, F401 (autouse: context per test)
 
 GLM5_DIR = Path(__file__).parents[1] / "upstream" / "fixtures" / "glm5_dsa"
@@ -66,7 +72,9 @@ SERVER = prefill_cp_server(str(GLM5_DIR), chunked_prefill_size=CHUNK)
 class World:
     """Upstream's scheduler-side objects for one prefill pass: pools, allocator, tree cache, adder."""
 
-    def __init__(self, monkeypatch, mode_on: bool, **server):
+    def __init__(
+        self, monkeypatch, mode_on: bool, *, pool_tokens=POOL_TOKENS, rows=8, max_context=MAX_CONTEXT, **server
+    ):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
         monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
         args = ServerArgs(**{**SERVER, **server}, enable_cp_shared_kv=mode_on)
@@ -74,10 +82,10 @@ class World:
         runtime_context.get_context().set_server_args(args)
         assert get_schedule().page_size == PAGE  # the DSA page size, as resolved
         self.req_to_token_pool = ReqToTokenPool(
-            size=8, max_context_len=MAX_CONTEXT, device="cpu", enable_memory_saver=False
+            size=rows, max_context_len=max_context, device="cpu", enable_memory_saver=False
         )
         self.kv_pool = MLATokenToKVPool(
-            POOL_TOKENS,
+            pool_tokens,
             page_size=PAGE,
             dtype=torch.bfloat16,
             kv_lora_rank=512,
@@ -86,15 +94,23 @@ class World:
             device="cpu",
             enable_memory_saver=False,
         )
-        self.allocator = PagedTokenToKVPoolAllocator(
-            POOL_TOKENS, page_size=PAGE, dtype=torch.bfloat16, device="cpu", kvcache=self.kv_pool, need_sort=False
-        )
-        self.tree_cache = RadixCache(
+        # The allocator upstream's configurator builds for this server (patched: the mode's page-interleave allocator
+        # under CP) and upstream's default tree cache for it (a UnifiedRadixCache of the full-attention component).
+        if page_id_hooks.widens_page_ids():
+            self.allocator = page_id_hooks.page_interleave_allocator(
+                pool_tokens, PAGE, torch.bfloat16, "cpu", self.kv_pool, False
+            )
+        else:
+            self.allocator = PagedTokenToKVPoolAllocator(
+                pool_tokens, page_size=PAGE, dtype=torch.bfloat16, device="cpu", kvcache=self.kv_pool, need_sort=False
+            )
+        self.tree_cache = UnifiedRadixCache(
             CacheInitParams(
                 disable=False,
                 req_to_token_pool=self.req_to_token_pool,
                 token_to_kv_pool_allocator=self.allocator,
                 page_size=PAGE,
+                tree_components=(ComponentType.FULL,),
             )
         )
         self.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
@@ -239,9 +255,10 @@ def test_a_chunked_request_counts_only_its_chunk(monkeypatch):
 
 
 def _cache_prompt(world: World, tokens: list[int]) -> None:
-    """A prompt already prefilled and cached (page-aligned): its pages allocated and inserted in the radix tree."""
-    locs = world.allocator.alloc(len(tokens))
-    world.tree_cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=locs))
+    """A prompt already prefilled and cached (page-aligned): its pages allocated as one chain of the page-interleave
+    allocator (owner classes from 0) and inserted in the radix tree with that rotation base."""
+    locs = world.allocator.alloc_cyclic(0, len(tokens))
+    world.tree_cache.insert(InsertParams(key=RadixKey(array("q", tokens)), value=locs, rotation_base=0))
 
 
 def _shared_prompt_requests(prompt: list[int], count: int, suffix: int) -> list[Req]:
@@ -277,6 +294,37 @@ def test_a_shared_prompt_counts_once(monkeypatch, limit, admitted):
         reservation_hooks.dense_pages(world.tree_cache, [(r, r.extend_end) for r in adder.can_run_list], PAGE)
         == 3 + admitted
     )
+
+
+def test_sixteen_requests_on_a_60k_prompt_are_admitted_whole_under_the_default_limit(monkeypatch):
+    """The issue's batch: 16 requests of 1K new tokens each on one cached 60K-token prompt, under the default limit
+    of the deployment's server (context 202,752, chunk 65,536: 332,800 tokens). Held once, the prompt and the own
+    pages are 960 + 16 x 16 pages (77,824 tokens); one copy per request would be 16 x 61,440 + 16 x 1,024 tokens,
+    past the limit after five requests."""
+    chunk, prompt_tokens, suffix, count = 65536, 60 * 1024, 1024, 16
+    world = World(
+        monkeypatch,
+        mode_on=True,
+        pool_tokens=16 * 1024,  # x 8 page ids per CP rank's pool page: 131,072 token locations
+        rows=count,
+        max_context=prompt_tokens + 2 * suffix,
+        chunked_prefill_size=chunk,
+    )
+    limit = default_max_batch_tokens(202752, chunk, PAGE)
+    assert limit == 332800
+    publish_limit(limit, chunk_tokens=chunk)
+    prompt = list(range(7000, 7000 + prompt_tokens))
+    _cache_prompt(world, prompt)
+    waiting = _shared_prompt_requests(prompt, count, suffix=suffix)
+    adder, results = world.prefill_pass(waiting)
+    assert rids(adder) == [f"s{i}" for i in range(count)]
+    # The last one is admitted, yet OTHER: its 1K tokens spend upstream's input budget (16 x 1024 = 16384).
+    assert list(results.values()) == [AddReqResult.CONTINUE] * (count - 1) + [AddReqResult.OTHER]
+    assert adder.rem_input_tokens == 0
+    assert all(req.prefix_len == prompt_tokens for req in waiting)
+    batch = [(r, r.extend_end) for r in adder.can_run_list]
+    assert reservation_hooks.dense_pages(world.tree_cache, batch, PAGE) == 960 + count * 16
+    assert sum(-(-end // PAGE) for _, end in batch) * PAGE > limit  # one view per request would not fit
 
 
 if __name__ == "__main__":

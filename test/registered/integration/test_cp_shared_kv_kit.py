@@ -500,6 +500,8 @@ SHARING_CP2_ROUTES = {
     "sharing-paged": PAGED_BF16,
     "sharing-ragged-indexshare": KitRoute("flashmla_sparse", fp8=True, skip_topk_layers=INDEX_SHARE),
     "sharing-unfused": KitRoute("flashmla_sparse", fused_topk=False),
+    "sharing-flashmla_kv-fp8": KitRoute("flashmla_kv", fp8=True),
+    "sharing-triton_sparse_mla": KitRoute("triton_sparse_mla"),
 }
 
 

@@ -14,6 +14,7 @@ a missing upstream fails instead of skipping).
 import inspect
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,7 +181,7 @@ def test_the_mode_adds_one_host_sync_per_batch():
     from sglang_cpkv.runtime import plan as plan_module
 
     source = inspect.getsourcefile(plan_module)
-    lines = open(source).read().splitlines()
+    lines = Path(source).read_text().splitlines()
     marker = next(i for i, line in enumerate(lines) if "The one host copy of a device page table" in line)
     assert counts[True][1] == [f"{source}:{marker + 2}"], f"host syncs in sglang_cpkv: {counts[True][1]}"
     print(f"synchronizing calls per forward: mode off {counts[False][0]}, mode on {counts[True][0]}")
