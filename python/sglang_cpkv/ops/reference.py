@@ -11,8 +11,9 @@ Five ops cover every hot path of the runtime:
 * :func:`remap_locs` - per batch (current locs) and per layer (top-k locs): token locations of a
   request -> dense locations, through the per-request inverse. Request ids are compact: one per
   row of ``locs`` (a ``[tokens, topk]`` tensor takes ``[tokens]`` ids), never broadcast.
-* :func:`copy_pages` - per layer: whole pages from one paged tensor to another (materialize
-  history pool pages into dense slots; pack/unpack owned pages around the CP all-gather).
+* :func:`copy_pages` - per layer: whole pages from one paged tensor to another (history pool pages into
+  dense slots: at cp 1 all of them, under CP this rank's owned block of the history region before the in-place
+  all-gather; the region's pages into own slots that hold history rows).
 * :func:`scatter_rows` - per layer: rows to destination rows (fill current KV into each
   request's dense slots, CURRENT_REUSE included; persist owned rows to the pool).
 * :func:`materialize_and_fill` - per layer: :func:`copy_pages` then :func:`scatter_rows` into one

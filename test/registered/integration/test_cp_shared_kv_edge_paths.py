@@ -11,7 +11,9 @@ Each test failed before its fix (issue 21, item 4):
   a :class:`CpSharedKvError` at plan build, and the ops take zero current rows;
 * negative locations other than -1 were silent padding in ``remap_locs`` and ``dense_to_pool_locs``: now
   counted bad ids on every backend (the CUDA kernel is held to the same reference in ``test_cuda_ops.py``);
-* an exchange round under the reserved bound was padded to the bound, not to the pages the batch needs;
+* an exchange round under the reserved bound was padded to the bound, not to the pages the batch needs (since
+  issue 24 there are no rounds: each rank's block of the history region is exactly its owned pages, gathered in
+  place);
 * (a proof, not a fix) a request on the pages an aborted chunk wrote reads only its own KV;
 * the default ``--cp-shared-kv-max-batch-tokens`` promised one full-context request plus a chunk of others,
   but each request's page rounding was not counted.
