@@ -119,6 +119,31 @@ def test_bs_gt_1_each_request_equals_its_bs_1_run(route_name):
             assert torch.equal(on.kernel[0].output[rows], solo.kernel[0].output), f"request {r}: other output"
 
 
+@pytest.mark.parametrize("route_name", TRITON)
+def test_sharing_patterns_equal_each_request_alone_with_the_real_kernel(route_name):
+    """The dense layout's sharing patterns (the CPU kit test's batch: pages 4 and 9 shared history slots, page 2 a
+    shared page A continues, page 7 C's history that A writes): every request reads what it reads alone, and the real
+    triton_sparse_mla computes the same output from its view."""
+    route = ROUTES[route_name]
+    case = BatchCase(
+        PAGE, kit_capacity(*SHARED_SHAPE), ((4, 9, 2, 7), (4, 9, 2, 5), (7, 3)), (170, 192, 64), (50, 40, 30)
+    )
+    world = _world(route, SHARED_SHAPE, True)
+    world.write_history(case)
+    batch = world.forward(case)
+    assert batch.kernel[0].output is not None, "triton_sparse_mla must run for real here"
+    for r in range(case.num_requests):
+        alone = BatchCase(PAGE, case.capacity, (case.page_tables[r],), (case.prefix_lens[r],), (case.extend_lens[r],))
+        solo_world = _world(route, SHARED_SHAPE, True)
+        solo_world.write_history(alone)
+        solo = solo_world.forward(alone)
+        start = sum(case.extend_lens[:r])
+        rows = slice(start, start + case.extend_lens[r])
+        for layer, (mine, own) in enumerate(zip(batch.kernel, solo.kernel)):
+            assert same_bytes(mine.rows[rows], own.rows), f"request {r} layer {layer}: other rows than alone"
+            assert torch.equal(mine.output[rows], own.output), f"request {r} layer {layer}: other output than alone"
+
+
 def test_index_share_and_ragged_radix_hit_beyond_the_pool():
     route = KitRoute("triton_sparse_mla", fp8=True, skip_topk_layers=(False, True, False))
     capacity = kit_capacity(1, 256)
