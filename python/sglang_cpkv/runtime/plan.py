@@ -286,22 +286,27 @@ def _dense_layout(
     written = history_rows < page_size  # the page takes current tokens of its request
     written_pages = pages[written & fetchable].unique()
     shared = (history_rows == page_size) & fetchable & ~torch.isin(pages, written_pages)
-    # The region: every distinct page some entry reads history from (at cp 1 in page-id order; under CP rank-major).
-    region = pages[(history_rows > 0) & fetchable].unique(sorted=True)
+
+    # The region: every distinct page some entry reads history from, ordered by (owner rank, page id): under CP each
+    # rank's block is contiguous (at cp 1 every owner is 0, so it is page-id order). A page's slot is its key's rank.
+    def region_key(p: torch.Tensor) -> torch.Tensor:
+        return page_owner(p, cp_size) * capacity + p
+
+    region = pages[(history_rows > 0) & fetchable].unique()
+    keys, order = region_key(region).sort()
+    region = region[order]
     blocks: tuple[tuple[int, int], ...] = ()
     if cp_size > 1 and region.numel():
-        owner = page_owner(region, cp_size)
-        order = torch.argsort(owner * capacity + region)
-        region = region[order]
-        counts = torch.bincount(owner, minlength=cp_size).tolist()
-        starts = [sum(counts[:k]) for k in range(cp_size)]
-        blocks = tuple(zip(starts, counts))
-    region_slot = torch.full((capacity + 1,), PADDING_ID, dtype=torch.int64)
-    region_slot[region] = torch.arange(region.numel())
+        counts = torch.bincount(page_owner(region, cp_size), minlength=cp_size).tolist()
+        blocks = tuple(zip([sum(counts[:k]) for k in range(cp_size)], counts))
+
+    def region_slot(p: torch.Tensor) -> torch.Tensor:
+        return torch.searchsorted(keys, region_key(p))
+
     own = ~shared
     num_own = int(own.sum())
     entry_slots = torch.empty_like(pages)
-    entry_slots[shared] = region_slot[pages[shared]]
+    entry_slots[shared] = region_slot(pages[shared])
     entry_slots[own] = region.numel() + torch.arange(num_own)
     slot_pages = torch.cat([region, pages[own]])
     slot_req = torch.cat([torch.full((region.numel(),), PADDING_ID, dtype=torch.int64), entry_req[own]])
@@ -315,7 +320,7 @@ def _dense_layout(
         blocks,
         own_history_pages,
         entry_slots[own_history],
-        region_slot[own_history_pages],
+        region_slot(own_history_pages),
     )
 
 
