@@ -401,8 +401,9 @@ class Bench:
             params = {"bs": rows, "capacity": capacity, "pages_per_req": ppr}
             nbytes = rows * capacity * 4 + table.numel() * 4
             errors = self.new_errors(self.device)
-            entry_pages, entry_req, entry_slots = _slots(table)
-            expected = self.reference.build_page_inverse(entry_pages, entry_req, entry_slots, rows, capacity, errors)
+            entry_pages, entry_req = _slots(table)
+            entry_slots = torch.arange(entry_pages.numel(), dtype=torch.int32, device=self.device)
+            expected = self.reference.build_page_inverse(entry_pages, entry_req, rows, capacity, errors, entry_slots)
             flat = table.view(-1).to(torch.int64)
             target = torch.where(
                 flat >= 0,
@@ -419,7 +420,7 @@ class Bench:
                 (
                     "torch_ref",
                     lambda: self.reference.build_page_inverse(
-                        entry_pages, entry_req, entry_slots, rows, capacity, errors
+                        entry_pages, entry_req, rows, capacity, errors, entry_slots
                     ),
                     True,
                 ),
@@ -429,7 +430,7 @@ class Bench:
                 (
                     name,
                     lambda impl=impl: impl.build_page_inverse(
-                        entry_pages, entry_req, entry_slots, rows, capacity, errors
+                        entry_pages, entry_req, rows, capacity, errors, entry_slots
                     ),
                     False,
                 )
@@ -441,7 +442,7 @@ class Bench:
                         (
                             f"triton[block={block}]",
                             lambda block=block: self.triton.build_page_inverse(
-                                entry_pages, entry_req, entry_slots, rows, capacity, errors, block=block
+                                entry_pages, entry_req, rows, capacity, errors, entry_slots, block=block
                             ),
                             False,
                         )
@@ -636,13 +637,12 @@ class Bench:
         return result
 
 
-def _slots(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(entry_pages, entry_req, entry_slots)`` of a ``[R, P]`` table of full requests: slot ``r * P + j`` holds
-    ``table[r, j]``."""
+def _slots(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(entry_pages, entry_req)`` of a ``[R, P]`` table of full requests; ``build_page_inverse``'s default slots
+    put ``table[r, j]`` at slot ``r * P + j``."""
     rows, width = table.shape
     entry_req = torch.arange(rows, device=table.device).repeat_interleave(width)
-    entry_slots = torch.arange(rows * width, dtype=torch.int32, device=table.device)
-    return table.reshape(-1), entry_req, entry_slots
+    return table.reshape(-1), entry_req
 
 
 def parse_args(argv=None):

@@ -135,17 +135,18 @@ def _backend(device: torch.device) -> ModuleType:
 def build_page_inverse(
     entry_pages: torch.Tensor,
     entry_req: torch.Tensor,
-    entry_slots: torch.Tensor,
     num_requests: int,
     capacity: int,
     errors: torch.Tensor,
+    entry_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-request page inverse of a batch: :func:`sglang_cpkv.ops.reference.build_page_inverse`."""
     reference.check_ids(entry_pages, "entry_pages")
     reference.check_ids(entry_req, "entry_req")
-    reference.check_slots(entry_slots)
+    if entry_slots is not None:
+        reference.check_slots(entry_slots)
     return _backend(entry_pages.device).build_page_inverse(
-        entry_pages, entry_req, entry_slots, num_requests, capacity, errors
+        entry_pages, entry_req, num_requests, capacity, errors, entry_slots
     )
 
 

@@ -46,7 +46,7 @@ def _register_fakes() -> None:
     """Output shapes of the ops for FakeTensor / torch.compile (the in-place ops return nothing)."""
 
     @torch.library.register_fake("sglang_cpkv::build_page_inverse")
-    def _build_page_inverse_fake(entry_pages, entry_req, entry_slots, num_requests, capacity, errors):
+    def _build_page_inverse_fake(entry_pages, entry_req, num_requests, capacity, errors, entry_slots=None):
         return entry_pages.new_empty((num_requests * capacity,), dtype=torch.int32)
 
     @torch.library.register_fake("sglang_cpkv::remap_locs")
@@ -126,7 +126,7 @@ def _probe() -> str | None:
     for name in ("reference", "cuda", "cuda fused"):
         ops = reference if name == "reference" else module
         errors = new_error_counter(device)
-        inverse = ops.build_page_inverse(entry_pages, entry_req, entry_slots, 2, capacity, errors)
+        inverse = ops.build_page_inverse(entry_pages, entry_req, 2, capacity, errors, entry_slots)
         dense_locs = ops.remap_locs(locs, req_id, inverse, 2, capacity, page_size, errors)
         dense = torch.full((4, page_size * width), 7, dtype=torch.int32, device=device)
         if name == "cuda fused":
@@ -171,13 +171,13 @@ def _ops():
 def build_page_inverse(
     entry_pages: torch.Tensor,
     entry_req: torch.Tensor,
-    entry_slots: torch.Tensor,
     num_requests: int,
     capacity: int,
     errors: torch.Tensor,
+    entry_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-request page inverse: :func:`sglang_cpkv.ops.reference.build_page_inverse` (int32 ``[R * C]``)."""
-    return _ops().build_page_inverse(entry_pages, entry_req, entry_slots, num_requests, capacity, errors)
+    return _ops().build_page_inverse(entry_pages, entry_req, num_requests, capacity, errors, entry_slots)
 
 
 def remap_locs(

@@ -43,6 +43,13 @@ def check_ids(t: torch.Tensor, name: str) -> None:
         raise CpSharedKvError(f"{name} must be int32 or int64, got {t.dtype}")
 
 
+def default_slots(entry_pages: torch.Tensor) -> torch.Tensor:
+    """``build_page_inverse``'s default slots: entry ``e`` at slot ``e`` (int32; more entries than int32 holds refused)."""
+    if entry_pages.numel() > (1 << 31) - 1:
+        raise CpSharedKvError(f"{entry_pages.numel()} entries do not fit int32 slots")
+    return torch.arange(entry_pages.numel(), dtype=torch.int32, device=entry_pages.device)
+
+
 def check_slots(entry_slots: torch.Tensor) -> None:
     """Dense slots are int32 (every dense location fits int32, checked at plan build)."""
     if entry_slots.dtype != torch.int32:
@@ -74,22 +81,23 @@ def check_row_divides_page(current: torch.Tensor, dense: torch.Tensor) -> None:
 def build_page_inverse(
     entry_pages: torch.Tensor,
     entry_req: torch.Tensor,
-    entry_slots: torch.Tensor,
     num_requests: int,
     capacity: int,
     errors: torch.Tensor,
+    entry_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-request page inverse of a batch: every (request, page) entry of its page tables -> its dense slot.
 
     Args:
         entry_pages: int32 or int64 ``[E]``, the page id of each entry; ``-1``: no entry (the layout's rounding).
         entry_req: int64 ``[E]``, the request row of each entry (``-1`` with a ``-1`` page).
-        entry_slots: int32 ``[E]``, the dense slot the entry points at. A slot is a request's own, or a
-            shared history slot that several requests' entries point at (the contract's "shared history slot").
         num_requests: ``R``. capacity: ``C``, the number of page ids.
         errors: int32 ``[NUM_ERROR_KINDS]`` counter: page ids ``>= C`` or ``< -1``, a slot ``< 0`` of an entry
             that is not padding, and a page id held by two entries of one request (:data:`ERR_PAGE_OUT_OF_RANGE`);
             request ids outside ``[-1, R)`` (:data:`ERR_REQ_OUT_OF_RANGE`).
+        entry_slots: int32 ``[E]``, the dense slot each entry points at: a request's own slot, or a shared history
+            slot that several requests' entries point at (the contract's "shared history slot"). Default: entry
+            ``e`` at slot ``e`` (every entry its own slot, the per-request layout).
 
     Returns:
         int32 ``[R * C]``: entry ``entry_req[e] * C + entry_pages[e]`` = ``entry_slots[e]``; -1 elsewhere. Of two
@@ -97,6 +105,8 @@ def build_page_inverse(
     """
     check_ids(entry_pages, "entry_pages")
     check_ids(entry_req, "entry_req")
+    if entry_slots is None:
+        entry_slots = default_slots(entry_pages)
     check_slots(entry_slots)
     if entry_pages.dim() != 1 or entry_req.shape != entry_pages.shape or entry_slots.shape != entry_pages.shape:
         raise CpSharedKvError(

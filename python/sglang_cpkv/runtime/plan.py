@@ -441,10 +441,10 @@ def build_plan(
     inverse = ops.build_page_inverse(
         entry_pages if entry_pages.device == device else _to_device(entry_pages, device),
         _to_device(entry_req, device, torch.int64),
-        _to_device(layout.entry_slots, device, torch.int32),
         num_requests,
         capacity,
         errors,
+        entry_slots=_to_device(layout.entry_slots, device, torch.int32),
     )
 
     extend_dev = _to_device(torch.tensor(extend, dtype=torch.int64), device)

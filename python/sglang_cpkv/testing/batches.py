@@ -236,14 +236,13 @@ def sparse_case(
     return BatchCase(page_size, capacity, tuple(tables), tuple(prefix_lens), tuple(extend_lens))
 
 
-def flat_slots(page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(entry_pages, entry_req, entry_slots)`` of a ``[R, P]`` page table, entry ``(r, j)`` at slot ``r * P + j``
-    (entries -1 pad): the op-level input of ``build_page_inverse`` for a hand-made table (plans use the dense
-    layout of :mod:`sglang_cpkv.runtime.plan`, shared history slots included)."""
+def flat_slots(page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(entry_pages, entry_req)`` of a ``[R, P]`` page table (entries -1 pad): the op-level input of
+    ``build_page_inverse`` for a hand-made table, whose default slots put entry ``(r, j)`` at slot ``r * P + j``
+    (plans pass their own slots: the dense layout of :mod:`sglang_cpkv.runtime.plan`, shared history slots included)."""
     rows, width = page_table.shape
     entry_req = torch.arange(rows, dtype=torch.int64, device=page_table.device).repeat_interleave(width)
-    entry_slots = torch.arange(rows * width, dtype=torch.int32, device=page_table.device)
-    return page_table.reshape(-1), entry_req, entry_slots
+    return page_table.reshape(-1), entry_req
 
 
 def current_locs(case: BatchCase) -> tuple[torch.Tensor, torch.Tensor]:

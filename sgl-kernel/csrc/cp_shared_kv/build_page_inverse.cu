@@ -15,7 +15,7 @@ template <typename PageIdT>
 __global__ void __launch_bounds__(kInverseThreads)
     build_page_inverse_kernel(const PageIdT* __restrict__ entry_pages,  // [E]
                               const int64_t* __restrict__ entry_req,    // [E]
-                              const int32_t* __restrict__ entry_slots,  // [E]
+                              const int32_t* __restrict__ entry_slots,  // [E], nullptr: entry e at slot e
                               int64_t num_entries,                      // E
                               int64_t num_requests,                     // R
                               int64_t capacity,                         // C
@@ -25,7 +25,7 @@ __global__ void __launch_bounds__(kInverseThreads)
   if (e >= num_entries) return;
   const int64_t page = static_cast<int64_t>(entry_pages[e]);
   const int64_t req = entry_req[e];
-  const int32_t slot = entry_slots[e];
+  const int32_t slot = entry_slots != nullptr ? entry_slots[e] : static_cast<int32_t>(e);
   if (page == -1 || req == -1) return;  // an entry of the layout's rounding
   if (page >= capacity || page < -1 || slot < 0) {
     detail::count_error(errors, kErrPageOutOfRange);

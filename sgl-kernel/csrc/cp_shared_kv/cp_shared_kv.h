@@ -30,11 +30,12 @@ constexpr int kNumErrorKinds = 3;
 // is skipped (the layout's rounding); page ids >= C or < -1, a negative slot, and a page a request holds in two
 // entries (the second claim) count errors[kErrPageOutOfRange]; request ids >= R or < -1 count
 // errors[kErrReqOutOfRange]. A memset of -1, then one thread per entry claims its key with atomicCAS. Several
-// requests' entries may point at one slot (a shared history slot). PageIdT: int32_t, int64_t.
+// requests' entries may point at one slot (a shared history slot); entry_slots nullptr: entry e at slot e.
+// PageIdT: int32_t, int64_t.
 template <typename PageIdT>
 cudaError_t build_page_inverse(const PageIdT* entry_pages,   // [E] page id of each entry
                                const int64_t* entry_req,     // [E] request row of each entry
-                               const int32_t* entry_slots,   // [E] dense slot each entry points at
+                               const int32_t* entry_slots,   // [E] dense slot each entry points at, or nullptr
                                int64_t num_entries,          // E
                                int64_t num_requests,         // R
                                int64_t capacity,             // C

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -150,18 +151,25 @@ cudaError_t dispatch_index_type(const at::Tensor& index, Fn&& fn) {
 
 at::Tensor build_page_inverse(const at::Tensor& entry_pages,
                               const at::Tensor& entry_req,
-                              const at::Tensor& entry_slots,
                               int64_t num_requests,
                               int64_t capacity,
-                              at::Tensor& errors) {
+                              at::Tensor& errors,
+                              const std::optional<at::Tensor>& entry_slots) {
   check_cuda_tensor(entry_pages, "entry_pages", entry_pages, "entry_pages");
   check_index_vector(entry_pages, "entry_pages", entry_pages.numel(), "page-table entry");
   check_cuda_tensor(entry_req, "entry_req", entry_pages, "entry_pages");
   CPKV_CHECK(entry_req.scalar_type() == at::kLong, "entry_req must be int64, got ", entry_req.scalar_type());
   check_index_vector(entry_req, "entry_req", entry_pages.numel(), "entry_pages entry");
-  check_cuda_tensor(entry_slots, "entry_slots", entry_pages, "entry_pages");
-  CPKV_CHECK(entry_slots.scalar_type() == at::kInt, "entry_slots must be int32, got ", entry_slots.scalar_type());
-  check_index_vector(entry_slots, "entry_slots", entry_pages.numel(), "entry_pages entry");
+  if (entry_slots.has_value()) {
+    check_cuda_tensor(*entry_slots, "entry_slots", entry_pages, "entry_pages");
+    CPKV_CHECK(
+        entry_slots->scalar_type() == at::kInt, "entry_slots must be int32, got ", entry_slots->scalar_type());
+    check_index_vector(*entry_slots, "entry_slots", entry_pages.numel(), "entry_pages entry");
+  } else {
+    CPKV_CHECK(entry_pages.numel() <= std::numeric_limits<int32_t>::max(),
+               entry_pages.numel(),
+               " entries do not fit int32 slots");
+  }
   CPKV_CHECK(capacity >= 1, "capacity must be >= 1, got ", capacity);
   CPKV_CHECK(num_requests >= 0, "num_requests must be >= 0, got ", num_requests);
   check_error_counter(errors, entry_pages, "entry_pages");
@@ -172,7 +180,7 @@ at::Tensor build_page_inverse(const at::Tensor& entry_pages,
     using PageIdT = decltype(page_id);
     return sglang_cpkv::build_page_inverse<PageIdT>(entry_pages.data_ptr<PageIdT>(),
                                                     entry_req.data_ptr<int64_t>(),
-                                                    entry_slots.data_ptr<int32_t>(),
+                                                    entry_slots.has_value() ? entry_slots->data_ptr<int32_t>() : nullptr,
                                                     entry_pages.numel(),
                                                     num_requests,
                                                     capacity,
@@ -400,11 +408,11 @@ void materialize_and_fill(const at::Tensor& pool,
 }  // namespace sglang_cpkv
 
 TORCH_LIBRARY(sglang_cpkv, m) {
-  // Per batch: the page, request and dense slot of every page-table entry -> per-request inverse int32 [R * C];
-  // counts bad and repeated page ids, negative slots and bad request ids.
+  // Per batch: the page, request and dense slot (default: its index) of every page-table entry -> per-request
+  // inverse int32 [R * C]; counts bad and repeated page ids, negative slots and bad request ids.
   m.def(
-      "build_page_inverse(Tensor entry_pages, Tensor entry_req, Tensor entry_slots, int num_requests, int capacity, "
-      "Tensor(a!) errors) -> Tensor");
+      "build_page_inverse(Tensor entry_pages, Tensor entry_req, int num_requests, int capacity, Tensor(a!) errors, "
+      "Tensor? entry_slots=None) -> Tensor");
   // Per batch / per layer: pool locations [N] or [N, K] of request req_id[n] -> dense locations (int32).
   m.def(
       "remap_locs(Tensor locs, Tensor req_id, Tensor inverse, int num_requests, int capacity, int page_size, "

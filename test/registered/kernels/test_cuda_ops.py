@@ -98,9 +98,9 @@ def _page_table(
     return table.to(dtype).to(DEVICE)
 
 
-def _run(ops, name: str, *args) -> tuple[object, torch.Tensor]:
+def _run(ops, name: str, *args, **kwargs) -> tuple[object, torch.Tensor]:
     errors = new_error_counter(DEVICE)
-    out = getattr(ops, name)(*args, errors)
+    out = getattr(ops, name)(*args, errors, **kwargs)
     return out, errors
 
 
@@ -125,8 +125,8 @@ def test_build_page_inverse_repeated_pages_and_empty(cuda_ops):
     entry_pages = torch.tensor([3, 7, 3, 2, 3, -1, 5], dtype=torch.int32, device=DEVICE)
     entry_req = torch.tensor([0, 0, 0, 1, 1, -1, 4], dtype=torch.int64, device=DEVICE)
     entry_slots = torch.arange(7, dtype=torch.int32, device=DEVICE)
-    want, want_errors = _run(reference, "build_page_inverse", entry_pages, entry_req, entry_slots, 2, 12)
-    have, have_errors = _run(cuda_ops, "build_page_inverse", entry_pages, entry_req, entry_slots, 2, 12)
+    want, want_errors = _run(reference, "build_page_inverse", entry_pages, entry_req, 2, 12, entry_slots=entry_slots)
+    have, have_errors = _run(cuda_ops, "build_page_inverse", entry_pages, entry_req, 2, 12, entry_slots=entry_slots)
     assert have_errors.tolist() == want_errors.tolist() == [1, 1, 0]
     assert int(have[3]) in (0, 2)  # the repeated page: either slot, unspecified
     keep = torch.arange(24, device=DEVICE) != 3
@@ -136,8 +136,8 @@ def test_build_page_inverse_repeated_pages_and_empty(cuda_ops):
         torch.empty(0, dtype=torch.int64, device=DEVICE),
         torch.empty(0, dtype=torch.int32, device=DEVICE),
     )
-    assert cuda_ops.build_page_inverse(*none, 0, CAPACITY, new_error_counter(DEVICE)).numel() == 0
-    assert bool((cuda_ops.build_page_inverse(*none, 2, CAPACITY, new_error_counter(DEVICE)) == -1).all())
+    assert cuda_ops.build_page_inverse(*none[:2], 0, CAPACITY, new_error_counter(DEVICE), none[2]).numel() == 0
+    assert bool((cuda_ops.build_page_inverse(*none[:2], 2, CAPACITY, new_error_counter(DEVICE)) == -1).all())
 
 
 def _shared_slot_entries(
@@ -182,8 +182,12 @@ def test_build_page_inverse_shared_and_permuted_slots(cuda_ops, rows, own_per_re
     )
     valid_slots = entry_slots[entry_slots >= 0]
     assert not torch.equal(valid_slots.sort().values, valid_slots)
-    want, want_errors = _run(reference, "build_page_inverse", entry_pages, entry_req, entry_slots, rows, capacity)
-    have, have_errors = _run(cuda_ops, "build_page_inverse", entry_pages, entry_req, entry_slots, rows, capacity)
+    want, want_errors = _run(
+        reference, "build_page_inverse", entry_pages, entry_req, rows, capacity, entry_slots=entry_slots
+    )
+    have, have_errors = _run(
+        cuda_ops, "build_page_inverse", entry_pages, entry_req, rows, capacity, entry_slots=entry_slots
+    )
     _assert_same_bytes(have, want, "inverse")
     assert have_errors.tolist() == want_errors.tolist() == [0, 0, 0]
     view = have.view(rows, capacity)
@@ -200,8 +204,8 @@ def test_build_page_inverse_counts_negative_slots(cuda_ops):
     entry_pages = torch.tensor([3, 7, 3, 8, -1, 6], dtype=torch.int32, device=DEVICE)
     entry_req = torch.tensor([0, 0, 1, 1, 1, -1], dtype=torch.int64, device=DEVICE)
     entry_slots = torch.tensor([-2, 5, 1, -1, -3, -1], dtype=torch.int32, device=DEVICE)
-    want, want_errors = _run(reference, "build_page_inverse", entry_pages, entry_req, entry_slots, 2, 12)
-    have, have_errors = _run(cuda_ops, "build_page_inverse", entry_pages, entry_req, entry_slots, 2, 12)
+    want, want_errors = _run(reference, "build_page_inverse", entry_pages, entry_req, 2, 12, entry_slots=entry_slots)
+    have, have_errors = _run(cuda_ops, "build_page_inverse", entry_pages, entry_req, 2, 12, entry_slots=entry_slots)
     expected = [0] * 3
     expected[ERR_PAGE_OUT_OF_RANGE] = 2
     assert have_errors.tolist() == want_errors.tolist() == expected
@@ -221,9 +225,11 @@ def test_build_page_inverse_refuses_int64_slots(cuda_ops, monkeypatch):
     entry_slots = torch.tensor([0, 1], dtype=torch.int64, device=DEVICE)
     errors = new_error_counter(DEVICE)
     with pytest.raises(CpSharedKvError, match=r"entry_slots must be int32, got torch\.int64"):
-        ops.build_page_inverse(entry_pages, entry_req, entry_slots, 1, 4, errors)
+        ops.build_page_inverse(entry_pages, entry_req, 1, 4, errors, entry_slots)
     with pytest.raises(RuntimeError, match="entry_slots must be int32, got Long"):
-        cuda_ops.build_page_inverse(entry_pages, entry_req, entry_slots, 1, 4, errors)
+        cuda_ops.build_page_inverse(entry_pages, entry_req, 1, 4, errors, entry_slots)
+    with pytest.raises(RuntimeError, match=r"entry_slots must have one entry per entry_pages entry \(2\), got 1"):
+        cuda_ops.build_page_inverse(entry_pages, entry_req, 1, 4, errors, entry_slots[:1].to(torch.int32))
     assert errors.tolist() == [0, 0, 0]
 
 
@@ -700,7 +706,6 @@ def test_probe_refuses_missing_stale_and_jit_off(cuda_ops, tmp_path):
             lambda: (
                 torch.zeros(6, dtype=torch.float32, device=DEVICE),
                 torch.zeros(6, dtype=torch.int64, device=DEVICE),
-                torch.zeros(6, dtype=torch.int32, device=DEVICE),
                 2,
                 12,
             ),
@@ -711,33 +716,10 @@ def test_probe_refuses_missing_stale_and_jit_off(cuda_ops, tmp_path):
             lambda: (
                 torch.zeros(6, dtype=torch.int32),
                 torch.zeros(6, dtype=torch.int64),
-                torch.zeros(6, dtype=torch.int32),
                 2,
                 12,
             ),
             "entry_pages must be a CUDA tensor",
-        ),
-        (
-            "build_page_inverse",
-            lambda: (
-                torch.zeros(6, dtype=torch.int32, device=DEVICE),
-                torch.zeros(6, dtype=torch.int64, device=DEVICE),
-                torch.zeros(6, dtype=torch.int64, device=DEVICE),
-                2,
-                12,
-            ),
-            "entry_slots must be int32, got Long",
-        ),
-        (
-            "build_page_inverse",
-            lambda: (
-                torch.zeros(6, dtype=torch.int32, device=DEVICE),
-                torch.zeros(6, dtype=torch.int64, device=DEVICE),
-                torch.zeros(5, dtype=torch.int32, device=DEVICE),
-                2,
-                12,
-            ),
-            "entry_slots must have one entry per entry_pages entry (6), got 5",
         ),
         (
             "copy_pages",

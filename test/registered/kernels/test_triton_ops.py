@@ -51,12 +51,13 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _both(op_name: str, *args, **triton_knobs):
-    """Run one op on the reference and on Triton with fresh counters: ``((ref_out, ref_err), (tri_out, tri_err))``."""
+def _both(op_name: str, *args, kwargs=None, **triton_knobs):
+    """Run one op on the reference and on Triton with fresh counters: ``((ref_out, ref_err), (tri_out, tri_err))``;
+    ``kwargs`` go to both, ``triton_knobs`` to Triton only."""
     results = []
     for impl, knobs in ((reference, {}), (triton_ops, triton_knobs)):
         errors = new_error_counter("cpu")
-        results.append((getattr(impl, op_name)(*args, errors, **knobs), errors))
+        results.append((getattr(impl, op_name)(*args, errors, **(kwargs or {}), **knobs), errors))
     return results
 
 
@@ -72,9 +73,9 @@ def test_kernels_run_in_the_interpreter():
 @pytest.mark.parametrize("block", [0, 8])  # 0: auto (one program); 8: several programs
 def test_build_page_inverse_matches_reference(index_dtype, block):
     case = sparse_case(3, 16, 40, 7, _gen(1), shared_pages=(5,))
-    entry_pages, entry_req, entry_slots = flat_slots(padded_page_table(case, 9).to(index_dtype))
+    # the default slots: entry (r, j) at slot r * 9 + j
     (ref, ref_err), (tri, tri_err) = _both(
-        "build_page_inverse", entry_pages, entry_req, entry_slots, 3, 40, block=block
+        "build_page_inverse", *flat_slots(padded_page_table(case, 9).to(index_dtype)), 3, 40, block=block
     )
     assert torch.equal(ref, tri), (ref.view(3, 40), tri.view(3, 40))
     assert torch.equal(ref_err, tri_err) and int(tri_err.sum()) == 0
@@ -88,7 +89,7 @@ def test_build_page_inverse_counts_bad_ids_and_repeated_pages(block):
     entry_req = torch.tensor([0, 0, 0, 1, 1, -1, 9])
     entry_slots = torch.arange(7, dtype=torch.int32)
     (ref, ref_err), (tri, tri_err) = _both(
-        "build_page_inverse", entry_pages, entry_req, entry_slots, 2, 12, block=block
+        "build_page_inverse", entry_pages, entry_req, 2, 12, kwargs={"entry_slots": entry_slots}, block=block
     )
     expected = [0] * 3
     expected[ERR_PAGE_OUT_OF_RANGE] = 3  # 12, -7 and the second page 3 of request 0
@@ -102,8 +103,8 @@ def test_build_page_inverse_counts_bad_ids_and_repeated_pages(block):
 
 
 def test_build_page_inverse_empty_batch():
-    empty = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int32)
-    (ref, _), (tri, tri_err) = _both("build_page_inverse", *empty, 2, 12)
+    empty = torch.empty(0, dtype=torch.int32), torch.empty(0, dtype=torch.int64)
+    (ref, _), (tri, tri_err) = _both("build_page_inverse", *empty, 2, 12, kwargs={"entry_slots": empty[0]})
     assert torch.equal(ref, tri) and bool((tri == -1).all()) and int(tri_err.sum()) == 0
 
 
@@ -147,7 +148,13 @@ def test_build_page_inverse_shared_slots_and_permuted_slots(index_dtype, num_req
     )
     assert not torch.equal(entry_slots[entry_slots >= 0].sort().values, entry_slots[entry_slots >= 0])
     (ref, ref_err), (tri, tri_err) = _both(
-        "build_page_inverse", entry_pages, entry_req, entry_slots, num_requests, capacity, block=block
+        "build_page_inverse",
+        entry_pages,
+        entry_req,
+        num_requests,
+        capacity,
+        kwargs={"entry_slots": entry_slots},
+        block=block,
     )
     assert same_bytes(ref, tri), (ref.view(num_requests, capacity), tri.view(num_requests, capacity))
     assert torch.equal(ref_err, tri_err) and int(tri_err.sum()) == 0
@@ -167,7 +174,7 @@ def test_build_page_inverse_counts_negative_slots(block):
     entry_req = torch.tensor([0, 0, 1, 1, 1, -1])
     entry_slots = torch.tensor([-2, 5, 1, -1, -3, -1], dtype=torch.int32)
     (ref, ref_err), (tri, tri_err) = _both(
-        "build_page_inverse", entry_pages, entry_req, entry_slots, 2, 12, block=block
+        "build_page_inverse", entry_pages, entry_req, 2, 12, kwargs={"entry_slots": entry_slots}, block=block
     )
     expected = [0] * 3
     expected[ERR_PAGE_OUT_OF_RANGE] = 2
@@ -186,11 +193,11 @@ def test_build_page_inverse_refuses_int64_slots(backend, monkeypatch):
     entry_slots = torch.tensor([0, 1], dtype=torch.int64)
     errors = new_error_counter("cpu")
     with pytest.raises(CpSharedKvError, match=r"entry_slots must be int32, got torch\.int64"):
-        ops.build_page_inverse(entry_pages, entry_req, entry_slots, 1, 4, errors)
+        ops.build_page_inverse(entry_pages, entry_req, 1, 4, errors, entry_slots)
     with pytest.raises(CpSharedKvError, match=r"entry_slots must be int32, got torch\.int64"):
-        reference.build_page_inverse(entry_pages, entry_req, entry_slots, 1, 4, errors)
+        reference.build_page_inverse(entry_pages, entry_req, 1, 4, errors, entry_slots)
     with pytest.raises(ValueError, match=r"entry_slots must be int32, got torch\.int64"):
-        triton_ops.build_page_inverse(entry_pages, entry_req, entry_slots, 1, 4, errors)
+        triton_ops.build_page_inverse(entry_pages, entry_req, 1, 4, errors, entry_slots)
     assert errors.tolist() == [0, 0, 0]
 
 
@@ -374,7 +381,6 @@ def test_shape_and_dtype_errors_name_the_values():
         triton_ops.build_page_inverse(
             torch.zeros(2, dtype=torch.int32),
             torch.zeros(2, dtype=torch.int64),
-            torch.zeros(2, dtype=torch.int32),
             1,
             4,
             torch.zeros(3, dtype=torch.int64),
@@ -392,15 +398,11 @@ def test_contract_violations_refused_on_every_backend(backend, monkeypatch):
     with pytest.raises(CpSharedKvError, match=r"dst_loc must be int32 or int64, got torch\.float32"):
         ops.scatter_rows(rows[:1], torch.tensor([1.7]), rows, errors)
     with pytest.raises(CpSharedKvError, match="entry_pages must be int32 or int64"):
-        ops.build_page_inverse(
-            torch.tensor([1.0]), torch.tensor([0]), torch.tensor([0], dtype=torch.int32), 1, 4, errors
-        )
+        ops.build_page_inverse(torch.tensor([1.0]), torch.tensor([0]), 1, 4, errors)
     with pytest.raises(CpSharedKvError, match="entry_req must be int32 or int64"):
-        ops.build_page_inverse(
-            torch.tensor([1]), torch.tensor([0.0]), torch.tensor([0], dtype=torch.int32), 1, 4, errors
-        )
+        ops.build_page_inverse(torch.tensor([1]), torch.tensor([0.0]), 1, 4, errors)
     with pytest.raises(CpSharedKvError, match=r"entry_slots must be int32, got torch\.int64"):
-        ops.build_page_inverse(torch.tensor([1]), torch.tensor([0]), torch.tensor([0]), 1, 4, errors)
+        ops.build_page_inverse(torch.tensor([1]), torch.tensor([0]), 1, 4, errors, torch.tensor([0]))
     inverse = ops.build_page_inverse(*flat_slots(torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)), 2, 6, errors)
     with pytest.raises(CpSharedKvError, match=r"inverse must be int32 \[num_requests \* capacity\] = \[2 \* 3\]"):
         ops.remap_locs(torch.tensor([[4]]), torch.tensor([1]), inverse, 2, 3, 2, errors)  # 12 entries, C = 3
@@ -458,12 +460,7 @@ def test_forced_backend_setting(monkeypatch):
     monkeypatch.setenv(ops.BACKEND_ENV, "cuda")
     with pytest.raises(RuntimeError, match=r"SGLANG_CPKV_OPS_BACKEND=cuda cannot run .* cpu tensors"):
         ops.build_page_inverse(
-            torch.zeros(1, dtype=torch.int32),
-            torch.zeros(1, dtype=torch.int64),
-            torch.zeros(1, dtype=torch.int32),
-            1,
-            4,
-            new_error_counter("cpu"),
+            torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int64), 1, 4, new_error_counter("cpu")
         )
     monkeypatch.setenv(ops.BACKEND_ENV, "fastest")
     with pytest.raises(RuntimeError, match="must be one of auto, cuda, triton, torch, got 'fastest'"):

@@ -252,9 +252,7 @@ def test_page_ids_past_int32_are_bad_ids_not_wrapped():
     pages = _entry_pages(table, torch.tensor([0, 0]), torch.tensor([0, 1]), capacity=16)
     assert pages.tolist() == [1, 16]  # 16 = C: counted as out of range by the inverse build
     errors = torch.zeros(3, dtype=torch.int32)
-    inverse = reference.build_page_inverse(
-        pages, torch.tensor([0, 0]), torch.tensor([0, 1], dtype=torch.int32), 1, 16, errors
-    )
+    inverse = reference.build_page_inverse(pages, torch.tensor([0, 0]), 1, 16, errors)
     assert errors.tolist() == [1, 0, 0] and int(inverse[5]) == -1
 
 

@@ -59,10 +59,10 @@ def _build_page_inverse_kernel(
 def build_page_inverse(
     entry_pages: torch.Tensor,
     entry_req: torch.Tensor,
-    entry_slots: torch.Tensor,
     num_requests: int,
     capacity: int,
     errors: torch.Tensor,
+    entry_slots: torch.Tensor | None = None,
     *,
     block: int = 0,
     num_warps: int = 4,
@@ -70,8 +70,8 @@ def build_page_inverse(
     """Per-request page inverse (contract: :func:`sglang_cpkv.ops.reference.build_page_inverse`).
 
     Args:
-        entry_pages: int32/int64 ``[E]``; entry_req: int64 ``[E]``; entry_slots: int32/int64 ``[E]``;
-        num_requests: ``R``; capacity: ``C``. errors: int32 ``[NUM_ERROR_KINDS]`` counter.
+        entry_pages: int32/int64 ``[E]``; entry_req: int64 ``[E]``; num_requests: ``R``; capacity: ``C``.
+        errors: int32 ``[NUM_ERROR_KINDS]`` counter. entry_slots: int32 ``[E]`` (default: entry ``e`` at slot ``e``).
         block: entries per program (power of two). 0 = auto: 1024 on a GPU, ``next_power_of_2(E)`` up to
             65536 on CPU (the interpreter).
         num_warps: warps per program.
@@ -82,6 +82,10 @@ def build_page_inverse(
     device = entry_pages.device
     entry_pages = check_index("entry_pages", entry_pages, device)
     entry_req = check_index("entry_req", entry_req, device)
+    if entry_slots is None:  # entry e at slot e
+        if entry_pages.numel() > (1 << 31) - 1:
+            raise ValueError(f"{entry_pages.numel()} entries do not fit int32 slots")
+        entry_slots = torch.arange(entry_pages.numel(), dtype=torch.int32, device=device)
     entry_slots = check_index("entry_slots", entry_slots, device)
     if entry_slots.dtype != torch.int32:
         raise ValueError(f"entry_slots must be int32, got {entry_slots.dtype}")
