@@ -194,6 +194,19 @@ def pool_configurator(server: dict[str, Any], *, layers: int, page_size: int, dr
     )
 
 
+def token_allocator(kvc: Any, sizes: Any, pool: Any = None) -> Any:
+    """The token allocator upstream's (patched) configurator ``kvc`` builds for pool ``sizes``, on the CPU (its free
+    lists only; the branch it takes does not read the device), over ``pool`` (None: no pool object)."""
+    kvc.device = "cpu"
+    return kvc._build_token_to_kv_pool_allocator(
+        sizes=sizes,
+        token_to_kv_pool=pool,
+        is_dsv4_model=False,
+        req_to_token_pool=None,
+        token_to_kv_pool_allocator=None,
+    )
+
+
 class _StandInGroup:
     """The attention-CP group handle of rank 0 of ``world_size`` ranks, for a sizing with no process group: all
     upstream's kv-sharding sizing reads of it are its width and this rank (``get_kv_shard_group_info``)."""
@@ -270,14 +283,7 @@ def size_node(server: dict[str, Any], *, layers: int, budget_bytes: int) -> Node
 
             configurator = create_memory_pool_configurator(kvc)
             sizes = kvc._derive_pool_sizes(config=config)
-            kvc.device = "cpu"  # the allocator's free lists only; the branch it takes does not read the device
-            allocator = kvc._build_token_to_kv_pool_allocator(
-                sizes=sizes,
-                token_to_kv_pool=None,
-                is_dsv4_model=False,
-                req_to_token_pool=None,
-                token_to_kv_pool_allocator=None,
-            )
+            allocator = token_allocator(kvc, sizes)
             widening = page_interleave_shard_size(allocator)
             return NodeCapacity(
                 pool_tokens=sizes.max_total_num_tokens,

@@ -258,7 +258,7 @@ class _Layout:
     """The dense layout of a batch (host int64; module docstring)."""
 
     entry_slots: torch.Tensor  # [E] the slot of every entry
-    slot_pages: torch.Tensor  # [needed] the page id of every used slot
+    own_entries: torch.Tensor  # [O] the entries with a slot of their own, in slot order (slots H .. H + O - 1)
     slot_req: torch.Tensor  # [needed] the request of every own slot, -1 in the history region
     region_pages: torch.Tensor  # [H] the page id of every history-region slot
     gather_blocks: tuple[tuple[int, int], ...]  # under CP (start, count) of each rank's block; () at cp 1
@@ -308,13 +308,12 @@ def _dense_layout(
     entry_slots = torch.empty_like(pages)
     entry_slots[shared] = region_slot(pages[shared])
     entry_slots[own] = region.numel() + torch.arange(num_own)
-    slot_pages = torch.cat([region, pages[own]])
     slot_req = torch.cat([torch.full((region.numel(),), PADDING_ID, dtype=torch.int64), entry_req[own]])
     own_history = own & (history_rows > 0) & fetchable
     own_history_pages = pages[own_history]
     return _Layout(
         entry_slots,
-        slot_pages,
+        own.nonzero().flatten(),
         slot_req,
         region,
         blocks,
@@ -419,7 +418,8 @@ def build_plan(
     layout = _dense_layout(
         layout_pages, entry_req, entry_j, prefix, page_size=page_size, cp_size=cp_size, capacity=capacity
     )
-    needed = layout.slot_pages.numel()
+    region = layout.region_pages
+    needed = region.numel() + layout.own_entries.numel()
     num_slots = round_dense_slots(needed)
     if num_slots * page_size > INT32_MAX:
         raise CpSharedKvError(
@@ -427,19 +427,21 @@ def build_plan(
             f"locations, more than int32 holds ({INT32_MAX}): split the batch"
         )
     rounding = num_slots - needed
-    slot_pages_host = torch.cat([layout.slot_pages, torch.full((rounding,), PADDING_ID, dtype=torch.int64)])
-    if not any(prefix):  # the own slots hold the entries' page ids as the table's device has them
-        slot_pages = torch.full((num_slots,), PADDING_ID, dtype=torch.int32, device=device)
-        slot_pages[:needed] = entry_pages if entry_pages.device == device else _to_device(entry_pages, device)
-    else:
-        slot_pages = _to_device(
-            torch.where(slot_pages_host >= capacity, capacity, slot_pages_host), device, torch.int32
-        )
+    if entry_pages.device != device:
+        entry_pages = _to_device(entry_pages, device)
+    # The region's pages (host ids), then each own slot's page as the entries hold it, then the rounding.
+    slot_pages = torch.cat(
+        [
+            _to_device(region, device, torch.int32),
+            entry_pages.index_select(0, _to_device(layout.own_entries, device)),
+            torch.full((rounding,), PADDING_ID, dtype=torch.int32, device=device),
+        ]
+    )
     slot_req = _to_device(
         torch.cat([layout.slot_req, torch.full((rounding,), PADDING_ID, dtype=torch.int64)]), device, torch.int64
     )
     inverse = ops.build_page_inverse(
-        entry_pages if entry_pages.device == device else _to_device(entry_pages, device),
+        entry_pages,
         _to_device(entry_req, device, torch.int64),
         num_requests,
         capacity,
@@ -456,7 +458,6 @@ def build_plan(
     ).to(torch.int64)
 
     # History: this rank's pool pages into the view, then (under CP) the gather and the copies into own slots.
-    region = layout.region_pages
     empty = torch.empty(0, dtype=torch.int64)
     if cp_size == 1:
         pool_pages = torch.cat([region, layout.own_history_pages])

@@ -38,6 +38,7 @@ from sglang_cpkv.capacity.upstream import (  # noqa: E402
     playing_gpu,
     prefill_cp_server,
     resolve_and_publish,
+    token_allocator,
 )
 from sglang_cpkv.hooks import page_ids as page_id_hooks  # noqa: E402
 from sglang_cpkv.ops.errors import CpSharedKvError  # noqa: E402
@@ -60,15 +61,8 @@ def _allocator(mode_on: bool):
         page_size = get_schedule().page_size
         kvc = kv_cache_configurator(args, layers=LAYERS, page_size=page_size)
         sizes = kvc._derive_pool_sizes(config=kvc.config_from_budget(BUDGET))
-        kvc.device = "cpu"  # the allocator's free lists only
         pool = SimpleNamespace(size=sizes.max_total_num_tokens, page_size=page_size)  # the pool the allocator serves
-        allocator = kvc._build_token_to_kv_pool_allocator(
-            sizes=sizes,
-            token_to_kv_pool=pool,
-            is_dsv4_model=False,
-            req_to_token_pool=None,
-            token_to_kv_pool_allocator=None,
-        )
+        allocator = token_allocator(kvc, sizes, pool)
     return allocator, pool, get_parallel().attn_cp_size
 
 
