@@ -12,7 +12,11 @@
 #   OUT=/some/dir benchmark/gpu_validation.sh   # repo root; env.txt, bench.{json,log}, harness_*.json and
 #                                                # logs.tar.gz (every log) under $OUT; exit 0 only when all passed
 #   STEPS="suite kit-layer ops" ...              # only these steps (default: all; the environment and the AOT
-#                                                # build always run): suite kit-smoke harness kit-layer ops sass memcheck
+#                                                # build always run): suite kit-smoke kit-cuda harness kit-layer
+#                                                # forward plan-host ops sass memcheck
+#   kit-cuda: the 1-GPU files that run every route's real kernel through the kit (a part of suite, for iterating);
+#   forward: the whole-forward time of the flashmla routes at the deployed shape, three processes (issue 35);
+#   plan-host: the host cost of the mode's per-batch plan by request count.
 set -uo pipefail
 # Absolute: the suite runner starts each test file in the file's own directory.
 export PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1
@@ -59,9 +63,17 @@ if want suite; then
   grep -E '^(=== |files:|FAILED)|passed|failed|skipped' "$OUT/suite_1gpu.log"
 fi
 if want kit-smoke; then
-  step "upstream's DSA attention kit: sparse prefill, triton_sparse_mla, bf16 and FP8 pools (mode off)"
+  step "upstream's DSA attention kit: sparse prefill, every Hopper prefill backend, bf16 and FP8 pools (mode off)"
   python3 -m pytest scripts/gpu_env/dsa_kit_smoke.py -v -rs -p no:cacheprovider > "$OUT/kit_smoke.log" 2>&1 || status=1
   grep -E 'PASSED|FAILED|SKIPPED|ERROR|[0-9]+ (passed|failed)' "$OUT/kit_smoke.log"
+fi
+if want kit-cuda; then
+  step "the kit with every route's real kernel, cp 1 and cp 2 over gloo on one GPU (mode off and on)"
+  for file in integration/test_cp_shared_kv_kit_cuda.py harness/test_serving_harness_cuda.py; do
+    name="$(basename "$file" .py)"
+    python3 -m pytest "test/registered/$file" -q -rs -p no:cacheprovider > "$OUT/$name.log" 2>&1 || status=1
+    grep -E 'PASSED|FAILED|SKIPPED|ERROR|[0-9]+ (passed|failed)' "$OUT/$name.log" | tail -n 30
+  done
 fi
 if want harness && [ "$(python3 -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
   step "CUDA suite, 2 GPUs"
@@ -99,8 +111,27 @@ if want kit-layer; then
   # Issue 24: 8 requests on one shared 8192-token history vs 8 distinct histories (the run above), same shape.
   name="kit_layer_fp8_h32_k2048_shared"
   python3 benchmark/bench_kit_layer.py --requests 8 --history 8192 --extend 1024 --layers 4 --heads 32 --topk 2048 \
-    --fp8 --shared-history --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
+    --fp8 --sharing shared --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
   grep -vE '^\[20|[Ww]arn' "$OUT/$name.log" | tail -n 40
+fi
+
+if want forward; then
+  step "the forward (plan + 78 layers) at the deployed shape: flashmla_sparse bf16, flashmla_kv FP8, 64 heads, top-k 2048"
+  # A cp-8 rank's tokens: 8 requests x 1024 current tokens over 8K, 32K and 128K histories, distinct and shared.
+  for route in "flashmla_sparse bf16" "flashmla_kv fp8"; do
+    set -- $route
+    name="forward_${1}_$2"
+    python3 benchmark/bench_kit_layer.py --backend "$1" $([ "$2" = fp8 ] && echo --fp8) --heads 64 --topk 2048 \
+      --requests 8 --history "${FORWARD_HISTORY:-8192,32768,131072}" --extend 1024 --sharing distinct,shared \
+      --layers 4 --reps "${FORWARD_REPS:-5}" --processes 3 --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
+    grep -vE '^\[20|[Ww]arn|^process ' "$OUT/$name.log" | tail -n 14
+  done
+fi
+
+if want plan-host; then
+  step "host cost of the mode's per-batch plan by request count (flashmla_kv FP8)"
+  python3 benchmark/bench_plan_host.py --device cuda --out "$OUT/plan_host.json" > "$OUT/plan_host.log" 2>&1 || status=1
+  tail -n 20 "$OUT/plan_host.log"
 fi
 
 if want ops; then

@@ -252,6 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
+        "--dist",
+        choices=("nccl", "gloo"),
+        default=None,
+        help="serving stack: the ranks' collectives (default: NCCL on cuda, one GPU per rank; gloo on cpu; gloo on "
+        "cuda puts every rank on GPU 0)",
+    )
+    parser.add_argument(
         "--backend", choices=BACKENDS, default=None, help=f"force {BACKEND_ENV} (default: leave the environment)"
     )
     parser.add_argument("--page-size", type=int, default=4, help="toy stack")
@@ -277,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.stack == "serving":
         routes = list(serving.ROUTES) if args.routes == "all" else [r for r in args.routes.split(",") if r]
         with _ops_backend(args.backend):
-            report = serving.run_serving_harness(args.cp, args.bs_list, names, routes, args.device, log=log)
+            report = serving.run_serving_harness(
+                args.cp, args.bs_list, names, routes, args.device, log=log, dist_backend=args.dist
+            )
     else:
         report = run_harness(
             args.cp,

@@ -1,13 +1,14 @@
 """The serving-path harness: upstream's DSA attention kit through the patched backend on real CP ranks.
 
 Every rank is a process with upstream's distributed init and (patched) model-parallel groups - gloo on
-CPU, NCCL with one process per GPU - and the mode's exchange group made by the patched
+CPU, NCCL with one process per GPU, or gloo with every rank on one GPU (``dist_backend="gloo"``: the GPU data path
+under CP short of NCCL itself) - and the mode's exchange group made by the patched
 ``initialize_model_parallel``. Each rank builds upstream's objects with :class:`~sglang_cpkv.testing.dsa_kit.
 KitWorld` (the kit's ``DSAMockModelRunner`` and pools, the ``DeepseekSparseAttnBackend``, the kit's sparse
 attention modules, upstream's CP split) and runs every scenario's forwards through the patched backend: the
 per-layer work is the runtime's :class:`~sglang_cpkv.runtime.LayerPipeline`, driven by the hooks, exactly as a
-server's prefill takes it. On a GPU the real ``triton_sparse_mla`` kernel runs; ``flashmla_*`` (``flash_mla``
-is not installed there) and every kernel on CPU are captured: what they read is compared.
+server's prefill takes it. On a GPU the route's real kernel runs (``flashmla_*`` from the ``flash_mla`` library,
+``triton_sparse_mla``); on CPU every kernel is captured: what they read is compared.
 
 Scenarios (:func:`scenarios`; request ``r`` of a batch of ``bs``, page size 64, page ids drawn across the pool):
 
@@ -15,11 +16,16 @@ Scenarios (:func:`scenarios`; request ``r`` of a batch of ``bs``, page size 64, 
   ends mid-page and is continued by the chunk (CURRENT_REUSE); one forward.
 * ``chunked``: chunk 1 extends every request after the cached prefix; chunk 2 reads chunk 1's rows as history
   (persisted by the mode itself, owner-sharded across the ranks) and continues them mid-page.
+* ``sharing``: the dense layout's three sharing patterns in one batch (``testing/batches.sharing_patterns``): the
+  cached prefix as shared history slots; request 1 reads as history the page whose history request 0 ends mid-page
+  and continues (a shared CURRENT_REUSE page); the last request reads as history a page request 0 writes its
+  current tokens into (allocator reuse). The last two are collision-class states that upstream's own pool path
+  cannot serve (it writes the chunk into the pool before attention), so only ``bs1`` and ``ranks`` judge it.
 
 Checks (one report row each, ``passed`` true or false), per scenario x route x bs, over all ranks' rows:
 
-* ``mode_off``: every layer's kernel reads the same KV bytes (and, where it ran, gives the same output) with the
-  mode on as with it off, and the indexer reads the same index K;
+* ``mode_off`` (not for ``sharing``): every layer's kernel reads the same KV bytes (and, where it ran, gives the
+  same output) with the mode on as with it off, and the indexer reads the same index K;
 * ``bs1``: each request of the batch reads (and gets) exactly what it reads alone, bs = 1, mode on;
 * ``ranks`` (cp > 1): the dense views of the last layer (latent and index K) are byte-equal across ranks.
 """
@@ -45,8 +51,11 @@ ROUTES = {
     "triton_sparse_mla-fp8-ragged": KitRoute("triton_sparse_mla", fp8=True),
     "flashmla_kv-fp8-paged": KitRoute("flashmla_kv", fp8=True),
     "flashmla_sparse-bf16-paged-indexshare": KitRoute("flashmla_sparse", skip_topk_layers=(False, True, False)),
+    "flashmla_sparse-fp8-ragged": KitRoute("flashmla_sparse", fp8=True),
+    "flashmla_auto-fp8": KitRoute("flashmla_auto", fp8=True),
 }
-SCENARIO_NAMES = ("shared-prefix", "chunked")
+SCENARIO_NAMES = ("shared-prefix", "chunked", "sharing")
+UPSTREAM_CANNOT_SERVE = ("sharing",)  # collision-class states: no mode_off check
 SHARED_PREFIX = 2 * PAGE  # the cached prompt every request hits
 LONGEST = 400  # tokens of the longest request of any scenario (the kit runner's context)
 
@@ -99,9 +108,19 @@ def scenarios(bs: int, cp: int, max_bs: int) -> dict[str, Scenario]:
     chunk_tables = tables([SHARED_PREFIX + a + b for a, b in zip(first, second)])
     chunk1 = BatchCase(PAGE, capacity, chunk_tables, [SHARED_PREFIX] * bs, first, cp)
     chunk2 = BatchCase(PAGE, capacity, chunk_tables, [SHARED_PREFIX + a for a in first], second, cp)
+    # sharing (module docstring): A's history ends 30 tokens into page x, its chunk fills x and y and starts z;
+    # B reads x and y whole as history, ends 10 tokens into its own page; the rest as in shared-prefix.
+    (x, y, z, w), pages = pages[:4], pages[4:]
+    sharing_tables = [shared + (x, y, z), shared + (x, y, w)] + list(tables([p + e for p, e in zip(prefix, extend)]))[
+        2:
+    ]
+    sharing_prefix = [SHARED_PREFIX + 30, SHARED_PREFIX + 2 * PAGE + 10] + prefix[2:]
+    sharing_extend = [PAGE - 30 + PAGE + 20, 25] + extend[2:]
+    sharing_case = BatchCase(PAGE, capacity, tuple(sharing_tables), sharing_prefix, sharing_extend, cp)
     return {
         "shared-prefix": Scenario("shared-prefix", (shared_case,)),
         "chunked": Scenario("chunked", (chunk1, chunk2)),
+        "sharing": Scenario("sharing", (sharing_case,)),
     }
 
 
@@ -167,7 +186,7 @@ def run_scenario(route: KitRoute, scenario: Scenario, mode_on: bool, max_bs: int
         device=device,
         cp_size=cp,
         cp_rank=rank,
-        run_triton=torch.device(device).type == "cuda",
+        run_kernels=torch.device(device).type == "cuda",
     )
     out = RankRun()
     world.write_history(scenario.forwards[0])
@@ -199,8 +218,8 @@ def run_job(job: HarnessJob, device: str, cp: int, rank: int, model_dir: str, lo
                 if name not in job.scenarios:
                     continue
                 start = time.perf_counter()
-                runs = [("off", scenario, False), ("on", scenario, True)]
-                runs += [(r, scenario.alone(r), True) for r in range(bs)]
+                runs = [] if name in UPSTREAM_CANNOT_SERVE else [("off", scenario, False)]
+                runs += [("on", scenario, True)] + [(r, scenario.alone(r), True) for r in range(bs)]
                 for key, sc, mode_on in runs:
                     if cp > 1:
                         publish_prefill_cp_server_args(model_dir, cp, mode_on=mode_on)
@@ -210,25 +229,28 @@ def run_job(job: HarnessJob, device: str, cp: int, rank: int, model_dir: str, lo
     return results
 
 
-def _rank_process(rank: int, cp: int, device: str, init_method: str, model_dir: str, job: HarnessJob) -> None:
+def _rank_process(
+    rank: int, cp: int, device: str, init_method: str, model_dir: str, job: HarnessJob, dist_backend: str | None
+) -> None:
     """One CP rank: upstream's distributed init, the patched model-parallel groups, then the job."""
     from sglang_cpkv.testing.dsa_kit import init_cp_rank
 
     torch.set_num_threads(1)
-    device = init_cp_rank(rank, cp, device, init_method, model_dir)
+    device = init_cp_rank(rank, cp, device, init_method, model_dir, dist_backend)
     results = run_job(job, device, cp, rank, model_dir, log=lambda m: print(m, flush=True))
     torch.save(results, os.path.join(model_dir, f"rank{rank}.pt"))
 
 
-def run_ranks(job: HarnessJob, cp: int, device: str, log) -> list[dict]:
-    """Every rank's results of ``job`` (cp 1 in this process, else ``cp`` spawned ranks)."""
+def run_ranks(job: HarnessJob, cp: int, device: str, log, dist_backend: str | None = None) -> list[dict]:
+    """Every rank's results of ``job`` (cp 1 in this process, else ``cp`` spawned ranks over ``dist_backend``,
+    :func:`~sglang_cpkv.testing.dsa_kit.init_cp_rank`)."""
     if cp == 1:
         dev = "cuda:0" if device == "cuda" else "cpu"
         return [run_job(job, dev, 1, 0, "", log=log)]
     with tempfile.TemporaryDirectory() as tmp:
         write_dsa_model_dir(tmp)
         init = Path(tmp, "dist_init").as_uri()
-        mp.spawn(_rank_process, args=(cp, device, init, tmp, job), nprocs=cp, join=True)
+        mp.spawn(_rank_process, args=(cp, device, init, tmp, job, dist_backend), nprocs=cp, join=True)
         return [torch.load(Path(tmp, f"rank{rank}.pt"), weights_only=False) for rank in range(cp)]
 
 
@@ -301,9 +323,11 @@ def judge(job: HarnessJob, cp: int, ranks: list[dict]) -> list[dict]:
         for bs in job.bs_list:
             for name in job.scenarios:
                 base = {"route": route_name, "scenario": name, "cp": cp, "bs": bs}
-                off, on = _merged(ranks, (route_name, name, bs, "off")), _merged(ranks, (route_name, name, bs, "on"))
+                on = _merged(ranks, (route_name, name, bs, "on"))
                 alone = [_merged(ranks, (route_name, name, bs, r)) for r in range(bs)]
-                found = {"mode_off": _check_mode_off(off, on), "bs1": _check_bs1(on, alone)}
+                found = {"bs1": _check_bs1(on, alone)}
+                if name not in UPSTREAM_CANNOT_SERVE:
+                    found["mode_off"] = _check_mode_off(_merged(ranks, (route_name, name, bs, "off")), on)
                 if cp > 1:
                     found["ranks"] = _check_ranks(ranks, (route_name, name, bs, "on"))
                 outputs = sum(rows[0][2] is not None for rows in on.reads.values())
@@ -328,20 +352,24 @@ def run_serving_harness(
     route_names: list[str],
     device: str,
     log=print,
+    dist_backend: str | None = None,
 ) -> dict:
-    """Run the serving-path harness; returns the report (``report["summary"]["failed"] == 0`` when all passed)."""
+    """Run the serving-path harness; returns the report (``report["summary"]["failed"] == 0`` when all passed).
+
+    ``dist_backend``: the ranks' collectives (:func:`~sglang_cpkv.testing.dsa_kit.init_cp_rank`; default NCCL on a
+    GPU, one GPU per rank; ``"gloo"`` on a GPU puts every rank on GPU 0)."""
     unknown = sorted(set(scenario_names) - set(SCENARIO_NAMES)) + sorted(set(route_names) - set(ROUTES))
     if unknown:
         raise ValueError(f"unknown scenarios or routes {unknown}; scenarios {SCENARIO_NAMES}, routes {tuple(ROUTES)}")
     if not bs_list or min(bs_list) < 1 or not cp_list or min(cp_list) < 1:
         raise ValueError(f"bs_list {bs_list} and cp_list {cp_list} must be non-empty and >= 1")
-    if device == "cuda" and max(cp_list) > torch.cuda.device_count():
+    if device == "cuda" and dist_backend != "gloo" and max(cp_list) > torch.cuda.device_count():
         raise ValueError(f"cp={max(cp_list)} needs {max(cp_list)} GPUs, {torch.cuda.device_count()} visible")
     job = HarnessJob(tuple(route_names), tuple(scenario_names), tuple(bs_list))
     checks, timings = [], {}
     for cp in cp_list:
         start = time.perf_counter()
-        ranks = run_ranks(job, cp, device, log)
+        ranks = run_ranks(job, cp, device, log, dist_backend)
         timings[f"cp{cp}_seconds"] = round(time.perf_counter() - start, 2)
         cp_checks = judge(job, cp, ranks)
         checks += cp_checks
@@ -350,6 +378,7 @@ def run_serving_harness(
     return {
         "stack": "serving",
         "device": device_line(device),
+        "dist_backend": dist_backend or ("nccl" if device == "cuda" else "gloo"),
         "cp_list": cp_list,
         "bs_list": bs_list,
         "scenarios": scenario_names,

@@ -27,9 +27,11 @@ layout as its ``loc_fn``) and its pool writer. What differs from the kit's own c
 * **top-k**: the indexer's fused transform is applied to request-local positions exactly as upstream's
   top-k kernel does (PAGED: ``page_table_1[row's request, position]``; RAGGED: ``position +
   topk_indices_offset[row]``), so the mode's remapped tables decide what the attention kernel reads;
-* **the kernel** (``flashmla_sparse``, ``flashmla_kv``, ``triton_sparse_mla``): the tensors handed to it are
-  captured; on a GPU ``triton_sparse_mla`` also runs for real. On CPU the RAGGED route's dequantization is
-  replaced by a gather of the raw rows it would read (the kernel-side comparison is then the same rows).
+* **the kernel** (``flashmla_sparse``, ``flashmla_kv``, ``triton_sparse_mla``; ``flashmla_auto`` resolves to one of
+  the first two per batch, as upstream's ``set_dsa_prefill_impl`` decides): the tensors handed to it are captured;
+  with ``run_kernels`` on a GPU the real kernel also runs (``flashmla_*`` from the ``flash_mla`` library, which
+  :func:`missing_kernel_library` names when absent). On CPU the RAGGED route's dequantization is replaced by a
+  gather of the raw rows it would read (the kernel-side comparison is then the same rows).
 
 Every captured kernel call is reduced to what it reads (:class:`KernelReads`): for each query row the bytes
 of every KV row it addresses, in top-k order, so a mode-on run (dense view, dense locations) and a mode-off
@@ -166,7 +168,7 @@ class KernelReads:
     q: torch.Tensor  # [rows, heads, dim], the query rows it was handed
     rows: torch.Tensor  # uint8 [rows, K, row_bytes]: the KV bytes each query row addresses (zeros for -1)
     valid: torch.Tensor  # bool [rows, K]
-    output: torch.Tensor | None  # the kernel's output where it ran (GPU triton_sparse_mla), else None
+    output: torch.Tensor | None  # the kernel's output where it ran (a GPU world with run_kernels), else None
 
 
 def _upstream():
@@ -202,25 +204,39 @@ def _upstream():
 
 
 def _values(loc: torch.Tensor, salt: int, width: int, capacity: int, device) -> torch.Tensor:
-    """bf16 rows that are a function of (pool location, salt) only: one history per pool location, whoever
-    reads it, and the same rows for a request at bs = 1 as in a batch."""
-    gen = torch.Generator().manual_seed(salt)
-    table = torch.randn(capacity * PAGE, width, generator=gen)
-    return table[loc.cpu()].to(torch.bfloat16).to(device)
+    """bf16 rows that are a function of (pool location, salt, device) only: one history per pool location, whoever
+    reads it, and the same rows for a request at bs = 1 as in a batch. Drawn on the device (a GPU draws a
+    128K-token table in microseconds, where the host takes seconds)."""
+    device = torch.device(device)
+    gen = torch.Generator(device=device).manual_seed(salt)
+    table = torch.randn(capacity * PAGE, width, generator=gen, device=device)
+    return table[loc.to(device)].to(torch.bfloat16)
+
+
+# The library each prefill backend's real kernel comes from (flashmla_auto runs one of the flashmla kernels).
+KERNEL_LIBRARY = {"flashmla_sparse": "flash_mla", "flashmla_kv": "flash_mla", "flashmla_auto": "flash_mla"}
+
+
+def missing_kernel_library(route: KitRoute) -> str | None:
+    """The Python module the route's real kernel needs that is not installed here, else None."""
+    library = KERNEL_LIBRARY.get(route.prefill_backend)
+    return library if library and importlib.util.find_spec(library) is None else None
 
 
 class _Capture:
     """Replaces the backend's kernels (and, on CPU, the RAGGED dequantization) with recorders."""
 
-    def __init__(self, up: dict, backend: Any, run_triton: bool) -> None:
+    def __init__(self, up: dict, backend: Any, run_kernels: bool) -> None:
         self.calls: list[KernelReads] = []
         self._up, self._backend = up, backend
         self._saved_dequant = up["dsa_backend_module"].dequantize_k_cache_paged_dsa
+        flash_mla = importlib.util.find_spec("flash_mla") is not None
         for name in KERNELS:
-            setattr(backend, name, self._kernel(name, getattr(backend, name), run_triton and "triton" in name))
+            run = run_kernels and ("triton" in name or flash_mla)
+            setattr(backend, name, self._kernel(name, getattr(backend, name), run))
         if not torch.cuda.is_available():
             up["dsa_backend_module"].dequantize_k_cache_paged_dsa = _gather_rows
-        if importlib.util.find_spec("flash_mla") is None:
+        if not flash_mla:
             # flashmla_kv's scheduling metadata comes from the flash_mla library, absent here with its kernel.
             backend._compute_flashmla_metadata = lambda cache_seqlens, seq_len_q: SimpleNamespace(
                 flashmla_metadata=None, num_splits=None
@@ -298,11 +314,13 @@ class KitWorld:
         mode_on: ``--enable-cp-shared-kv`` as published in this process.
         cp_size, cp_rank: the attention-CP rank (cp > 1: the caller published the server's args and made the
             exchange group, :func:`publish_prefill_cp_server_args`).
-        run_triton: also run the real ``triton_sparse_mla`` kernel (GPU).
+        run_kernels: also run the real attention kernel (GPU): ``triton_sparse_mla``, and the ``flashmla_*`` ones
+            where the ``flash_mla`` library is installed (:func:`missing_kernel_library`).
         pool_requests: size the page ids for this many requests of ``longest`` tokens instead of ``max_requests``
             (the kit's formula; a smaller pool than the batch's tokens needs prefix sharing).
         heads, topk: attention heads of a layer and its top-k width (the kit's sparse cases: 4 and 128;
-            DeepSeek-V3.2's top-k is 2048; upstream's ``triton_sparse_mla`` refuses more than 32 heads per rank).
+            DeepSeek-V3.2's top-k is 2048; upstream's ``triton_sparse_mla`` refuses more than 32 heads per rank;
+            GLM-5.1 at cp 8 runs 64 per rank, FlashMLA's Hopper head block).
     """
 
     def __init__(
@@ -315,7 +333,7 @@ class KitWorld:
         device: torch.device | str,
         cp_size: int = 1,
         cp_rank: int = 0,
-        run_triton: bool = False,
+        run_kernels: bool = False,
         seed: int = 0,
         pool_requests: int | None = None,
         heads: int = HEADS,
@@ -325,7 +343,7 @@ class KitWorld:
         self.heads, self.topk = heads, topk
         self.up, self.route, self.mode_on, self.seed = up, route, mode_on, seed
         self.device = torch.device(device)
-        self.cp_size, self.cp_rank, self.run_triton = cp_size, cp_rank, run_triton
+        self.cp_size, self.cp_rank, self.run_kernels = cp_size, cp_rank, run_kernels
         kit, dense_kit = up["kit"], up["dense_kit"]
         self.max_context = -(-longest // PAGE) * PAGE
         shape = BatchCase(PAGE, 1, ((1,),) * max_requests, (0,) * max_requests, (longest,) * max_requests)
@@ -497,13 +515,22 @@ class KitWorld:
         """The kit's forward batch of ``case`` (our page layout), the chunk's pool locations, and this rank's
         real local tokens with upstream's ``attn_cp_metadata`` under CP (else None)."""
         self._check(case)
-        forward_batch = self.up["dense_kit"]._make_forward_batch(
-            _kit_case(self.up, case, self.heads),
-            self.runner,
-            max_context_len=self.max_context,
-            device=str(self.device),
-            loc_fn=case.pool_loc,
-        )
+        # The kit writes req_to_token one element at a time (on a GPU a kernel launch each: seconds for a batch of
+        # 128K-token requests); its writes land in a host copy that goes to the device in one transfer.
+        pool = self.runner.req_to_token_pool
+        device_table = pool.req_to_token
+        pool.req_to_token = device_table.cpu().numpy()
+        try:
+            forward_batch = self.up["dense_kit"]._make_forward_batch(
+                _kit_case(self.up, case, self.heads),
+                self.runner,
+                max_context_len=self.max_context,
+                device=str(self.device),
+                loc_fn=case.pool_loc,
+            )
+        finally:
+            device_table.copy_(torch.from_numpy(pool.req_to_token))
+            pool.req_to_token = device_table
         cur_locs = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
         local_tokens, metadata_cp = _cp_split(case, forward_batch, self.cp_rank)
         return forward_batch, cur_locs, local_tokens, metadata_cp
@@ -516,7 +543,7 @@ class KitWorld:
         up, route, device, backend = self.up, self.route, self.device, self.backend
         forward_batch, cur_locs, local_tokens, metadata_cp = self._extend_batch(case)
         layers_batch = self._extend_batch(case)[0] if layers_see_another_forward_batch else forward_batch
-        capture = _Capture(up, backend, self.run_triton)
+        capture = _Capture(up, backend, self.run_kernels)
         kernel_reads, index_reads = [], {}
         try:
             with torch.no_grad(), up["context"](backend):
@@ -545,12 +572,15 @@ class KitWorld:
         return KitRun(kernel_reads, index_reads, local_tokens, pool_after)
 
     def time_layers(self, case: BatchCase, reps: int) -> tuple[float, float]:
-        """``(plan ms, ms per layer)`` of ``reps`` forwards of ``case`` with the real kernel and no capture
-        (``triton_sparse_mla``, on a GPU): CUDA events around ``init_forward_metadata`` and around the layer loop
-        (attention only; inputs prepared before the clock starts), medians."""
+        """``(plan ms, ms per layer)`` of ``reps`` forwards of ``case`` with the route's real kernel and no capture
+        (on a GPU): CUDA events around ``init_forward_metadata`` and around the layer loop (attention only; inputs
+        prepared before the clock starts), medians."""
         up, route, device, backend = self.up, self.route, self.device, self.backend
-        if route.prefill_backend != "triton_sparse_mla" or device.type != "cuda":
-            raise ValueError("time_layers runs the real triton_sparse_mla kernel on a GPU")
+        if device.type != "cuda":
+            raise ValueError("time_layers runs the route's real kernel on a GPU")
+        missing = missing_kernel_library(route)
+        if missing:
+            raise ValueError(f"time_layers: {route.prefill_backend} needs the {missing} library, not installed here")
         forward_batch, cur_locs, local_tokens, metadata_cp = self._extend_batch(case)
         inputs = []
         for module in self.modules:
@@ -735,27 +765,47 @@ def publish_prefill_cp_server_args(model_dir: str, cp_size: int, mode_on: bool) 
     init_cp_strategy(enable_prefill_cp=True, cp_size=cp_size, cp_strategy="interleave")
 
 
-def init_cp_rank(rank: int, cp_size: int, device: str, init_method: str, model_dir: str) -> str:
+def init_cp_rank(
+    rank: int, cp_size: int, device: str, init_method: str, model_dir: str, dist_backend: str | None = None
+) -> str:
     """Make this process CP rank ``rank`` of ``cp_size`` as a prefill server does: the kit's single-rank pin
-    lifted, the server's args published (the mode on), upstream's distributed init (gloo on CPU, NCCL with
-    rank ``k`` on GPU ``k``) and the patched ``initialize_model_parallel`` (which makes the mode's exchange
-    group). Returns the rank's device."""
+    lifted, the server's args published (the mode on), upstream's distributed init and the patched
+    ``initialize_model_parallel`` (which makes the mode's exchange group, on the same backend). Returns the rank's
+    device.
+
+    ``dist_backend``: ``"nccl"`` (the default on a GPU: rank ``k`` on GPU ``k``) or ``"gloo"`` (the default on
+    CPU). Gloo on a GPU puts every rank on GPU 0 (NCCL refuses two ranks of one communicator on one device; gloo
+    moves CUDA tensors through the host): upstream's groups are then built without their NCCL and custom
+    all-reduce communicators, so every collective, the mode's history all-gather included, is gloo's."""
     _upstream()["kit"]._parallel_override.__exit__(None, None, None)  # the kit pins cp 1 when imported
     from sglang.srt.distributed import parallel_state
     from sglang.srt.runtime_context import get_parallel
 
     cuda = torch.device(device).type == "cuda"
+    dist_backend = dist_backend or ("nccl" if cuda else "gloo")
+    if dist_backend not in ("nccl", "gloo") or (dist_backend == "nccl" and not cuda):
+        raise ValueError(f"dist_backend {dist_backend!r} on {device}: nccl needs a GPU, else gloo")
+    shared_gpu = cuda and dist_backend == "gloo"
+    local_rank = rank if dist_backend == "nccl" else 0
     if cuda:
-        torch.cuda.set_device(rank)
-        device = f"cuda:{rank}"
+        torch.cuda.set_device(local_rank)
+        device = f"cuda:{local_rank}"
+    if shared_gpu:
+        parallel_state.set_custom_all_reduce(False)
+        build_group = parallel_state.init_model_parallel_group
+
+        def without_nccl(*args, **kwargs):
+            return build_group(*args, **{**kwargs, "use_pynccl": False})
+
+        parallel_state.init_model_parallel_group = without_nccl
     publish_prefill_cp_server_args(model_dir, cp_size, mode_on=True)
     get_parallel().override_permanently(tp_rank=rank, attn_cp_rank=rank, attn_dcp_size=1, attn_dcp_rank=0)
     parallel_state.init_distributed_environment(
         world_size=cp_size,
         rank=rank,
         distributed_init_method=init_method,
-        local_rank=rank if cuda else 0,
-        backend="nccl" if cuda else "gloo",
+        local_rank=local_rank,
+        backend=dist_backend,
     )
     parallel_state.initialize_model_parallel()
     return device

@@ -48,6 +48,7 @@ IMPORT_CHECKS = (
     "sglang.kernels.ops.kvcache.dsa_fused_store_index_cache",
     "sglang.srt.layers.attention.dsa_backend",
     "sglang.kernels.ops.attention.dsa.triton_sparse_mla_prefill",
+    "sglang.kernels.ops.attention.flash_mla_interface",  # the flash_mla library: the flashmla_* routes' kernels
     "sglang.test.kits.attention_unittest.attention_methods.dsa_attention",
 )
 # Requirements of closure wheels that stay behind on purpose: nothing on the tested paths imports them (ipython's

@@ -1,8 +1,8 @@
 """The serving-path harness on CPU: upstream's DSA attention kit through the patched backend at cp 2 over gloo.
 
-Two ranks, each a process with upstream's distributed init and the patched model-parallel groups; bs 2; both
-scenarios (radix hits with CURRENT_REUSE, a chunked continuation whose history the mode persisted
-owner-sharded); the PAGED bf16 route of ``triton_sparse_mla`` (captured: the interpreter cannot run its bf16
+Two ranks, each a process with upstream's distributed init and the patched model-parallel groups; bs 2; every
+scenario (radix hits with CURRENT_REUSE, a chunked continuation whose history the mode persisted
+owner-sharded, the dense layout's three sharing patterns); the PAGED bf16 route of ``triton_sparse_mla`` (captured: the interpreter cannot run its bf16
 products). Every check of the report must pass: the kernel reads the same KV bytes with the mode on
 as off, each request of the batch reads what it reads alone, and the ranks' dense views are byte-equal. The
 judge is shown to fail on a planted fault of each kind.
@@ -17,6 +17,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 
 from sglang_cpkv.harness import serving
+from sglang_cpkv.testing.batches import HISTORY_WRITTEN, SHARED_HISTORY, SHARED_REUSE, sharing_patterns
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=60, suite="cpkv-cpu")
@@ -34,7 +35,8 @@ def ranks():
 def test_every_check_passes_at_cp2(ranks):
     checks = serving.judge(JOB, 2, ranks)
     assert [c for c in checks if not c["passed"]] == []
-    assert len(checks) == len(JOB.routes) * len(JOB.scenarios) * 3  # mode_off, bs1, ranks
+    # mode_off, bs1, ranks; no mode_off where upstream's own path cannot serve the batch
+    assert len(checks) == len(JOB.routes) * (len(JOB.scenarios) * 3 - len(serving.UPSTREAM_CANNOT_SERVE))
     for c in checks:
         assert c["rows"] == sum(sum(case.extend_lens) for case in serving.scenarios(2, 2, 2)[c["scenario"]].forwards)
 
@@ -46,6 +48,9 @@ def test_the_scenarios_are_what_they_claim():
     chunk1, chunk2 = serving.scenarios(2, 2, 2)["chunked"].forwards
     assert list(chunk2.prefix_lens) == [p + e for p, e in zip(chunk1.prefix_lens, chunk1.extend_lens)]
     assert any(p % serving.PAGE for p in chunk2.prefix_lens)
+    for bs in (2, 4):
+        sharing = serving.scenarios(bs, 2, bs)["sharing"].forwards[0]
+        assert sharing_patterns(sharing) == {SHARED_HISTORY, SHARED_REUSE, HISTORY_WRITTEN}
 
 
 def _planted(ranks, key, mutate):
