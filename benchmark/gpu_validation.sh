@@ -71,7 +71,7 @@ if want kit-cuda; then
   step "the kit with every route's real kernel, cp 1 and cp 2 over gloo on one GPU (mode off and on)"
   for file in integration/test_cp_shared_kv_kit_cuda.py harness/test_serving_harness_cuda.py; do
     name="$(basename "$file" .py)"
-    python3 -m pytest "test/registered/$file" -q -rs -p no:cacheprovider > "$OUT/$name.log" 2>&1 || status=1
+    python3 -m pytest "test/registered/$file" -v -rs -p no:cacheprovider > "$OUT/$name.log" 2>&1 || status=1
     grep -E 'PASSED|FAILED|SKIPPED|ERROR|[0-9]+ (passed|failed)' "$OUT/$name.log" | tail -n 30
   done
 fi

@@ -27,6 +27,10 @@ Checks (one report row each, ``passed`` true or false), per scenario x route x b
 * ``mode_off`` (not for ``sharing``): every layer's kernel reads the same KV bytes (and, where it ran, gives the
   same output) with the mode on as with it off, and the indexer reads the same index K;
 * ``bs1``: each request of the batch reads (and gets) exactly what it reads alone, bs = 1, mode on;
+* ``alone_off`` (FlashMLA's split-KV kernel only, ``flashmla_kv``: its tile schedule splits each query row's KV by
+  the work of the whole batch, so upstream itself rounds a row's output differently in another batch, and ``bs1``
+  compares the bytes read only): each request alone reads and gets with the mode on exactly what upstream's own path
+  gives it alone;
 * ``ranks`` (cp > 1): the dense views of the last layer (latent and index K) are byte-equal across ranks.
 """
 
@@ -56,6 +60,7 @@ ROUTES = {
 }
 SCENARIO_NAMES = ("shared-prefix", "chunked", "sharing")
 UPSTREAM_CANNOT_SERVE = ("sharing",)  # collision-class states: no mode_off check
+SPLIT_KV_KERNEL = "_forward_flashmla_kv"  # the backend method of FlashMLA's split-KV decode kernel (module docstring)
 SHARED_PREFIX = 2 * PAGE  # the cached prompt every request hits
 LONGEST = 400  # tokens of the longest request of any scenario (the kit runner's context)
 
@@ -133,6 +138,7 @@ class RankRun:
     )  # (request, token offset in its chunk, forward) -> per layer (KV bytes read, valid, kernel output row)
     index_k: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)  # per forward
     dense_views: list[dict[str, torch.Tensor]] = field(default_factory=list)  # per forward, mode on: last layer's
+    kernels: set[str] = field(default_factory=set)  # the backend kernel methods the forwards ran
 
 
 def _reduce(run: KitRun, case: BatchCase, forward: int, out: RankRun, dense: dict[str, torch.Tensor]) -> None:
@@ -144,6 +150,7 @@ def _reduce(run: KitRun, case: BatchCase, forward: int, out: RankRun, dense: dic
         ]
     out.index_k.append(run.index_k)
     out.dense_views.append(dense)
+    out.kernels.update(k.kernel for k in run.kernel)
 
 
 def _dense_views(world: Any) -> dict[str, torch.Tensor]:
@@ -224,6 +231,12 @@ def run_job(job: HarnessJob, device: str, cp: int, rank: int, model_dir: str, lo
                     if cp > 1:
                         publish_prefill_cp_server_args(model_dir, cp, mode_on=mode_on)
                     results[(route_name, name, bs, key)] = run_scenario(route, sc, mode_on, max_bs, device, cp, rank)
+                if SPLIT_KV_KERNEL in results[(route_name, name, bs, "on")].kernels:
+                    if cp > 1:
+                        publish_prefill_cp_server_args(model_dir, cp, mode_on=False)
+                    for r in range(bs):
+                        alone = run_scenario(route, scenario.alone(r), False, max_bs, device, cp, rank)
+                        results[(route_name, name, bs, ("off", r))] = alone
                 if log is not None:
                     log(f"rank {rank}: {route_name} {name} bs={bs}: {time.perf_counter() - start:.1f} s")
     return results
@@ -263,18 +276,23 @@ def _merged(ranks: list[dict], key: tuple) -> RankRun:
         if overlap:
             raise AssertionError(f"{key}: rows {sorted(overlap)[:4]} on two ranks")
         merged.reads.update(run.reads)
+        merged.kernels |= run.kernels
     first = ranks[0][key]
     merged.index_k, merged.dense_views = first.index_k, first.dense_views
     return merged
 
 
-def _row_problems(a, b, what: str) -> list[str]:
+def _row_problems(a, b, what: str, output: bool = True) -> list[str]:
+    """What differs between two runs of one query row (per layer: KV bytes read, and the output unless not
+    ``output``)."""
     problems = []
     for layer, ((rows_a, valid_a, out_a), (rows_b, valid_b, out_b)) in enumerate(zip(a, b)):
         if not torch.equal(valid_a, valid_b) or not same_bytes(rows_a, rows_b):
             problems.append(f"{what} layer {layer}: other KV bytes read")
         elif int(valid_a.sum()) == 0:
             problems.append(f"{what} layer {layer}: reads nothing")
+        if not output:
+            continue
         if (out_a is None) != (out_b is None) or (out_a is not None and not same_bytes(out_a, out_b)):
             problems.append(f"{what} layer {layer}: other kernel output")
     return problems
@@ -292,14 +310,25 @@ def _check_mode_off(off: RankRun, on: RankRun) -> list[str]:
     return problems
 
 
-def _check_bs1(batch: RankRun, alone: list[RankRun]) -> list[str]:
+def _check_bs1(batch: RankRun, alone: list[RankRun], output: bool = True) -> list[str]:
     problems = []
     for (r, offset, forward), rows in sorted(batch.reads.items()):
         solo = alone[r].reads.get((0, offset, forward))
         if solo is None:
             problems.append(f"request {r} offset {offset}: no such row alone")
             continue
-        problems += _row_problems(rows, solo, f"request {r} offset {offset} forward {forward} vs alone")
+        problems += _row_problems(rows, solo, f"request {r} offset {offset} forward {forward} vs alone", output)
+    return problems
+
+
+def _check_alone_off(alone: list[RankRun], alone_off: list[RankRun]) -> list[str]:
+    problems = []
+    for r, (on, off) in enumerate(zip(alone, alone_off)):
+        if on.reads.keys() != off.reads.keys():
+            problems.append(f"request {r} alone: the query rows differ with the mode on")
+            continue
+        for key in sorted(on.reads):
+            problems += _row_problems(off.reads[key], on.reads[key], f"request {r} alone, row {key}, vs mode off")
     return problems
 
 
@@ -325,7 +354,11 @@ def judge(job: HarnessJob, cp: int, ranks: list[dict]) -> list[dict]:
                 base = {"route": route_name, "scenario": name, "cp": cp, "bs": bs}
                 on = _merged(ranks, (route_name, name, bs, "on"))
                 alone = [_merged(ranks, (route_name, name, bs, r)) for r in range(bs)]
-                found = {"bs1": _check_bs1(on, alone)}
+                split_kv = SPLIT_KV_KERNEL in on.kernels
+                found = {"bs1": _check_bs1(on, alone, output=not split_kv)}
+                if split_kv:
+                    alone_off = [_merged(ranks, (route_name, name, bs, ("off", r))) for r in range(bs)]
+                    found["alone_off"] = _check_alone_off(alone, alone_off)
                 if name not in UPSTREAM_CANNOT_SERVE:
                     found["mode_off"] = _check_mode_off(_merged(ranks, (route_name, name, bs, "off")), on)
                 if cp > 1:
