@@ -1,0 +1,118 @@
+"""The host cost of the CP shared-KV mode's per-batch plan, by request count, through upstream's real objects.
+
+The plan is what the mode adds to upstream's ``init_forward_metadata`` (the DSA backend's per-batch metadata, with
+the mode's hook inside it: the plan, the batch's pipeline, the remapped tables). For each request count a
+:class:`~sglang_cpkv.testing.dsa_kit.KitWorld` (upstream's kit runner, pools and backend) runs
+``init_forward_metadata`` on a batch of ``--history`` + ``--extend`` tokens per request, with the mode off and on
+(layer-ahead and synchronous), and reports the median host time per call (``time.perf_counter`` around the call,
+the device synchronized before the clock starts) and, on a GPU, the CUDA-event time of the same window. ``--profile``
+adds, for the mode on, the functions of ``sglang_cpkv`` and the torch calls that take the most host time (cProfile).
+
+    python benchmark/bench_plan_host.py --device cuda [--requests 1,8,16,32,64 --history 8192 --extend 1024] \\
+        [--backend flashmla_kv --fp8] [--profile] --out plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import time
+
+import torch
+
+from sglang_cpkv.testing.batches import BatchCase
+from sglang_cpkv.testing.dsa_kit import PAGE, KitRoute, KitWorld, distinct_page_tables, kit_capacity
+
+CONFIGS = (("mode off", False, "0"), ("mode on, layer-ahead", True, "1"), ("mode on, synchronous", True, "0"))
+
+
+def _time(world: KitWorld, forward_batch, reps: int) -> tuple[float, float | None]:
+    """Median host ms and (on a GPU) median CUDA-event ms of ``init_forward_metadata``."""
+    cuda = world.device.type == "cuda"
+    host, device = [], []
+    for _ in range(reps + 2):  # two warm-up calls
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t = time.perf_counter()
+        world.backend.init_forward_metadata(forward_batch)
+        host.append((time.perf_counter() - t) * 1e3)
+        if cuda:
+            end.record()
+            torch.cuda.synchronize()
+            device.append(start.elapsed_time(end))
+    return statistics.median(host[2:]), statistics.median(device[2:]) if cuda else None
+
+
+def _profile(world: KitWorld, forward_batch, reps: int) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(reps):
+        world.backend.init_forward_metadata(forward_batch)
+    if world.device.type == "cuda":
+        torch.cuda.synchronize()
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(r"sglang_cpkv|torch|built-in", 25)
+    stats.sort_stats("cumulative").print_stats(r"sglang_cpkv", 25)
+    return out.getvalue()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=lambda t: [int(x) for x in t.split(",")], default=[1, 8, 16, 32, 64])
+    parser.add_argument("--history", type=int, default=8192)
+    parser.add_argument("--extend", type=int, default=1024)
+    parser.add_argument("--backend", default="flashmla_kv", help="the DSA prefill backend (flashmla_* need flash_mla)")
+    parser.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=True, help="the 656-byte FP8 pool")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--profile", action="store_true", help="cProfile of the mode-on calls (top host costs)")
+    parser.add_argument("--out", help="write the figures here (json)")
+    args = parser.parse_args(argv)
+    route = KitRoute(args.backend, fp8=args.fp8)
+    rows, profiles = [], {}
+    for requests in args.requests:
+        longest = args.history + args.extend
+        capacity = kit_capacity(requests, longest)
+        tables = distinct_page_tables([longest] * requests, capacity, seed=0)
+        case = BatchCase(PAGE, capacity, tables, (args.history,) * requests, (args.extend,) * requests)
+        for label, mode_on, layer_ahead in CONFIGS:
+            os.environ["SGLANG_CPKV_LAYER_AHEAD"] = layer_ahead
+            world = KitWorld(route, max_requests=requests, longest=longest, mode_on=mode_on, device=args.device)
+            forward_batch = world._extend_batch(case)[0]
+            with torch.no_grad(), world.up["context"](world.backend):
+                host_ms, device_ms = _time(world, forward_batch, args.reps)
+                if args.profile and mode_on:
+                    profiles[f"{requests} requests, {label}"] = _profile(world, forward_batch, args.reps)
+            rows.append({"requests": requests, "config": label, "host_ms": host_ms, "device_ms": device_ms})
+            del world
+    print(
+        f"init_forward_metadata, {args.backend}, {'FP8' if args.fp8 else 'bf16'} pool, {args.device}: requests x "
+        f"({args.history} history + {args.extend} extend), median of {args.reps}"
+    )
+    for row in rows:
+        off = next(r for r in rows if r["requests"] == row["requests"] and r["config"] == "mode off")
+        row["host_minus_off_ms"] = row["host_ms"] - off["host_ms"]
+        device = "" if row["device_ms"] is None else f"  device window {row['device_ms']:7.3f} ms"
+        print(
+            f"  {row['requests']:3d} requests  {row['config']:21s} host {row['host_ms']:7.3f} ms "
+            f"(+{row['host_minus_off_ms']:.3f}){device}"
+        )
+    for name, text in profiles.items():
+        print(f"\n--- {name}\n{text}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows, "profiles": profiles}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
