@@ -15,7 +15,8 @@
 #                                                # build always run): suite kit-smoke kit-cuda harness kit-layer
 #                                                # forward plan-host ops sass memcheck
 #   kit-cuda: the 1-GPU files that run every route's real kernel through the kit (a part of suite, for iterating);
-#   forward: the whole-forward time of the flashmla routes at the deployed shape, three processes (issue 35);
+#   forward: the whole-forward time of the flashmla routes at the deployed shape, three processes (issue 35;
+#            FORWARD_ROUTES="flashmla_kv:fp8" for one route, FORWARD_HISTORY, FORWARD_REPS);
 #   plan-host: the host cost of the mode's per-batch plan by request count.
 set -uo pipefail
 # Absolute: the suite runner starts each test file in the file's own directory.
@@ -118,8 +119,8 @@ fi
 if want forward; then
   step "the forward (plan + 78 layers) at the deployed shape: flashmla_sparse bf16, flashmla_kv FP8, 64 heads, top-k 2048"
   # A cp-8 rank's tokens: 8 requests x 1024 current tokens over 8K, 32K and 128K histories, distinct and shared.
-  for route in "flashmla_sparse bf16" "flashmla_kv fp8"; do
-    set -- $route
+  for route in ${FORWARD_ROUTES:-flashmla_sparse:bf16 flashmla_kv:fp8}; do
+    set -- ${route/:/ }
     name="forward_${1}_$2"
     python3 benchmark/bench_kit_layer.py --backend "$1" $([ "$2" = fp8 ] && echo --fp8) --heads 64 --topk 2048 \
       --requests 8 --history "${FORWARD_HISTORY:-8192,32768,131072}" --extend 1024 --sharing distinct,shared \

@@ -24,9 +24,9 @@ No slot is written by two requests: the region is written by the history step on
 only. The view has :func:`~.buckets.round_dense_slots` ``(H + own)`` slots (under 3.2% more, so shapes repeat); the
 rounding slots hold no page. Every dense location is checked to fit int32 here.
 
-Synchronization: the plan's device work is a handful of ops with no host sync (``repeat_interleave`` gets
-``output_size``). Host-side lengths are validated always (free). Page ids and ``out_cache_loc`` are validated on
-the host when they are host tensors; on a GPU a bad or repeated page id is counted in the plan's device error
+Synchronization: the plan's device work is a handful of ops with no host sync; every host value it needs goes to
+the device in two pinned stagings. Host-side lengths are validated always (free). Page ids and ``out_cache_loc``
+are validated on the host when they are host tensors; on a GPU a bad or repeated page id is counted in the plan's device error
 counter instead (the surfacing is the caller's: checked mode raises at once). One host sync per batch that has
 history, before the first layer: the history region is a function of the page ids (which pages are shared, who
 owns them), so the entries of a device page table are copied to the host once; a host page table needs none.
@@ -177,13 +177,13 @@ class CpSharedKvPlan:
         ops.raise_if_errors(self.errors, where)
 
 
-def _to_device(host: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Copy a small host tensor to ``device`` without a host sync (pinned staging on CUDA)."""
-    if dtype is not None:
-        host = host.to(dtype)
+def _stage(host: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Small 1-D host tensors on ``device`` as ``dtype``, without a host sync: one pinned buffer and one copy for
+    all of them (on a GPU each staging is a pinned allocation and a copy launch, the plan's main host cost)."""
+    packed = torch.cat([t.to(dtype) for t in host])
     if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+        packed = packed.pin_memory()
+    return list(packed.to(device, non_blocking=True).split([t.numel() for t in host]))
 
 
 def _host_page_table(page_table: torch.Tensor | Sequence[Sequence[int]], num_requests: int) -> torch.Tensor:
@@ -248,7 +248,7 @@ def _entry_pages(table: torch.Tensor, entry_req: torch.Tensor, entry_j: torch.Te
     """int32 page id of every entry, gathered on the table's device. An id outside ``[0, C)`` becomes ``C`` before
     the int32 cast (so ``2**32 + 5`` cannot wrap to page 5): the inverse build counts it as bad."""
     if table.device.type != "cpu":  # staged through pinned memory: no host sync
-        entry_req, entry_j = _to_device(entry_req, table.device), _to_device(entry_j, table.device)
+        entry_req, entry_j = _stage((entry_req, entry_j), table.device, torch.int64)
     pages = table.to(torch.int64)[entry_req, entry_j]
     return torch.where((pages >= 0) & (pages < capacity), pages, capacity).to(torch.int32)
 
@@ -279,34 +279,35 @@ def _dense_layout(
 ) -> _Layout:
     """Shared history slots for entries read only as history, own slots for every other entry (module docstring).
 
-    ``pages``: host int64 ``[E]`` page ids of the entries (``C`` for a bad id: never shared, never fetched)."""
+    ``pages``: host int64 ``[E]`` page ids of the entries (``C`` for a bad id: never shared, never fetched). Sets of
+    pages are flags over the page ids (``C + 1``: the last is the bad-id bucket), not sorts of the entries: every
+    step is linear in the entries and the page ids."""
     prefix_of = torch.tensor(prefix, dtype=torch.int64)[entry_req]
     history_rows = (prefix_of - entry_j * page_size).clamp(min=0, max=page_size)  # rows of history in the page
     fetchable = pages < capacity
-    written = history_rows < page_size  # the page takes current tokens of its request
-    written_pages = pages[written & fetchable].unique()
-    shared = (history_rows == page_size) & fetchable & ~torch.isin(pages, written_pages)
+    written = torch.zeros(capacity + 1, dtype=torch.bool)
+    written[pages[history_rows < page_size]] = True  # the page takes current tokens of some request
+    shared = (history_rows == page_size) & fetchable & ~written[pages]
 
     # The region: every distinct page some entry reads history from, ordered by (owner rank, page id): under CP each
-    # rank's block is contiguous (at cp 1 every owner is 0, so it is page-id order). A page's slot is its key's rank.
-    def region_key(p: torch.Tensor) -> torch.Tensor:
-        return page_owner(p, cp_size) * capacity + p
-
-    region = pages[(history_rows > 0) & fetchable].unique()
-    keys, order = region_key(region).sort()
-    region = region[order]
+    # rank's block is contiguous (at cp 1 every owner is 0, so it is page-id order). Page p = q * cp + k is owned by
+    # rank k (ownership.page_owner), so the flags seen as [k, q] list the region in that order.
+    in_region = torch.zeros(capacity + 1, dtype=torch.bool)
+    in_region[pages[history_rows > 0]] = True
+    by_owner = in_region[:capacity].view(capacity // cp_size, cp_size).t()
+    owner_page = by_owner.nonzero()
+    region = owner_page[:, 1] * cp_size + owner_page[:, 0]
     blocks: tuple[tuple[int, int], ...] = ()
     if cp_size > 1 and region.numel():
-        counts = torch.bincount(page_owner(region, cp_size), minlength=cp_size).tolist()
+        counts = by_owner.sum(dim=1).tolist()
         blocks = tuple(zip([sum(counts[:k]) for k in range(cp_size)], counts))
-
-    def region_slot(p: torch.Tensor) -> torch.Tensor:
-        return torch.searchsorted(keys, region_key(p))
+    region_slot = torch.full((capacity + 1,), PADDING_ID, dtype=torch.int64)
+    region_slot[region] = torch.arange(region.numel())
 
     own = ~shared
     num_own = int(own.sum())
     entry_slots = torch.empty_like(pages)
-    entry_slots[shared] = region_slot(pages[shared])
+    entry_slots[shared] = region_slot[pages[shared]]
     entry_slots[own] = region.numel() + torch.arange(num_own)
     slot_req = torch.cat([torch.full((region.numel(),), PADDING_ID, dtype=torch.int64), entry_req[own]])
     own_history = own & (history_rows > 0) & fetchable
@@ -319,7 +320,7 @@ def _dense_layout(
         blocks,
         own_history_pages,
         entry_slots[own_history],
-        region_slot(own_history_pages),
+        region_slot[own_history_pages],
     )
 
 
@@ -407,8 +408,9 @@ def build_plan(
     errors = ops.new_error_counter(device)
 
     # Every entry's (request, page index) on the host; its page id on the table's device.
-    entry_req = torch.repeat_interleave(torch.arange(num_requests), torch.tensor(pages_needed))
-    entry_j = torch.cat([torch.arange(n) for n in pages_needed])
+    entry_counts = torch.tensor(pages_needed)
+    entry_req = torch.repeat_interleave(torch.arange(num_requests), entry_counts)
+    entry_j = torch.arange(entry_req.numel()) - torch.tensor(entry_starts).repeat_interleave(entry_counts)
     entry_pages = _entry_pages(table, entry_req, entry_j, capacity)
     if any(prefix):
         # The one host copy of a device page table (module docstring): the layout is a function of its page ids.
@@ -427,36 +429,6 @@ def build_plan(
             f"locations, more than int32 holds ({INT32_MAX}): split the batch"
         )
     rounding = num_slots - needed
-    if entry_pages.device != device:
-        entry_pages = _to_device(entry_pages, device)
-    # The region's pages (host ids), then each own slot's page as the entries hold it, then the rounding.
-    slot_pages = torch.cat(
-        [
-            _to_device(region, device, torch.int32),
-            entry_pages.index_select(0, _to_device(layout.own_entries, device)),
-            torch.full((rounding,), PADDING_ID, dtype=torch.int32, device=device),
-        ]
-    )
-    slot_req = _to_device(
-        torch.cat([layout.slot_req, torch.full((rounding,), PADDING_ID, dtype=torch.int64)]), device, torch.int64
-    )
-    inverse = ops.build_page_inverse(
-        entry_pages,
-        _to_device(entry_req, device, torch.int64),
-        num_requests,
-        capacity,
-        errors,
-        entry_slots=_to_device(layout.entry_slots, device, torch.int32),
-    )
-
-    extend_dev = _to_device(torch.tensor(extend, dtype=torch.int64), device)
-    token_req_id = torch.repeat_interleave(
-        torch.arange(num_requests, dtype=torch.int64, device=device), extend_dev, output_size=num_tokens
-    )
-    current_dense_locs = ops.remap_locs(
-        out_cache_loc, token_req_id, inverse, num_requests, capacity, page_size, errors
-    ).to(torch.int64)
-
     # History: this rank's pool pages into the view, then (under CP) the gather and the copies into own slots.
     empty = torch.empty(0, dtype=torch.int64)
     if cp_size == 1:
@@ -468,9 +440,35 @@ def build_plan(
         pool_pages = owner_pool_page(region[start : start + count], cp_size)
         pool_slots = torch.arange(start, start + count)
         view_src, view_dst = layout.own_history_sources, layout.own_history_slots
+    token_req_id = torch.repeat_interleave(torch.arange(num_requests), torch.tensor(extend))
+    slot_req = torch.cat([layout.slot_req, torch.full((rounding,), PADDING_ID, dtype=torch.int64)])
 
-    local_token_index = _to_device(split.local_token_index, device)
-    current_gather_index = _to_device(split.gather_index, device)
+    # Every host value the device work needs, in two stagings (int32, int64).
+    region_dev, entry_slots, pool_copy_pages, pool_copy_slots, view_src, view_dst = _stage(
+        (region, layout.entry_slots, pool_pages, pool_slots, view_src, view_dst), device, torch.int32
+    )
+    own_entries, slot_req, entry_req_dev, token_req_id, local_token_index, current_gather_index = _stage(
+        (layout.own_entries, slot_req, entry_req, token_req_id, split.local_token_index, split.gather_index),
+        device,
+        torch.int64,
+    )
+    if entry_pages.device != device:
+        (entry_pages,) = _stage((entry_pages,), device, torch.int32)
+    # The region's pages (host ids), then each own slot's page as the entries hold it, then the rounding.
+    slot_pages = torch.cat(
+        [
+            region_dev,
+            entry_pages.index_select(0, own_entries),
+            torch.full((rounding,), PADDING_ID, dtype=torch.int32, device=device),
+        ]
+    )
+    inverse = ops.build_page_inverse(
+        entry_pages, entry_req_dev, num_requests, capacity, errors, entry_slots=entry_slots
+    )
+    current_dense_locs = ops.remap_locs(
+        out_cache_loc, token_req_id, inverse, num_requests, capacity, page_size, errors
+    ).to(torch.int64)
+
     local_req_id = split.shard(token_req_id, PADDING_ID, local_token_index)
     local_out_cache_loc = split.shard(out_cache_loc, PADDING_ID, local_token_index)
     if cp_size == 1:
@@ -501,10 +499,10 @@ def build_plan(
         inverse=inverse,
         token_req_id=token_req_id,
         current_dense_locs=current_dense_locs,
-        pool_copy_pages=_to_device(pool_pages, device, torch.int32),
-        pool_copy_slots=_to_device(pool_slots, device, torch.int32),
-        view_copy_src_slots=_to_device(view_src, device, torch.int32),
-        view_copy_dst_slots=_to_device(view_dst, device, torch.int32),
+        pool_copy_pages=pool_copy_pages,
+        pool_copy_slots=pool_copy_slots,
+        view_copy_src_slots=view_src,
+        view_copy_dst_slots=view_dst,
         local_req_id=local_req_id,
         local_out_cache_loc=local_out_cache_loc,
         local_token_index=local_token_index,

@@ -495,10 +495,13 @@ class KitWorld:
         history): every row with the mode off; under the mode at cp > 1 each rank's owned token locations, at
         their rows of its pool (:meth:`pool_rows`). The values are those of the token location either way."""
         self._check(case)
-        locs = torch.tensor(
-            sorted({case.pool_loc(r, p) for r in range(case.num_requests) for p in range(case.prefix_lens[r])}),
-            dtype=torch.int64,
-        )
+        per_request = [
+            (torch.tensor(table, dtype=torch.int64)[:, None] * case.page_size + torch.arange(case.page_size)).flatten()[
+                :prefix
+            ]
+            for table, prefix in zip(case.page_tables, case.prefix_lens)
+        ]
+        locs = torch.cat(per_request).unique()  # sorted, each pool location once
         if self.widened:
             locs = locs[page_owner(locs // PAGE, self.cp_size) == self.cp_rank]
         if not locs.numel():
