@@ -144,6 +144,12 @@ REFUSED_FEATURES: tuple[Refusal, ...] = (
         lambda c: bool(c.enable_return_indexer_topk),
     ),
     Refusal(
+        "--enable-return-routed-experts",
+        "upstream sizes the routed-experts capture buffer for one rank's pool and writes it at out_cache_loc, whose "
+        "page ids span cp x that range under the mode (an IndexError once about 1/cp of the pool is in use)",
+        lambda c: bool(c.enable_return_routed_experts),
+    ),
+    Refusal(
         "--dsa-triton-union",
         "a union of adjacent queries' top-k indices spans request boundaries of the batch; not run with the mode",
         lambda c: bool(c.dsa_triton_union),
@@ -217,20 +223,30 @@ REFUSED_FEATURES: tuple[Refusal, ...] = (
 TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
 
 
-def _use_rotation_aware_tree_core(cfg: Any) -> None:
+def _check_tree_core(cfg: Any) -> None:
     """The radix tree core the page-interleave allocator needs (``hooks/page_ids.py``): upstream's Python
-    ``UnifiedTreeCore``, the one that tracks rotation bases. Chosen when the operator did not choose (as upstream's
-    kv-sharding resolution does); another explicit choice is refused while the radix cache is on."""
+    ``UnifiedTreeCore``, the one that tracks rotation bases. Unset, :func:`_use_rotation_aware_tree_core` chooses it
+    once every check has passed (as upstream's kv-sharding resolution does); another explicit choice is refused while
+    the radix cache is on."""
+    from sglang.srt.environ import envs
+
+    core = envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND
+    if core.is_set() and not cfg.disable_radix_cache and core.get() != "python":
+        _refuse(
+            f"requires {TREE_CORE_ENV}=python (or unset) with the radix cache on, got {core.get()!r}: that core does "
+            "not track rotation bases (its supports_rotation_base is false), so a cached path could graft pages of "
+            "another rotation base and its page owners would not be one cyclic run of the page-interleave allocator"
+        )
+
+
+def _use_rotation_aware_tree_core() -> None:
+    """Choose the Python tree core where the operator did not (after every check: a refused start-up leaves the
+    environment as it was)."""
     from sglang.srt.environ import envs
 
     core = envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND
     if not core.is_set():
         core.set("python")
-    if not cfg.disable_radix_cache and core.get() != "python":
-        _refuse(
-            f"requires {TREE_CORE_ENV}=python (or unset) with the radix cache on: the page-interleave allocator of "
-            f"the mode's page ids needs the tree core that tracks its rotation bases, got {core.get()!r}"
-        )
 
 
 def _validate_draft(algorithm_name: str) -> None:
@@ -346,9 +362,10 @@ def validate_cp_shared_kv_args(server_args: Any) -> None:
             f"of the DSA indexer state is wired there), got {cfg.disaggregation_transfer_backend!r}"
         )
     _validate_reservation(cfg, model_config_of(server_args).context_len)
-    _use_rotation_aware_tree_core(cfg)
+    _check_tree_core(cfg)
     if not envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.get():
         _refuse(
             f"requires {ALL_CP_RANKS_TRANSFER_ENV}=1 on this prefill server: every CP rank sends the pages it "
             "owns (its decode servers learn the mode from the bootstrap info and pull from every CP rank)"
         )
+    _use_rotation_aware_tree_core()

@@ -282,6 +282,13 @@ REFUSED_FEATURE_CASES = [
     ("PD role switch", "dsa", ["--enable-pd-role-switch"], ALL_RANKS_ENV, "--enable-pd-role-switch"),
     ("indexer top-k return", "dsa", ["--enable-return-indexer-topk"], ALL_RANKS_ENV, "--enable-return-indexer-topk"),
     (
+        "routed experts return",
+        "dsa",
+        ["--enable-return-routed-experts"],
+        ALL_RANKS_ENV,
+        "--enable-return-routed-experts",
+    ),
+    (
         "triton union",
         "dsa",
         ["--dsa-prefill-backend", "triton_sparse_mla", "--dsa-triton-union", "2"],
@@ -544,6 +551,33 @@ def test_the_mode_takes_the_rotation_aware_tree_core(models, monkeypatch, core, 
     assert server_args.enable_cp_shared_kv
     validate_cp_shared_kv_args(server_args)  # accepted, and again on the value it left
     assert os.environ[TREE_CORE_ENV] == left
+
+
+def test_a_refused_start_up_leaves_the_tree_core_setting_as_it_was(models, monkeypatch):
+    """The tree core the mode chooses is written only once every check has passed: a resolution refused by the last
+    check (no all-CP-ranks transfer) leaves the variable unset."""
+    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+
+    install_torchvision_stub()
+    import torch
+    from sglang.srt.server_args import prepare_server_args
+
+    from sglang_cpkv.hooks.server_args import validate_cp_shared_kv_args
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    for name, value in ALL_RANKS_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv(TREE_CORE_ENV, "unused")  # recorded, so that the value the hook leaves is put back
+    monkeypatch.delenv(TREE_CORE_ENV)
+    server_args = prepare_server_args(_valid_case(models)["argv"])
+    server_args.resolve_once()  # accepted: the mode chose the Python core
+    assert os.environ[TREE_CORE_ENV] == "python"
+    monkeypatch.delenv(TREE_CORE_ENV)
+    for name in ALL_RANKS_ENV:
+        monkeypatch.delenv(name)
+    with pytest.raises(ValueError, match="SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1"):
+        validate_cp_shared_kv_args(server_args)
+    assert TREE_CORE_ENV not in os.environ
 
 
 def test_every_refused_feature_has_a_case():
