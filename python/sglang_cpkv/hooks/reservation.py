@@ -11,7 +11,8 @@ Called from ``patches/core/reserve-cp-shared-kv-buffers.patch``:
 * :func:`defers_request` - ``PrefillAdder.add_one_req``, before anything is reserved for the request:
   a request whose dense KV would take the batch past the limit waits for a later batch (history that requests
   share through the radix tree counts once, as the plan's shared history slots hold it once)
-  (``AddReqResult.OTHER``). The first request of a batch is never deferred (that would never end); start-up
+  (``AddReqResult.OTHER``), against a running tally of the adder's pass (:class:`AdmissionTally`: a candidate costs
+  its own radix path). The first request of a batch is never deferred (that would never end); start-up
   validation makes the limit hold one request of the full context length.
 
 The batch hooks (:mod:`.dsa_extend`) size every buffer from :func:`published` and refuse a batch that does
@@ -87,53 +88,114 @@ def pool_overhead_bytes(kvc: Any) -> int:
     return publish(reservation).total_bytes
 
 
-def _history_nodes(tree_cache: Any, req: Any) -> list[tuple[int, int]] | None:
-    """``(node identity, tokens)`` of every radix node on the path from the root to ``req.last_node`` (host objects
-    only), or None when that path does not hold exactly the request's ``prefix_len`` tokens (a disabled radix cache,
-    a chunked continuation it does not keep): then the request's history counts as its own."""
+def _history_nodes(tree_cache: Any, req: Any) -> list[Any] | None:
+    """Every radix node on the path from the root to ``req.last_node`` (host objects only), or None when that path
+    does not hold exactly the request's ``prefix_len`` tokens (a disabled radix cache, a chunked continuation it does
+    not keep): then the request's history counts as its own."""
     node = getattr(req, "last_node", None)
     core = getattr(tree_cache, "tree_core", None)
     if node is not None and not hasattr(node, "parent") and core is not None:
         node = core.node_by_id(node)  # a NodeId of upstream's unified tree
     path = []
     while node is not None and getattr(node, "parent", None) is not None and node.key is not None:
-        path.append((id(node), len(node.key)))
+        path.append(node)
         node = node.parent
-    return path if sum(tokens for _, tokens in path) == req.prefix_len else None
+    return path if sum(len(node.key) for node in path) == req.prefix_len else None
+
+
+def _pages(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
 
 
 def dense_pages(tree_cache: Any, requests: list[tuple[Any, int]], page_size: int) -> int:
     """Slots the batch's dense view needs for ``(request, end)`` pairs (its tokens ``[0, end)`` this round): the
     distinct history pages (the plan's history region: radix nodes several requests share count once) and each
-    request's own pages (from its first page that takes current tokens). An upper bound of the plan's slots."""
+    request's own pages (from its first page that takes current tokens). An upper bound of the plan's slots.
+
+    The whole batch walked again; admission keeps the same figure as it goes (:class:`AdmissionTally`)."""
     shared: dict[int, int] = {}
     region = own = 0
     for req, end in requests:
         prefix = req.prefix_len
         nodes = _history_nodes(tree_cache, req) if prefix else []
         if nodes is None:
-            region += -(-prefix // page_size)
+            region += _pages(prefix, page_size)
         else:
-            shared.update(nodes)
-        own += -(-end // page_size) - prefix // page_size
-    return region + sum(-(-tokens // page_size) for tokens in shared.values()) + own
+            shared.update((id(node), len(node.key)) for node in nodes)
+        own += _pages(end, page_size) - prefix // page_size
+    return region + sum(_pages(tokens, page_size) for tokens in shared.values()) + own
+
+
+class AdmissionTally:
+    """:func:`dense_pages` of what one ``PrefillAdder`` admitted so far, kept across its ``add_one_req`` calls, so a
+    candidate costs its own radix path, not every admitted request's (admission linear in the batch).
+
+    A node is counted with its tokens when first seen. Upstream's ``match_prefix`` of a later request may split a
+    counted node during the pass (``UnifiedTreeCore._split_node``: the node keeps its identity and its key's tail, a
+    new parent takes the head): the first path through the new parent finds its counted child shorter than counted
+    and counts both parts at their new lengths, as a walk of the whole batch would."""
+
+    def __init__(self, tree_cache: Any, page_size: int) -> None:
+        self.tree_cache, self.page_size = tree_cache, page_size
+        self.admitted: list[Any] = []
+        self.nodes: dict[int, tuple[Any, int]] = {}  # id(node) -> (node, its tokens as counted)
+        self.pages = 0
+
+    def catch_up(self, admitted: list[Any]) -> None:
+        """Count the requests the adder admitted since the last call (its ``can_run_list``, at their ``extend_end``);
+        start again when that list is not the one counted so far."""
+        n = len(self.admitted)
+        if len(admitted) < n or (n and admitted[n - 1] is not self.admitted[-1]):
+            self.admitted, self.nodes, self.pages = [], {}, 0
+            n = 0
+        for req in admitted[n:]:
+            added = self._count(req, req.extend_end, commit=True)  # first: it may correct self.pages
+            self.pages += added
+            self.admitted.append(req)
+
+    def with_candidate(self, req: Any, end: int) -> int:
+        """The batch's pages with ``req`` (tokens ``[0, end)``) added; the tally itself keeps only what was admitted."""
+        added = self._count(req, end, commit=False)  # first: it may correct self.pages
+        return self.pages + added
+
+    def _count(self, req: Any, end: int, commit: bool) -> int:
+        """Pages ``req`` adds to the tally (its nodes kept when ``commit``). Splits found on its path are corrections
+        of what was counted already, made to the tally either way."""
+        page_size, prefix, added = self.page_size, req.prefix_len, 0
+        path = _history_nodes(self.tree_cache, req) if prefix else []
+        if path is None:
+            added += _pages(prefix, page_size)
+        else:
+            new: dict[int, tuple[Any, int]] = {}
+            for node in path:
+                if id(node) in self.nodes or id(node) in new:
+                    continue
+                for child in getattr(node, "children", {}).values():  # a counted node split below this new one
+                    counted = self.nodes.get(id(child))
+                    if counted is not None and counted[1] != len(child.key):
+                        self.pages += _pages(len(child.key), page_size) - _pages(counted[1], page_size)
+                        self.nodes[id(child)] = (child, len(child.key))
+                new[id(node)] = (node, len(node.key))
+                added += _pages(len(node.key), page_size)
+            if commit:
+                self.nodes.update(new)
+        return added + _pages(end, page_size) - prefix // page_size
 
 
 def defers_request(adder: Any, req: Any) -> bool:
-    """Whether ``req`` waits for a later batch: the batch's dense view (:func:`dense_pages`, with the candidate's
+    """Whether ``req`` waits for a later batch: the batch's dense view (:class:`AdmissionTally`, with the candidate's
     tokens up to the end of what the chunk budget leaves it; an upper bound, so a request may wait that would just
     have fit) would hold more than the limit."""
     reservation = _published
     if reservation is None or not adder.can_run_list:
         return False
-    page_size = reservation.page_size
     end = len(req.full_untruncated_fill_ids)
     if adder.rem_chunk_tokens is not None:
         # An upper bound: upstream may round the chunk end down to a page. (No HiCache host hit extends the prefix:
         # start-up refuses HiCache beside the mode.)
         end = min(end, req.prefix_len + max(adder.rem_chunk_tokens, 0))
-    batch = [(r, r.extend_end) for r in adder.can_run_list] + [(req, end)]
-    wanted = dense_pages(adder.tree_cache, batch, page_size) * page_size
+    tally = admission_tally(adder)
+    wanted = tally.with_candidate(req, end) * reservation.page_size
     if wanted <= reservation.max_batch_tokens:
         return False
     logger.debug(
@@ -144,3 +206,16 @@ def defers_request(adder: Any, req: Any) -> bool:
         reservation.max_batch_tokens,
     )
     return True
+
+
+TALLY_ATTR = "cp_shared_kv_tally"  # the PrefillAdder attribute that holds its AdmissionTally
+
+
+def admission_tally(adder: Any) -> AdmissionTally:
+    """The adder's tally, brought up to date with its ``can_run_list`` (made on the adder's first candidate)."""
+    tally = getattr(adder, TALLY_ATTR, None)
+    if tally is None:
+        tally = AdmissionTally(adder.tree_cache, published().page_size)
+        setattr(adder, TALLY_ATTR, tally)
+    tally.catch_up(adder.can_run_list)
+    return tally
