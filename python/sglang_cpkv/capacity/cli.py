@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from dataclasses import replace
@@ -83,9 +84,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def inputs_of(args: argparse.Namespace):
-    from sglang_cpkv.capacity.planner import PlanInputs, check_inputs, cp_list
+    from sglang_cpkv.capacity.planner import PlanInputs, check_inputs, check_model, cp_list
 
     model_dir, parameters = model_dir_of(args)
+    check_model(model_dir)
     gpu = GPUS[args.gpu]
     if args.hbm_gb is not None:
         gpu = replace(gpu, hbm_bytes=args.hbm_gb * 1e9)
@@ -97,6 +99,10 @@ def inputs_of(args: argparse.Namespace):
         raise ValueError("--hbm-gb, --hbm-tbps and --link-gbps must be > 0")
     if args.tp < 1:
         raise ValueError(f"--tp must be >= 1, got {args.tp}")
+    for name in ("kv_budget_gib", "weights_gib", "hbm_gb", "hbm_tbps", "link_gbps", "mem_fraction_static"):
+        value = getattr(args, name)
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
     if args.weights_gib is not None:
         weights = args.weights_gib * GIB
     elif args.kv_budget_gib is None:

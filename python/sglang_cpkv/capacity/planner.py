@@ -240,7 +240,16 @@ def _layer_figures(inputs: PlanInputs, cp: int, node: NodeCapacity, reservation)
             index_k_token_bytes=index_k,
         )
 
-    batch = _traffic_row(traffic(inputs.batch_history), inputs.gpu)
+    batch_traffic = traffic(inputs.batch_history)
+    batch = _traffic_row(batch_traffic, inputs.gpu)
+    past_reservation = None
+    if reservation is not None:
+        from sglang_cpkv.ops.errors import CpSharedKvError
+
+        try:
+            reservation.check_batch(batch_traffic.needed_rows, batch_traffic.num_slots, batch_traffic.num_tokens)
+        except CpSharedKvError as refusal:  # a server would refuse the batch: no time is shown for it
+            past_reservation = str(refusal)
     kv = "fp8" if inputs.kv_cache_dtype.startswith("fp8") else "bf16"
     measured = [
         asdict(m)
@@ -256,6 +265,7 @@ def _layer_figures(inputs: PlanInputs, cp: int, node: NodeCapacity, reservation)
         },
         "latent_token_bytes": latent,
         "index_k_token_bytes": index_k,
+        "past_reservation": past_reservation,
         **batch,
         "measured_layer": measured[0] if measured else None,
         "sweep": [{"history": h, **_traffic_row(traffic(h), inputs.gpu)} for h in inputs.history_sweep],
@@ -277,13 +287,62 @@ def cp_list(text: str) -> tuple[int, ...]:
     return values
 
 
+# Upstream's DSA prefill CP runs on one node (model_overrides/deepseek_v2.py asserts tp_size <= 8).
+MAX_CP_TP = 8
+# The batch the per-layer figures plan (runtime/plan.build_plan on the host): bounded so that a typo cannot ask for
+# terabytes of plan.
+MAX_BATCH_ENTRIES = 4_000_000
+PAGE_SIZE = 64  # the DSA page size the mode runs with
+
+
+def check_model(model_dir: str) -> None:
+    """A ``config.json`` the planner can size: a JSON object of a DSA model (``index_topk``) with its layer count."""
+    import json
+    from pathlib import Path
+
+    path = Path(model_dir, "config.json")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: not a readable JSON config ({error})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a config.json is a JSON object, got {type(config).__name__}")
+    text = config.get("text_config", config) if isinstance(config.get("text_config"), dict) else config
+    if "index_topk" not in text:
+        architectures = text.get("architectures") or config.get("architectures") or ["(none)"]
+        raise ValueError(
+            f"{path}: not a DSA model (no index_topk; architectures {architectures}): the mode serves DSA models "
+            "(DeepSeek-V3.2, GLM-5.x)"
+        )
+    layers = text.get("num_hidden_layers")
+    if not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"{path}: num_hidden_layers must be a positive integer, got {layers!r}")
+
+
 def check_inputs(inputs: PlanInputs) -> None:
     """Refuse what upstream would refuse less clearly, naming the option."""
+    import math
+
+    if inputs.tp_size > MAX_CP_TP:
+        raise ValueError(
+            f"--tp {inputs.tp_size}: upstream's DSA prefill CP runs on one node (it asserts tp_size <= {MAX_CP_TP})"
+        )
     for cp in inputs.cp_sizes:
         if inputs.tp_size % cp:
             raise ValueError(f"--cp {cp}: must divide --tp {inputs.tp_size}")
     if inputs.kv_budget_bytes is not None and inputs.kv_budget_bytes <= 0:
         raise ValueError("--kv-budget-gib must be > 0")
+    if inputs.kv_budget_bytes is not None and inputs.kv_budget_bytes > inputs.gpu.hbm_bytes:
+        raise ValueError(
+            f"--kv-budget-gib {inputs.kv_budget_bytes / GIB:.1f}: more than the GPU's HBM "
+            f"({inputs.gpu.hbm_bytes / GIB:.1f} GiB, --gpu {inputs.gpu.name} or --hbm-gb)"
+        )
+    if not math.isfinite(inputs.weights_bytes_per_gpu) or inputs.weights_bytes_per_gpu < 0:
+        raise ValueError(f"--weights-gib must be >= 0, got {inputs.weights_bytes_per_gpu / GIB}")
+    if inputs.context_length is not None and inputs.context_length < 1:
+        raise ValueError(f"--context-length must be >= 1, got {inputs.context_length}")
+    if inputs.max_batch_tokens is not None and inputs.max_batch_tokens < 1:
+        raise ValueError(f"--cp-shared-kv-max-batch-tokens must be >= 1, got {inputs.max_batch_tokens}")
     if not 0 < inputs.mem_fraction_static <= 1:
         raise ValueError(f"--mem-fraction-static must be in (0, 1], got {inputs.mem_fraction_static}")
     for name in ("chunked_prefill_size", "request_tokens", "batch_requests", "batch_extend"):
@@ -291,3 +350,11 @@ def check_inputs(inputs: PlanInputs) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(inputs, name)}")
     if inputs.batch_history < 0 or any(h < 0 for h in inputs.history_sweep):
         raise ValueError("--batch-history and --history-sweep must be >= 0")
+    for history in (inputs.batch_history, *inputs.history_sweep):
+        entries = inputs.batch_requests * -(-(history + inputs.batch_extend) // PAGE_SIZE)
+        if entries > MAX_BATCH_ENTRIES:
+            raise ValueError(
+                f"the batch of --batch-requests {inputs.batch_requests} x ({history} history + {inputs.batch_extend} "
+                f"current tokens) has {entries:,} page-table entries; the planner builds its plan, up to "
+                f"{MAX_BATCH_ENTRIES:,}"
+            )

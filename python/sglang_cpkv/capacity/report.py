@@ -59,6 +59,11 @@ def table(rows: list[dict[str, Any]], title: str, request_tokens: int) -> str:
                 f"{measured['mode_off_ms']:.3f} ms off, {measured['mode_on_ms']:.3f} ms on "
                 f"({measured['heads']} heads, top-k {measured['topk']})"
             )
+        if layer.get("past_reservation"):
+            lines.append(
+                f"{row['cp']:>3} past the mode's reservation, a server refuses it: {layer['past_reservation']}"
+            )
+            continue
         lines.append(
             f"{row['cp']:>3} {layer['packed_pages']:>6} {layer['link_bytes'] / 1e6:>9.1f} {layer['hbm_bytes'] / 1e6:>9.1f} "
             f"{_us(layer['exchange_s']):>10} {_us(layer['copies_s']):>10} {_us(layer['total_s']):>10} "
@@ -83,13 +88,24 @@ def plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6))
     cps = [row["cp"] for row in rows]
-    served = [row for row in rows if not row.get("mode_refused")]  # where the server starts with the mode
-    left.plot(
-        [row["cp"] for row in served],
-        [row["kv_tokens"] / 1e3 for row in served],
-        "o-",
-        label="CP shared-KV mode (this distribution; cp it refuses left out)",
-    )
+    # The mode's line only where a server runs it (not at cp 1, not where start-up refuses it), unbroken only between
+    # neighbouring cp that both run it.
+    runs: list[list[dict[str, Any]]] = [[]]
+    for row in rows:
+        if row["mode_runs"]:
+            runs[-1].append(row)
+        elif runs[-1]:
+            runs.append([])
+    color = None
+    for i, run in enumerate(r for r in runs if r):
+        (line,) = left.plot(
+            [row["cp"] for row in run],
+            [row["kv_tokens"] / 1e3 for row in run],
+            "o-",
+            color=color,
+            label=None if i else "CP shared-KV mode (this distribution; where it runs)",
+        )
+        color = line.get_color()
     left.plot(cps, [row["kv_tokens_replicated"] / 1e3 for row in rows], "s--", label="upstream replicated CP")
     sharded = [(row["cp"], row["kv_tokens_kv_sharding"]) for row in rows if row["kv_tokens_kv_sharding"]]
     if sharded:

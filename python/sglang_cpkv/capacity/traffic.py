@@ -98,6 +98,9 @@ class LayerTraffic:
     own_history_pages: int
     dense_rows: int
     entry_rows: int
+    needed_rows: int  # the rows the batch's pages fill (the reservation's check counts them)
+    num_slots: int
+    num_tokens: int
     link_bytes: int
     hbm_bytes: int
     hbm_parts: dict[str, int]
@@ -155,6 +158,9 @@ def layer_traffic(
         own_history_pages=own_history,
         dense_rows=plan.dense_rows,
         entry_rows=plan.entries * page_size,
+        needed_rows=plan.needed_slots * page_size,
+        num_slots=plan.num_slots,
+        num_tokens=plan.num_tokens,
         link_bytes=link,
         hbm_bytes=sum(parts.values()),
         hbm_parts=parts,

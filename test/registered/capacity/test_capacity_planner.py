@@ -264,11 +264,44 @@ def test_layer_ahead_off_halves_the_views_and_holds_more(planned, tmp_path, monk
         (["--preset", "glm-5.1-fp8", "--model", "x"], "--preset"),
         (["--preset", "glm-5.1-fp8", "--batch-requests", "0"], "--batch-requests"),
         (["--preset", "glm-5.1-fp8", "--weights-gib", "200"], "--weights-gib"),
+        (["--preset", "glm-5.1-fp8", "--weights-gib", "-5"], "--weights-gib"),
+        (["--preset", "glm-5.1-fp8", "--tp", "16"], "--tp 16"),
+        (["--preset", "glm-5.1-fp8", "--context-length", "-5"], "--context-length"),
+        (["--preset", "glm-5.1-fp8", "--kv-budget-gib", "inf"], "--kv-budget-gib"),
+        (["--preset", "glm-5.1-fp8", "--kv-budget-gib", "1e12"], "--kv-budget-gib"),
+        (["--preset", "glm-5.1-fp8", "--cp-shared-kv-max-batch-tokens", "0"], "--cp-shared-kv-max-batch-tokens"),
+        (["--preset", "glm-5.1-fp8", "--batch-requests", "100000000"], "--batch-requests 100000000"),
     ],
 )
 def test_bad_inputs_are_refused_naming_the_option(argv, named, capsys):
     assert cli.main(argv) == 2
     assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ("{}", "not a DSA model"),
+        ('{"architectures": ["LlamaForCausalLM"]}', "LlamaForCausalLM"),
+        ("[1]", "JSON object"),
+    ],
+    ids=["empty", "non-dsa", "not-an-object"],
+)
+def test_a_config_the_planner_cannot_size_is_refused_without_a_traceback(tmp_path, capsys, config, named):
+    (tmp_path / "config.json").write_text(config)
+    assert cli.main(["--model", str(tmp_path), "--kv-budget-gib", "10"]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
+
+
+def test_a_batch_past_the_reservation_is_flagged_not_timed(capsys):
+    """64 requests of 1M-token histories need far more dense KV than the default limit reserves: the row says the
+    server refuses the batch instead of printing lower-bound times for it."""
+    argv = ["--preset", "glm-5.1-fp8", "--cp", "8", "--batch-requests", "64", "--batch-history", "1000000"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    flagged = [line for line in out.splitlines() if line.startswith("  8 past the mode's reservation")]
+    assert flagged and "--cp-shared-kv-max-batch-tokens" in flagged[0]
 
 
 def test_a_model_given_without_weights_or_budget_is_refused(tmp_path, capsys):
