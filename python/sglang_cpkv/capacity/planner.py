@@ -14,6 +14,7 @@ servers per cp, same model, GPU, budget, chunk and context:
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -321,8 +322,6 @@ def check_model(model_dir: str) -> None:
 
 def check_inputs(inputs: PlanInputs) -> None:
     """Refuse what upstream would refuse less clearly, naming the option."""
-    import math
-
     if inputs.tp_size > MAX_CP_TP:
         raise ValueError(
             f"--tp {inputs.tp_size}: upstream's DSA prefill CP runs on one node (it asserts tp_size <= {MAX_CP_TP})"

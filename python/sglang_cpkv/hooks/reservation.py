@@ -107,28 +107,12 @@ def _pages(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
-def dense_pages(tree_cache: Any, requests: list[tuple[Any, int]], page_size: int) -> int:
-    """Slots the batch's dense view needs for ``(request, end)`` pairs (its tokens ``[0, end)`` this round): the
-    distinct history pages (the plan's history region: radix nodes several requests share count once) and each
-    request's own pages (from its first page that takes current tokens). An upper bound of the plan's slots.
-
-    The whole batch walked again; admission keeps the same figure as it goes (:class:`AdmissionTally`)."""
-    shared: dict[int, int] = {}
-    region = own = 0
-    for req, end in requests:
-        prefix = req.prefix_len
-        nodes = _history_nodes(tree_cache, req) if prefix else []
-        if nodes is None:
-            region += _pages(prefix, page_size)
-        else:
-            shared.update((id(node), len(node.key)) for node in nodes)
-        own += _pages(end, page_size) - prefix // page_size
-    return region + sum(_pages(tokens, page_size) for tokens in shared.values()) + own
-
-
 class AdmissionTally:
-    """:func:`dense_pages` of what one ``PrefillAdder`` admitted so far, kept across its ``add_one_req`` calls, so a
-    candidate costs its own radix path, not every admitted request's (admission linear in the batch).
+    """Slots the batch's dense view needs, of what one ``PrefillAdder`` admitted so far: the distinct history pages
+    (the plan's history region: radix nodes several requests share count once) and each request's own pages (from its
+    first page that takes current tokens); an upper bound of the plan's slots. Kept across the adder's
+    ``add_one_req`` calls, so a candidate costs its own radix path, not every admitted request's (admission linear in
+    the batch).
 
     A node is counted with its tokens when first seen. Upstream's ``match_prefix`` of a later request may split a
     counted node during the pass (``UnifiedTreeCore._split_node``: the node keeps its identity and its key's tail, a
@@ -137,21 +121,20 @@ class AdmissionTally:
 
     def __init__(self, tree_cache: Any, page_size: int) -> None:
         self.tree_cache, self.page_size = tree_cache, page_size
-        self.admitted: list[Any] = []
+        self.counted, self.last = 0, None  # how many of the adder's requests are counted, and the last of them
         self.nodes: dict[int, tuple[Any, int]] = {}  # id(node) -> (node, its tokens as counted)
         self.pages = 0
 
     def catch_up(self, admitted: list[Any]) -> None:
         """Count the requests the adder admitted since the last call (its ``can_run_list``, at their ``extend_end``);
         start again when that list is not the one counted so far."""
-        n = len(self.admitted)
-        if len(admitted) < n or (n and admitted[n - 1] is not self.admitted[-1]):
-            self.admitted, self.nodes, self.pages = [], {}, 0
-            n = 0
+        n = self.counted
+        if len(admitted) < n or (n and admitted[n - 1] is not self.last):
+            self.nodes, self.pages, n = {}, 0, 0
         for req in admitted[n:]:
             added = self._count(req, req.extend_end, commit=True)  # first: it may correct self.pages
             self.pages += added
-            self.admitted.append(req)
+        self.counted, self.last = len(admitted), admitted[-1] if admitted else None
 
     def with_candidate(self, req: Any, end: int) -> int:
         """The batch's pages with ``req`` (tokens ``[0, end)``) added; the tally itself keeps only what was admitted."""

@@ -26,8 +26,8 @@ rounding slots hold no page. Every dense location is checked to fit int32 here.
 
 Synchronization: the plan's device work is a handful of ops with no host sync; every host value it needs goes to
 the device in two pinned stagings. Host-side lengths are validated always (free). Page ids and ``out_cache_loc``
-are validated on the host when they are host tensors; on a GPU a bad or repeated page id is counted in the plan's device error
-counter instead (the surfacing is the caller's: checked mode raises at once). One host sync per batch that has
+are validated on the host when they are host tensors; on a GPU a bad or repeated page id is counted in the plan's
+device error counter instead (the surfacing is the caller's: checked mode raises at once). One host sync per batch that has
 history, before the first layer: the history region is a function of the page ids (which pages are shared, who
 owns them), so the entries of a device page table are copied to the host once; a host page table needs none.
 

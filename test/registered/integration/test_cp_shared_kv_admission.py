@@ -180,6 +180,26 @@ def publish_limit(max_batch_tokens: int, chunk_tokens: int = CHUNK) -> Reservati
     )
 
 
+def walked_dense_pages(tree_cache, requests, page_size=PAGE) -> int:
+    """The dense pages of ``(request, end)`` pairs by a walk of every request's radix path (the figure admission keeps
+    as a running tally): each distinct node's pages once, a history off the tree as the request's own, and each
+    request's own pages from its first page that takes current tokens."""
+    shared, region, own = {}, 0, 0
+    for req, end in requests:
+        node, path = req.last_node, []
+        if req.prefix_len and not hasattr(node, "parent"):
+            node = tree_cache.tree_core.node_by_id(node)
+        while req.prefix_len and node is not None and node.parent is not None and node.key is not None:
+            path.append(node)
+            node = node.parent
+        if sum(len(n.key) for n in path) != req.prefix_len:
+            region += -(-req.prefix_len // page_size)
+        else:
+            shared.update((id(n), len(n.key)) for n in path)
+        own += -(-end // page_size) - req.prefix_len // page_size
+    return region + sum(-(-tokens // page_size) for tokens in shared.values()) + own
+
+
 def rids(adder: PrefillAdder) -> list[str]:
     return [req.rid for req in adder.can_run_list]
 
@@ -292,10 +312,7 @@ def test_a_shared_prompt_counts_once(monkeypatch, limit, admitted):
     assert [req.prefix_len for req in waiting[:admitted]] == [3 * PAGE] * admitted  # the radix hit
     assert rids(adder) == [f"s{i}" for i in range(admitted)]
     assert list(results.values())[admitted:] == ([AddReqResult.OTHER] if admitted < 4 else [])
-    assert (
-        reservation_hooks.dense_pages(world.tree_cache, [(r, r.extend_end) for r in adder.can_run_list], PAGE)
-        == 3 + admitted
-    )
+    assert walked_dense_pages(world.tree_cache, [(r, r.extend_end) for r in adder.can_run_list]) == 3 + admitted
 
 
 def test_sixteen_requests_on_a_60k_prompt_are_admitted_whole_under_the_default_limit(monkeypatch):
@@ -325,7 +342,7 @@ def test_sixteen_requests_on_a_60k_prompt_are_admitted_whole_under_the_default_l
     assert adder.rem_input_tokens == 0
     assert all(req.prefix_len == prompt_tokens for req in waiting)
     batch = [(r, r.extend_end) for r in adder.can_run_list]
-    assert reservation_hooks.dense_pages(world.tree_cache, batch, PAGE) == 960 + count * 16
+    assert walked_dense_pages(world.tree_cache, batch) == 960 + count * 16
     assert sum(-(-end // PAGE) for _, end in batch) * PAGE > limit  # one view per request would not fit
 
 
@@ -361,7 +378,7 @@ def test_the_tally_follows_a_node_split_mid_pass_as_a_walk_of_the_batch_does(mon
                 assert len(node.key) == 4 * PAGE  # one node before the split
             if adder.can_run_list:
                 batch = [(r, r.extend_end) for r in adder.can_run_list] + [(req, len(req.full_untruncated_fill_ids))]
-                walk = reservation_hooks.dense_pages(world.tree_cache, batch, PAGE)
+                walk = walked_dense_pages(world.tree_cache, batch)
                 assert reservation_hooks.admission_tally(adder).with_candidate(req, batch[-1][1]) == walk
             result = adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
             if result != AddReqResult.CONTINUE:

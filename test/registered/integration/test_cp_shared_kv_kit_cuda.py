@@ -75,7 +75,7 @@ def _heads(route):
     return 32 if route.prefill_backend == "triton_sparse_mla" else 64
 
 
-def _split_kv(route, world):
+def _split_kv(world):
     """Whether the batch ran FlashMLA's split-KV decode kernel (flashmla_kv, or flashmla_auto resolved to it)."""
     return world.backend.dsa_prefill_impl == "flashmla_kv"
 
@@ -126,7 +126,7 @@ def _assert_each_request_as_alone(route, case, batch, batch_world, what):
     """Every request's rows of the mode-on ``batch`` read the KV bytes it reads alone (mode on) and get its output
     alone; on FlashMLA's split-KV kernel, whose rounding follows the batch, the output alone is instead upstream's own
     output alone (mode off), byte for byte (module docstring)."""
-    split_kv = _split_kv(route, batch_world)
+    split_kv = _split_kv(batch_world)
     for r in range(case.num_requests):
         solo, _ = _run(route, _alone(case, r), SHARED_SHAPE, True)
         solo_off = _run(route, _alone(case, r), SHARED_SHAPE, False)[0] if split_kv else None
