@@ -332,10 +332,13 @@ class Bench:
         return table.to(self.device)
 
     def bench_remap(self):
+        from sglang_cpkv.testing.batches import inverse_table
+
         gen = torch.Generator().manual_seed(3)
         capacity, ppr = self.args.pool_pages, self.args.pages_per_request
         table = self._inverse(BATCH, ppr, gen)
         inverse = self.reference.build_page_inverse(*_slots(table), BATCH, capacity, self.new_errors(self.device))
+        table_form = inverse_table(inverse)
         n, k = self.args.topk
         req = torch.randint(0, BATCH, (n,), generator=gen)
         j = torch.randint(0, ppr, (n, k), generator=gen)
@@ -355,13 +358,16 @@ class Bench:
             params = {"locs": what, "shape": "x".join(map(str, locs.shape)), "dtype": "int32"}
             nbytes = 2 * locs.numel() * 4 + req_id.numel() * 8
             errors = self.new_errors(self.device)
-            expected = self.reference.remap_locs(locs, req_id, inverse, BATCH, capacity, PAGE_SIZE, errors)
+            expected = self.reference.remap_locs(locs, req_id, inverse, PAGE_SIZE, errors)
 
             def best():
+                # The lookup an R x C table allows (what the batch-sized inverse replaced): one gather.
                 loc = locs.to(torch.int64)
                 rq = req_id[:, None] if loc.dim() == 2 else req_id
                 valid = (loc >= 0) & (rq >= 0)
-                slot = inverse[torch.where(valid, rq * capacity + torch.div(loc, PAGE_SIZE, rounding_mode="floor"), 0)]
+                slot = table_form[
+                    torch.where(valid, rq * capacity + torch.div(loc, PAGE_SIZE, rounding_mode="floor"), 0)
+                ]
                 return torch.where(valid & (slot >= 0), slot.to(torch.int64) * PAGE_SIZE + loc % PAGE_SIZE, -1).to(
                     torch.int32
                 )
@@ -369,15 +375,15 @@ class Bench:
             candidates = [
                 (
                     "torch_ref",
-                    lambda: self.reference.remap_locs(locs, req_id, inverse, BATCH, capacity, PAGE_SIZE, errors),
+                    lambda: self.reference.remap_locs(locs, req_id, inverse, PAGE_SIZE, errors),
                     True,
                 ),
-                ("torch_best gather+where", best, False),
+                ("torch R x C table gather+where", best, False),
             ]
             candidates += [
                 (
                     name,
-                    lambda impl=impl: impl.remap_locs(locs, req_id, inverse, BATCH, capacity, PAGE_SIZE, errors),
+                    lambda impl=impl: impl.remap_locs(locs, req_id, inverse, PAGE_SIZE, errors),
                     False,
                 )
                 for name, impl in self.providers("remap_locs")
@@ -394,12 +400,15 @@ class Bench:
                 )
 
     def bench_build_inverse(self):
+        from sglang_cpkv.ops.reference import INVERSE_BUILD_BYTES_PER_ENTRY, PageInverse
+        from sglang_cpkv.testing.batches import inverse_table
+
         gen = torch.Generator().manual_seed(4)
         capacity, ppr = self.args.pool_pages, self.args.pages_per_request
         for rows in range(1, BATCH + 1):
             table = self._inverse(rows, ppr, gen)
             params = {"bs": rows, "capacity": capacity, "pages_per_req": ppr}
-            nbytes = rows * capacity * 4 + table.numel() * 4
+            nbytes = table.numel() * (4 + 4 + 8 + INVERSE_BUILD_BYTES_PER_ENTRY)
             errors = self.new_errors(self.device)
             entry_pages, entry_req = _slots(table)
             entry_slots = torch.arange(entry_pages.numel(), dtype=torch.int32, device=self.device)
@@ -412,9 +421,17 @@ class Bench:
             )
 
             def best():
+                # The R x C table (what the batch-sized inverse replaced): a fill and one scatter.
                 inv = torch.full((rows * capacity + 1,), -1, dtype=torch.int32, device=self.device)
                 inv.index_put_((target,), entry_slots)
                 return inv[:-1]
+
+            expected_table = inverse_table(expected)
+
+            def same(out, expected=expected, expected_table=expected_table):
+                if isinstance(out, PageInverse):
+                    return all(torch.equal(getattr(out, f), getattr(expected, f)) for f in ("pages", "slots", "starts"))
+                return torch.equal(out, expected_table)
 
             candidates = [
                 (
@@ -424,7 +441,7 @@ class Bench:
                     ),
                     True,
                 ),
-                ("torch_best full+index_put_", best, False),
+                ("torch R x C table full+index_put_", best, False),
             ]
             candidates += [
                 (
@@ -454,7 +471,7 @@ class Bench:
                     params,
                     fn,
                     nbytes,
-                    check=lambda fn=fn: torch.equal(fn(), expected),
+                    check=lambda fn=fn: same(fn()),
                     eager=eager,
                 )
 
@@ -575,9 +592,9 @@ class Bench:
 
         def layer():
             ops.copy_pages(pool, src_page, dense, dst_page, errors)
-            dense_loc = ops.remap_locs(cur_loc, cur_req, inverse, BATCH, capacity, PAGE_SIZE, errors)
+            dense_loc = ops.remap_locs(cur_loc, cur_req, inverse, PAGE_SIZE, errors)
             ops.scatter_rows(current, dense_loc, dense.view(-1, ROW_BYTES[layout]), errors)
-            outputs["topk"] = ops.remap_locs(topk, topk_req, inverse, BATCH, capacity, PAGE_SIZE, errors)
+            outputs["topk"] = ops.remap_locs(topk, topk_req, inverse, PAGE_SIZE, errors)
 
         results = []
         backends = ["triton"] + (["cuda"] if self.cuda is not None else [])

@@ -43,6 +43,7 @@ from sglang_cpkv.ops.errors import (
     new_error_counter,
     raise_if_errors,
 )
+from sglang_cpkv.ops.reference import INVERSE_BUILD_BYTES_PER_ENTRY, INVERSE_BYTES_PER_ENTRY, PageInverse
 
 BACKEND_ENV = "SGLANG_CPKV_OPS_BACKEND"
 BACKENDS = ("auto", "cuda", "triton", "torch")
@@ -139,7 +140,7 @@ def build_page_inverse(
     capacity: int,
     errors: torch.Tensor,
     entry_slots: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> PageInverse:
     """Per-request page inverse of a batch: :func:`sglang_cpkv.ops.reference.build_page_inverse`."""
     reference.check_ids(entry_pages, "entry_pages")
     reference.check_ids(entry_req, "entry_req")
@@ -153,17 +154,17 @@ def build_page_inverse(
 def remap_locs(
     locs: torch.Tensor,
     req_id: torch.Tensor,
-    inverse: torch.Tensor,
-    num_requests: int,
-    capacity: int,
+    inverse: PageInverse,
     page_size: int,
     errors: torch.Tensor,
 ) -> torch.Tensor:
     """Token locations -> dense locations: :func:`sglang_cpkv.ops.reference.remap_locs`."""
     reference.check_ids(locs, "locs")
     reference.check_ids(req_id, "req_id")
-    reference.check_inverse(inverse, num_requests, capacity)
-    return _backend(locs.device).remap_locs(locs, req_id, inverse, num_requests, capacity, page_size, errors)
+    reference.check_inverse(inverse)
+    if page_size < 1:
+        raise CpSharedKvError(f"page_size must be >= 1, got {page_size}")
+    return _backend(locs.device).remap_locs(locs, req_id, inverse, page_size, errors)
 
 
 def copy_pages(
@@ -203,7 +204,10 @@ __all__ = [
     "ERR_LOC_OUT_OF_RANGE",
     "ERR_PAGE_OUT_OF_RANGE",
     "ERR_REQ_OUT_OF_RANGE",
+    "INVERSE_BUILD_BYTES_PER_ENTRY",
+    "INVERSE_BYTES_PER_ENTRY",
     "CpSharedKvError",
+    "PageInverse",
     "build_page_inverse",
     "copy_pages",
     "materialize_and_fill",

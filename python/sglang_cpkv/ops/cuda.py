@@ -31,6 +31,7 @@ import torch
 
 from sglang_cpkv.ops import cuda_build, reference
 from sglang_cpkv.ops.errors import new_error_counter
+from sglang_cpkv.ops.reference import PageInverse
 
 OP_NAMES = ("build_page_inverse", "remap_locs", "copy_pages", "scatter_rows", "materialize_and_fill")
 
@@ -47,10 +48,15 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("sglang_cpkv::build_page_inverse")
     def _build_page_inverse_fake(entry_pages, entry_req, num_requests, capacity, errors, entry_slots=None):
-        return entry_pages.new_empty((num_requests * capacity,), dtype=torch.int32)
+        entries = entry_pages.numel()
+        return (
+            entry_pages.new_empty((entries,), dtype=torch.int32),
+            entry_pages.new_empty((entries,), dtype=torch.int32),
+            entry_pages.new_empty((num_requests + 1,), dtype=torch.int32),
+        )
 
     @torch.library.register_fake("sglang_cpkv::remap_locs")
-    def _remap_locs_fake(locs, req_id, inverse, num_requests, capacity, page_size, errors):
+    def _remap_locs_fake(locs, req_id, inverse_pages, inverse_slots, inverse_starts, capacity, page_size, errors):
         return torch.empty_like(locs, dtype=torch.int32, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("sglang_cpkv::copy_pages")
@@ -127,14 +133,21 @@ def _probe() -> str | None:
         ops = reference if name == "reference" else module
         errors = new_error_counter(device)
         inverse = ops.build_page_inverse(entry_pages, entry_req, 2, capacity, errors, entry_slots)
-        dense_locs = ops.remap_locs(locs, req_id, inverse, 2, capacity, page_size, errors)
+        dense_locs = ops.remap_locs(locs, req_id, inverse, page_size, errors)
         dense = torch.full((4, page_size * width), 7, dtype=torch.int32, device=device)
         if name == "cuda fused":
             materialize_and_fill(pool, src_page, dense, dst_page, current, dst_loc, errors)
         else:
             ops.copy_pages(pool, src_page, dense, dst_page, errors)
             ops.scatter_rows(current, dst_loc, dense.view(-1, width), errors)
-        results[name] = {"inverse": inverse, "dense locs": dense_locs, "dense": dense, "errors": errors}
+        results[name] = {
+            "inverse pages": inverse.pages,
+            "inverse slots": inverse.slots,
+            "inverse starts": inverse.starts,
+            "dense locs": dense_locs,
+            "dense": dense,
+            "errors": errors,
+        }
     for name in ("cuda", "cuda fused"):
         for what, want in results["reference"].items():
             have = results[name][what]
@@ -175,22 +188,25 @@ def build_page_inverse(
     capacity: int,
     errors: torch.Tensor,
     entry_slots: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Per-request page inverse: :func:`sglang_cpkv.ops.reference.build_page_inverse` (int32 ``[R * C]``)."""
-    return _ops().build_page_inverse(entry_pages, entry_req, num_requests, capacity, errors, entry_slots)
+) -> PageInverse:
+    """Per-request page inverse: :func:`sglang_cpkv.ops.reference.build_page_inverse`."""
+    pages, slots, starts = _ops().build_page_inverse(
+        entry_pages, entry_req, num_requests, capacity, errors, entry_slots
+    )
+    return PageInverse(pages=pages, slots=slots, starts=starts, capacity=capacity)
 
 
 def remap_locs(
     locs: torch.Tensor,
     req_id: torch.Tensor,
-    inverse: torch.Tensor,
-    num_requests: int,
-    capacity: int,
+    inverse: PageInverse,
     page_size: int,
     errors: torch.Tensor,
 ) -> torch.Tensor:
     """Token locations -> dense locations: :func:`sglang_cpkv.ops.reference.remap_locs` (``req_id`` int64 ``[N]``)."""
-    return _ops().remap_locs(locs, req_id, inverse, num_requests, capacity, page_size, errors)
+    return _ops().remap_locs(
+        locs, req_id, inverse.pages, inverse.slots, inverse.starts, inverse.capacity, page_size, errors
+    )
 
 
 def copy_pages(

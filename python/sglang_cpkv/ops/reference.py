@@ -3,11 +3,12 @@
 Terms are those of ``docs/design/cp-shared-kv-contract.md`` (copied from the project's shared
 contract): page id, capacity ``C``, request row ``r`` in ``[0, R)``, page index ``j``, dense slot
 ``start[r] + j`` (the ragged dense layout: request ``r``'s slots follow those of the requests before
-it), per-request inverse (int32, flat ``[R * C]``, entry ``r * C + page_id`` = slot or -1).
+it), per-request inverse (:class:`PageInverse`: sized by the batch's entries, not by ``R * C``).
 
 Five ops cover every hot path of the runtime:
 
-* :func:`build_page_inverse` - per batch: every (request, page) entry's dense slot -> per-request inverse.
+* :func:`build_page_inverse` - per batch: every (request, page) entry's dense slot -> per-request inverse
+  (each request's page ids sorted, with their slots: memory O(entries), found by binary search).
 * :func:`remap_locs` - per batch (current locs) and per layer (top-k locs): token locations of a
   request -> dense locations, through the per-request inverse. Request ids are compact: one per
   row of ``locs`` (a ``[tokens, topk]`` tensor takes ``[tokens]`` ids), never broadcast.
@@ -29,6 +30,8 @@ the GPU hot path - the dispatcher in :mod:`sglang_cpkv.ops` picks CUDA or Triton
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -56,14 +59,74 @@ def check_slots(entry_slots: torch.Tensor) -> None:
         raise CpSharedKvError(f"entry_slots must be int32, got {entry_slots.dtype}")
 
 
-def check_inverse(inverse: torch.Tensor, num_requests: int, capacity: int) -> None:
-    """The inverse carries neither R nor C, so the caller's pair must account for every entry."""
-    if capacity < 1 or num_requests < 0:
-        raise CpSharedKvError(f"capacity must be >= 1 and num_requests >= 0, got {capacity}, {num_requests}")
-    if inverse.dtype != torch.int32 or inverse.dim() != 1 or inverse.numel() != num_requests * capacity:
+# What a batch's inverse holds per entry (its page and its slot, int32 each) and what its build allocates besides for
+# the time of the build: the int64 keys, the sorted keys and the sort's int64 order (24 bytes), and the device
+# sort's own double buffers of keys and order (at most 32 more). The reservation charges both per entry it admits.
+INVERSE_BYTES_PER_ENTRY = 8
+INVERSE_BUILD_BYTES_PER_ENTRY = 56
+
+
+@dataclass(frozen=True, eq=False)
+class PageInverse:
+    """The per-request page inverse of a batch, sized by its entries (``E``) and requests (``R``), never by ``C``.
+
+    Request ``r``'s page ids are ``pages[starts[r]:starts[r + 1]]``, ascending, with the dense slot of each at the
+    same index of ``slots``; positions from ``starts[R]`` on hold the entries that are padding or bad ids (page
+    -1). A lookup ``(r, page id)`` is a binary search of request ``r``'s run: the slot, or -1 when absent.
+
+    Attributes:
+        pages: int32 ``[E]``. slots: int32 ``[E]``. starts: int32 ``[R + 1]`` (``starts[0] == 0``).
+        capacity: ``C``, the page ids a lookup may name (a larger one is a bad id).
+    """
+
+    pages: torch.Tensor
+    slots: torch.Tensor
+    starts: torch.Tensor
+    capacity: int
+
+    @property
+    def num_requests(self) -> int:
+        return self.starts.numel() - 1
+
+    @property
+    def num_entries(self) -> int:
+        return self.pages.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.pages.device
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes the inverse holds for the life of its batch."""
+        return sum(t.numel() * t.element_size() for t in (self.pages, self.slots, self.starts))
+
+    def to(self, device: torch.device | str) -> PageInverse:
+        return PageInverse(self.pages.to(device), self.slots.to(device), self.starts.to(device), capacity=self.capacity)
+
+    @property
+    def search_steps(self) -> int:
+        """Halvings that bring any request's run to one entry (a kernel's fixed loop count): ``E.bit_length()``."""
+        return self.num_entries.bit_length()
+
+
+def check_inverse(inverse: PageInverse) -> None:
+    """The inverse's three tensors agree in dtype, rank and device (host metadata only)."""
+    if not isinstance(inverse, PageInverse):
+        raise CpSharedKvError(f"inverse must be a PageInverse (from build_page_inverse), got {type(inverse).__name__}")
+    if inverse.capacity < 1:
+        raise CpSharedKvError(f"capacity must be >= 1, got {inverse.capacity}")
+    parts = {"pages": inverse.pages, "slots": inverse.slots, "starts": inverse.starts}
+    for name, t in parts.items():
+        if t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous() or t.device != inverse.device:
+            raise CpSharedKvError(
+                f"inverse.{name} must be a contiguous int32 1-D tensor on {inverse.device}, "
+                f"got {t.dtype}{tuple(t.shape)} on {t.device}"
+            )
+    if inverse.slots.numel() != inverse.pages.numel() or inverse.starts.numel() < 1:
         raise CpSharedKvError(
-            f"inverse must be int32 [num_requests * capacity] = [{num_requests} * {capacity}], "
-            f"got {inverse.dtype}{tuple(inverse.shape)}"
+            f"inverse must hold one slot per page and R + 1 starts, got pages {inverse.pages.numel()}, "
+            f"slots {inverse.slots.numel()}, starts {inverse.starts.numel()}"
         )
 
 
@@ -85,7 +148,7 @@ def build_page_inverse(
     capacity: int,
     errors: torch.Tensor,
     entry_slots: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> PageInverse:
     """Per-request page inverse of a batch: every (request, page) entry of its page tables -> its dense slot.
 
     Args:
@@ -100,8 +163,9 @@ def build_page_inverse(
             ``e`` at slot ``e`` (every entry its own slot, the per-request layout).
 
     Returns:
-        int32 ``[R * C]``: entry ``entry_req[e] * C + entry_pages[e]`` = ``entry_slots[e]``; -1 elsewhere. Of two
-        entries of one request holding one page, one wins (unspecified which) and the other is counted.
+        :class:`PageInverse` of ``E`` entries: every valid entry ``(entry_req[e], entry_pages[e])`` finds
+        ``entry_slots[e]``; nothing else is found. Of two entries of one request holding one page, one is found
+        (unspecified which) and the other is counted.
     """
     check_ids(entry_pages, "entry_pages")
     check_ids(entry_req, "entry_req")
@@ -115,7 +179,6 @@ def build_page_inverse(
         )
     if capacity < 1 or num_requests < 0:
         raise CpSharedKvError(f"capacity must be >= 1 and num_requests >= 0, got {capacity}, {num_requests}")
-    inverse = torch.full((num_requests * capacity,), PADDING_ID, dtype=torch.int32, device=entry_pages.device)
     page = entry_pages.to(torch.int64)
     req = entry_req.to(torch.int64)
     slot = entry_slots.to(torch.int64)
@@ -123,35 +186,56 @@ def build_page_inverse(
     bad_page = ~padding & ((page >= capacity) | (page < PADDING_ID) | (slot < 0))
     bad_req = ~padding & ~bad_page & ((req >= num_requests) | (req < PADDING_ID))
     valid = ~(padding | bad_page | bad_req)
-    key = torch.where(valid, req * capacity + page, -1)
-    inverse[key[valid]] = slot[valid].to(torch.int32)
-    # Entries beyond the first of one key: a page repeated within its request (sorting needs no host sync).
-    ordered = key.sort().values
-    repeated = ((ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)).sum()
+    end = num_requests * capacity  # past every valid key: what is not an entry sorts last
+    ordered, order = torch.where(valid, req * capacity + page, end).sort()
+    held = ordered < end
+    repeated = (held[1:] & (ordered[1:] == ordered[:-1])).sum()
     errors[ERR_PAGE_OUT_OF_RANGE] += (bad_page.sum() + repeated).to(torch.int32)
     errors[ERR_REQ_OUT_OF_RANGE] += bad_req.sum().to(torch.int32)
-    return inverse
+    boundaries = torch.arange(num_requests + 1, dtype=torch.int64, device=page.device) * capacity
+    return PageInverse(
+        pages=torch.where(held, ordered % capacity, PADDING_ID).to(torch.int32),
+        slots=torch.where(held, slot[order], PADDING_ID).to(torch.int32),
+        starts=torch.searchsorted(ordered, boundaries, out_int32=True),
+        capacity=capacity,
+    )
+
+
+def lookup_slots(inverse: PageInverse, req: torch.Tensor, page: torch.Tensor) -> torch.Tensor:
+    """int64, the shape of ``req``: the slot of each ``(req, page)`` in ``inverse``, -1 where absent.
+
+    ``req`` in ``[0, R)`` and ``page`` in ``[0, C)``, int64 of one shape (the caller drops anything else)."""
+    starts = inverse.starts.to(torch.int64)
+    num_entries, capacity = inverse.num_entries, inverse.capacity
+    query = req * capacity + page
+    if num_entries == 0:
+        return torch.full_like(query, PADDING_ID)
+    position = torch.arange(num_entries, dtype=torch.int64, device=starts.device)
+    held = position < starts[-1]
+    run = torch.searchsorted(starts[1:], position, right=True)  # the request whose run holds each position
+    # Ascending: each request's run in request order, then what is no entry.
+    keys = torch.where(held, run * capacity + inverse.pages.to(torch.int64), inverse.num_requests * capacity)
+    found = torch.searchsorted(keys, query).clamp(max=num_entries - 1)
+    return torch.where(keys[found] == query, inverse.slots.to(torch.int64)[found], PADDING_ID)
 
 
 def remap_locs(
     locs: torch.Tensor,
     req_id: torch.Tensor,
-    inverse: torch.Tensor,
-    num_requests: int,
-    capacity: int,
+    inverse: PageInverse,
     page_size: int,
     errors: torch.Tensor,
 ) -> torch.Tensor:
     """Map token locations of each request to locations in its dense view.
 
-    ``loc`` of request ``r`` -> ``inverse[r * C + loc // page_size] * page_size + loc % page_size``.
+    ``loc`` of request ``r`` -> ``slot(r, loc // page_size) * page_size + loc % page_size``, the slot found in
+    ``inverse`` (:func:`lookup_slots`).
 
     Args:
         locs: int32 or int64 ``[N]`` or ``[N, K]`` pool token locations; ``-1`` is padding, any other
             negative location is a bad id.
         req_id: int64 ``[N]``, the request row of each row of ``locs`` (``-1``: padding row).
-        inverse: int32 ``[R * C]`` from :func:`build_page_inverse`.
-        num_requests: ``R``. capacity: ``C``; ``inverse`` must hold exactly ``R * C`` entries.
+        inverse: from :func:`build_page_inverse` (``R`` requests, capacity ``C``).
         page_size: tokens per page.
         errors: int32 counter: request ids outside ``[-1, R)``; locations below -1 and pages ``>= C``
             (:data:`ERR_PAGE_OUT_OF_RANGE`).
@@ -162,8 +246,8 @@ def remap_locs(
     """
     check_ids(locs, "locs")
     check_ids(req_id, "req_id")
-    check_inverse(inverse, num_requests, capacity)
-    rows = num_requests
+    check_inverse(inverse)
+    rows, capacity = inverse.num_requests, inverse.capacity
     if locs.dim() == 1:
         loc2d = locs.reshape(-1, 1)
     else:
@@ -184,7 +268,7 @@ def remap_locs(
 
     ok = ~(padding | bad_req | bad_page)
     slot = torch.full_like(loc, PADDING_ID)
-    slot[ok] = inverse[req[ok] * capacity + page[ok]].to(torch.int64)
+    slot[ok] = lookup_slots(inverse, req[ok], page[ok])
     dense = torch.where(slot >= 0, slot * page_size + loc % page_size, PADDING_ID)
     return dense.to(torch.int32).reshape(locs.shape)
 

@@ -7,7 +7,7 @@ naming the bad values:
 
 * after each op, the plan's device error counter (bad page/request ids, rows out of range);
 * plan: the entries, the slots and the inverse agree (entry ``(r, j)`` holding page ``p`` points at a slot that
-  holds ``p`` and is found at ``inverse[r * C + p]``, and nothing else is); no page id twice in one request; a
+  holds ``p`` and the inverse finds it for ``(r, p)``, and it holds nothing else); no page id twice in one request; a
   history-region slot belongs to no request and holds a page no other region slot holds; an own slot belongs to
   the one request whose entry points at it; every current token's dense location is at its own logical position
   in an own slot of its request, and no dense location is written by two tokens (so no dense slot is written by
@@ -26,6 +26,7 @@ import torch
 
 from sglang_cpkv.env import env_flag
 from sglang_cpkv.ops.errors import CpSharedKvError, raise_if_errors
+from sglang_cpkv.ops.reference import lookup_slots
 
 if TYPE_CHECKING:
     from sglang_cpkv.runtime.plan import CpSharedKvPlan
@@ -61,11 +62,11 @@ def check_plan(plan: CpSharedKvPlan) -> None:
     check_errors(plan, "plan build")
     slot_pages = plan.slot_pages.to(torch.int64).cpu()
     slot_req = plan.slot_req.cpu()
-    cap, region = plan.capacity, plan.history_region_slots
+    region = plan.history_region_slots
     region_pages = slot_pages[:region]
     if bool((slot_req[:region] != -1).any()) or region_pages.unique().numel() != region:
         raise CpSharedKvError("the history region holds a request's slot or a page id twice")
-    inverse = plan.inverse.to(torch.int64).cpu()
+    inverse = plan.inverse
     for r in range(plan.num_requests):
         slots = plan.request_slots(r)
         pages = slot_pages[slots]
@@ -75,7 +76,7 @@ def check_plan(plan: CpSharedKvPlan) -> None:
         own = slots >= region
         if not bool((slot_req[slots[own]] == r).all()):
             raise CpSharedKvError(f"request {r}: its own slots {slots[own].tolist()} are not all its own")
-        got = inverse[r * cap + pages]
+        got = lookup_slots(inverse, torch.full_like(pages, r).to(inverse.device), pages.to(inverse.device)).cpu()
         if not torch.equal(got, slots):
             raise CpSharedKvError(
                 f"inverse disagrees with request {r}'s entries: page ids {pages.tolist()} -> slots {got.tolist()}, "
@@ -86,8 +87,11 @@ def check_plan(plan: CpSharedKvPlan) -> None:
         raise CpSharedKvError("an own slot is pointed at by two entries")
     if bool((slot_pages[plan.needed_slots :] != -1).any()) or bool((slot_req[plan.needed_slots :] != -1).any()):
         raise CpSharedKvError("the layout's rounding slots hold a page or a request")
-    if int((inverse >= 0).sum()) != plan.entries:
-        raise CpSharedKvError(f"inverse has {int((inverse >= 0).sum())} entries, the batch's tables {plan.entries}")
+    held = int(inverse.starts[-1])
+    if held != plan.entries or inverse.num_entries != plan.entries:
+        raise CpSharedKvError(
+            f"inverse holds {held} of its {inverse.num_entries} entries, the batch's tables {plan.entries}"
+        )
 
     dense = plan.current_dense_locs.to(torch.int64).cpu()
     expected = torch.tensor(

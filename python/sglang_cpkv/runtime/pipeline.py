@@ -324,9 +324,7 @@ class LayerPipeline:
             raise CpSharedKvError(
                 f"remap: req_id {tuple(req_id.shape)} must have one id per row of locs {tuple(locs.shape)}"
             )
-        dense_locs = ops.remap_locs(
-            locs, req_id, plan.inverse, plan.num_requests, plan.capacity, plan.page_size, plan.errors
-        )
+        dense_locs = ops.remap_locs(locs, req_id, plan.inverse, plan.page_size, plan.errors)
         if plan.checked:
             checked_mode.check_remapped(plan, dense_locs, req_id, "remap")
         return dense_locs

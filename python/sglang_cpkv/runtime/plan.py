@@ -78,7 +78,8 @@ class CpSharedKvPlan:
         slot_pages: int32 ``[num_slots]``, the page id each dense slot holds (-1: a rounding slot).
         slot_req: int64 ``[num_slots]``, the request an own slot belongs to (-1: a history-region slot, which no
             request writes, or a rounding slot).
-        inverse: int32 ``[R * C]``, the per-request inverse (``ops.build_page_inverse`` of every entry's slot).
+        inverse: the per-request inverse (``ops.build_page_inverse`` of every entry's slot): ``8 x entries +
+            4 x (R + 1)`` bytes, whatever ``C``.
         token_req_id: int64 ``[N]``, request row of each current token (token order).
         current_dense_locs: int64 ``[N]``, dense location of each current token (fill target: own slots only).
         pool_copy_pages, pool_copy_slots: int32, the pages of this rank's pool copied into the view and their
@@ -114,7 +115,7 @@ class CpSharedKvPlan:
     checked: bool
     slot_pages: torch.Tensor
     slot_req: torch.Tensor
-    inverse: torch.Tensor
+    inverse: ops.PageInverse
     token_req_id: torch.Tensor
     current_dense_locs: torch.Tensor
     pool_copy_pages: torch.Tensor
@@ -465,9 +466,7 @@ def build_plan(
     inverse = ops.build_page_inverse(
         entry_pages, entry_req_dev, num_requests, capacity, errors, entry_slots=entry_slots
     )
-    current_dense_locs = ops.remap_locs(
-        out_cache_loc, token_req_id, inverse, num_requests, capacity, page_size, errors
-    ).to(torch.int64)
+    current_dense_locs = ops.remap_locs(out_cache_loc, token_req_id, inverse, page_size, errors).to(torch.int64)
 
     local_req_id = split.shard(token_req_id, PADDING_ID, local_token_index)
     local_out_cache_loc = split.shard(out_cache_loc, PADDING_ID, local_token_index)

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sglang_cpkv import ops
+from sglang_cpkv.ops import reference
 from sglang_cpkv.runtime import (
     CpGroup,
     CpSharedKvPlan,
@@ -243,6 +245,26 @@ def flat_slots(page_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, width = page_table.shape
     entry_req = torch.arange(rows, dtype=torch.int64, device=page_table.device).repeat_interleave(width)
     return page_table.reshape(-1), entry_req
+
+
+def inverse_table(inverse: ops.PageInverse) -> torch.Tensor:
+    """int32 ``[R * C]`` on the inverse's device: the slot each ``(request, page id)`` finds (index ``r * C + page``),
+    -1 elsewhere; how a test reads an inverse whole (tables of a few thousand entries)."""
+    rows, capacity = inverse.num_requests, inverse.capacity
+    device = inverse.device
+    req = torch.arange(rows, dtype=torch.int64, device=device).repeat_interleave(capacity)
+    page = torch.arange(capacity, dtype=torch.int64, device=device).repeat(rows)
+    return reference.lookup_slots(inverse, req, page).to(torch.int32)
+
+
+def assert_same_inverse(want: ops.PageInverse, have: ops.PageInverse, repeats: bool = False) -> None:
+    """Two builds of one inverse hold one compact form: sizes, page runs and starts exactly, and the slots exactly
+    unless a page repeats within a request (``repeats``: which of its slots is kept is unspecified)."""
+    assert (have.capacity, have.num_requests, have.num_entries) == (want.capacity, want.num_requests, want.num_entries)
+    assert torch.equal(have.pages.cpu(), want.pages.cpu()), (have.pages, want.pages)
+    assert torch.equal(have.starts.cpu(), want.starts.cpu()), (have.starts, want.starts)
+    if not repeats:
+        assert torch.equal(have.slots.cpu(), want.slots.cpu()), (have.slots, want.slots)
 
 
 def current_locs(case: BatchCase) -> tuple[torch.Tensor, torch.Tensor]:

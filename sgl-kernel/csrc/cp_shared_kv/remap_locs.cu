@@ -1,4 +1,5 @@
-// remap_locs: token locations of each request -> locations in its dense view, through the per-request inverse.
+// remap_locs: token locations of each request -> locations in its dense view, through the per-request inverse
+// (a binary search of the request's run of ascending page ids).
 // Used per batch (current locs, [N]) and per layer (top-k locs, [N, K] with one request id per row).
 #include "cp_shared_kv.h"
 #include "row_copy.cuh"
@@ -15,10 +16,11 @@ struct alignas(sizeof(T) * kVec) Lanes {
   T value[kVec];
 };
 
-/// Where one pool location of request req reads the inverse (index -1: nowhere) and which error it counts
-/// (-1: none); see cp_shared_kv.h. Branch-light so that a thread's inverse lookups can all be in flight at once.
+/// Which page of which request one pool location looks up (req -1: none) and which error it counts (-1: none);
+/// see cp_shared_kv.h.
 struct Lookup {
-  int64_t index;   // into inverse, or -1
+  int64_t req;     // request row, or -1
+  int64_t page;    // page id
   int64_t offset;  // token offset in the page
   int error;       // error kind, or -1
 };
@@ -26,16 +28,37 @@ struct Lookup {
 __device__ __forceinline__ Lookup
 classify(int64_t loc, int64_t req, int64_t num_requests, int64_t capacity, int64_t page_size, int page_shift) {
   // Location -1 or a padding row (-1) is padding: -1, nothing counted. Any other negative location is a bad id.
-  if (loc == -1 || req == -1) return {-1, 0, -1};
-  if (req < -1 || req >= num_requests) return {-1, 0, kErrReqOutOfRange};
-  if (loc < 0) return {-1, 0, kErrPageOutOfRange};
+  if (loc == -1 || req == -1) return {-1, 0, 0, -1};
+  if (req < -1 || req >= num_requests) return {-1, 0, 0, kErrReqOutOfRange};
+  if (loc < 0) return {-1, 0, 0, kErrPageOutOfRange};
   const int64_t page = page_shift >= 0 ? loc >> page_shift : loc / page_size;
-  if (page >= capacity) return {-1, 0, kErrPageOutOfRange};
-  return {req * capacity + page, loc - page * page_size, -1};
+  if (page >= capacity) return {-1, 0, 0, kErrPageOutOfRange};
+  return {req, page, loc - page * page_size, -1};
+}
+
+/// The slot of page in request req's run inverse_pages[starts[req], starts[req + 1]) (ascending), or -1.
+__device__ __forceinline__ int32_t find_slot(const int32_t* __restrict__ inverse_pages,
+                                             const int32_t* __restrict__ inverse_slots,
+                                             const int32_t* __restrict__ inverse_starts,
+                                             int64_t req,
+                                             int64_t page) {
+  int32_t lo = inverse_starts[req];
+  const int32_t hi = inverse_starts[req + 1];
+  int32_t count = hi - lo;
+  while (count > 0) {  // lower bound
+    const int32_t half = count >> 1;
+    if (static_cast<int64_t>(inverse_pages[lo + half]) < page) {
+      lo += half + 1;
+      count -= half + 1;
+    } else {
+      count = half;
+    }
+  }
+  return lo < hi && static_cast<int64_t>(inverse_pages[lo]) == page ? inverse_slots[lo] : -1;
 }
 
 /// Each thread takes kUnroll groups of kVec consecutive elements of one row (K % kVec == 0), consecutive threads
-/// consecutive groups; all loads of locs and request ids are issued before the inverse lookups. The request id is
+/// consecutive groups; all loads of locs and request ids are issued before the inverse searches. The request id is
 /// read per row (req_id[n], compact) and the row length K turns the flat index into (n, k).
 /// \tparam kVec  elements per access: 16 bytes of locs when K, the row stride and the base allow it, else 1.
 /// \tparam FlatT uint32_t when N * K fits, else uint64_t.
@@ -44,7 +67,9 @@ __global__ void __launch_bounds__(kRemapThreads)
     remap_locs_kernel(const LocT* __restrict__ locs,        // [N, K], row stride locs_row_stride
                       int64_t locs_row_stride,              // elements between rows of locs
                       const int64_t* __restrict__ req_id,   // [N]
-                      const int32_t* __restrict__ inverse,  // [R * C]
+                      const int32_t* __restrict__ inverse_pages,   // [E]
+                      const int32_t* __restrict__ inverse_slots,   // [E]
+                      const int32_t* __restrict__ inverse_starts,  // [R + 1]
                       FlatT total,                          // N * K
                       FlatT row_len,                        // K
                       int64_t num_requests,                   // R
@@ -87,7 +112,11 @@ __global__ void __launch_bounds__(kRemapThreads)
 #pragma unroll
   for (int k = 0; k < kUnroll; ++k) {
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) slot[k][e] = lookup[k][e].index >= 0 ? inverse[lookup[k][e].index] : -1;
+    for (int e = 0; e < kVec; ++e) {
+      slot[k][e] = lookup[k][e].req >= 0
+                       ? find_slot(inverse_pages, inverse_slots, inverse_starts, lookup[k][e].req, lookup[k][e].page)
+                       : -1;
+    }
   }
 #pragma unroll
   for (int k = 0; k < kUnroll; ++k) {
@@ -118,7 +147,9 @@ cudaError_t launch_remap_locs(const LocT* locs,
                               int64_t row_len,
                               int64_t locs_row_stride,
                               const int64_t* req_id,
-                              const int32_t* inverse,
+                              const int32_t* inverse_pages,
+                              const int32_t* inverse_slots,
+                              const int32_t* inverse_starts,
                               int64_t num_requests,
                               int64_t capacity,
                               int64_t page_size,
@@ -134,7 +165,9 @@ cudaError_t launch_remap_locs(const LocT* locs,
     remap_locs_kernel<LocT, kVec, kUnroll, uint32_t><<<grid, kRemapThreads, 0, stream>>>(locs,
                                                                                          locs_row_stride,
                                                                                          req_id,
-                                                                                         inverse,
+                                                                                         inverse_pages,
+                                                                                         inverse_slots,
+                                                                                         inverse_starts,
                                                                                          static_cast<uint32_t>(total),
                                                                                          static_cast<uint32_t>(row_len),
                                                                                          num_requests,
@@ -147,7 +180,9 @@ cudaError_t launch_remap_locs(const LocT* locs,
     remap_locs_kernel<LocT, kVec, kUnroll, uint64_t><<<grid, kRemapThreads, 0, stream>>>(locs,
                                                                                          locs_row_stride,
                                                                                          req_id,
-                                                                                         inverse,
+                                                                                         inverse_pages,
+                                                                                         inverse_slots,
+                                                                                         inverse_starts,
                                                                                          static_cast<uint64_t>(total),
                                                                                          static_cast<uint64_t>(row_len),
                                                                                          num_requests,
@@ -168,7 +203,9 @@ cudaError_t remap_locs(const LocT* locs,
                        int64_t row_len,
                        int64_t locs_row_stride,
                        const int64_t* req_id,
-                       const int32_t* inverse,
+                       const int32_t* inverse_pages,
+                       const int32_t* inverse_slots,
+                       const int32_t* inverse_starts,
                        int64_t num_requests,
                        int64_t capacity,
                        int64_t page_size,
@@ -192,7 +229,9 @@ cudaError_t remap_locs(const LocT* locs,
                                             row_len,
                                             locs_row_stride,
                                             req_id,
-                                            inverse,
+                                            inverse_pages,
+                                            inverse_slots,
+                                            inverse_starts,
                                             num_requests,
                                             capacity,
                                             page_size,
@@ -206,7 +245,9 @@ cudaError_t remap_locs(const LocT* locs,
                                        row_len,
                                        locs_row_stride,
                                        req_id,
-                                       inverse,
+                                       inverse_pages,
+                                       inverse_slots,
+                                       inverse_starts,
                                        num_requests,
                                        capacity,
                                        page_size,
@@ -222,6 +263,8 @@ template cudaError_t remap_locs<int32_t>(const int32_t*,
                                          int64_t,
                                          const int64_t*,
                                          const int32_t*,
+                                         const int32_t*,
+                                         const int32_t*,
                                          int64_t,
                                          int64_t,
                                          int64_t,
@@ -233,6 +276,8 @@ template cudaError_t remap_locs<int64_t>(const int64_t*,
                                          int64_t,
                                          int64_t,
                                          const int64_t*,
+                                         const int32_t*,
+                                         const int32_t*,
                                          const int32_t*,
                                          int64_t,
                                          int64_t,

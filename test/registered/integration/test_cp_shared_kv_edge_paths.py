@@ -64,9 +64,7 @@ def _assert_same_reads(off, on) -> None:
 def _drop_a_bad_id(plan) -> None:
     """What an op of the batch does with a page id past the pool: drop it and count it in the batch's counter."""
     past_pool = torch.tensor([plan.capacity * plan.page_size + 3])
-    ops.remap_locs(
-        past_pool, torch.tensor([0]), plan.inverse, plan.num_requests, plan.capacity, plan.page_size, plan.errors
-    )
+    ops.remap_locs(past_pool, torch.tensor([0]), plan.inverse, plan.page_size, plan.errors)
 
 
 def test_a_counted_error_raises_once_for_its_batch_and_the_next_batch_serves():

@@ -28,7 +28,8 @@ from sglang_cpkv.ops.errors import (
     CpSharedKvError,
     new_error_counter,
 )
-from sglang_cpkv.testing.batches import ROW_LAYOUTS, flat_slots
+from sglang_cpkv.ops.reference import PageInverse
+from sglang_cpkv.testing.batches import ROW_LAYOUTS, assert_same_inverse, flat_slots, inverse_table
 from sglang_cpkv.testing.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=120, stage="cpkv", runner_config="1-gpu")
@@ -99,9 +100,10 @@ def _page_table(
 
 
 def _run(ops, name: str, *args, **kwargs) -> tuple[object, torch.Tensor]:
+    """One op with a fresh counter: ``(output, errors)``; an inverse comes back read whole (``inverse_table``)."""
     errors = new_error_counter(DEVICE)
     out = getattr(ops, name)(*args, errors, **kwargs)
-    return out, errors
+    return (inverse_table(out) if isinstance(out, PageInverse) else out), errors
 
 
 @pytest.mark.parametrize("bad_ids", [False, True])
@@ -118,6 +120,12 @@ def test_build_page_inverse(cuda_ops, rows, pages_per_request, dtype, bad_ids):
     assert torch.equal(have, want)
     assert have_errors.tolist() == want_errors.tolist()
     assert bool(want_errors[ERR_PAGE_OUT_OF_RANGE] > 0) == bad_ids
+    # The compact form itself: one entry per page-table entry, whatever C; runs and starts as the reference's.
+    compact = cuda_ops.build_page_inverse(*flat_slots(table), rows, capacity, new_error_counter(DEVICE))
+    assert_same_inverse(
+        reference.build_page_inverse(*flat_slots(table), rows, capacity, new_error_counter(DEVICE)), compact
+    )
+    assert compact.num_entries == table.numel() and compact.nbytes == 8 * table.numel() + 4 * (rows + 1)
 
 
 def test_build_page_inverse_repeated_pages_and_empty(cuda_ops):
@@ -136,8 +144,10 @@ def test_build_page_inverse_repeated_pages_and_empty(cuda_ops):
         torch.empty(0, dtype=torch.int64, device=DEVICE),
         torch.empty(0, dtype=torch.int32, device=DEVICE),
     )
-    assert cuda_ops.build_page_inverse(*none[:2], 0, CAPACITY, new_error_counter(DEVICE), none[2]).numel() == 0
-    assert bool((cuda_ops.build_page_inverse(*none[:2], 2, CAPACITY, new_error_counter(DEVICE)) == -1).all())
+    empty = cuda_ops.build_page_inverse(*none[:2], 0, CAPACITY, new_error_counter(DEVICE), none[2])
+    assert (empty.num_entries, empty.num_requests, empty.starts.tolist()) == (0, 0, [0])
+    no_entries = cuda_ops.build_page_inverse(*none[:2], 2, CAPACITY, new_error_counter(DEVICE))
+    assert no_entries.starts.tolist() == [0, 0, 0] and bool((inverse_table(no_entries) == -1).all())
 
 
 def _shared_slot_entries(
@@ -291,8 +301,8 @@ def test_remap_locs(cuda_ops, rows, page_size, loc_dtype, shape):
     locs = locs[:, first : first + row_len]
     if shape == "1d":
         locs = locs.reshape(-1)
-    want, want_errors = _run(reference, "remap_locs", locs, req, inverse, table.shape[0], CAPACITY, page_size)
-    have, have_errors = _run(cuda_ops, "remap_locs", locs, req, inverse, table.shape[0], CAPACITY, page_size)
+    want, want_errors = _run(reference, "remap_locs", locs, req, inverse, page_size)
+    have, have_errors = _run(cuda_ops, "remap_locs", locs, req, inverse, page_size)
     assert have.dtype == torch.int32 and have.shape == locs.shape
     assert torch.equal(have, want)
     assert have_errors.tolist() == want_errors.tolist()
@@ -304,8 +314,8 @@ def test_remap_locs_page_size_not_power_of_two(cuda_ops):
     table = _page_table(3, 12, CAPACITY, gen, torch.int64, bad_ids=False)
     inverse = reference.build_page_inverse(*flat_slots(table), table.shape[0], CAPACITY, new_error_counter(DEVICE))
     locs, req = _locs_and_req(table, CAPACITY, 48, 64, 33, gen, torch.int64)
-    want, want_errors = _run(reference, "remap_locs", locs, req, inverse, table.shape[0], CAPACITY, 48)
-    have, have_errors = _run(cuda_ops, "remap_locs", locs, req, inverse, table.shape[0], CAPACITY, 48)
+    want, want_errors = _run(reference, "remap_locs", locs, req, inverse, 48)
+    have, have_errors = _run(cuda_ops, "remap_locs", locs, req, inverse, 48)
     assert torch.equal(have, want) and have_errors.tolist() == want_errors.tolist()
 
 
@@ -475,14 +485,15 @@ def test_shared_page_regression(cuda_ops, fused):
     table = torch.tensor([[1, 5], [9, 5]], dtype=torch.int32, device=DEVICE)
     errors = new_error_counter(DEVICE)
     inverse = cuda_ops.build_page_inverse(*flat_slots(table), table.shape[0], capacity, errors)
-    assert inverse[0 * capacity + 5].item() == 1 and inverse[1 * capacity + 5].item() == 3
-    assert inverse[0 * capacity + 9].item() == -1 and inverse[1 * capacity + 1].item() == -1
+    found = inverse_table(inverse)
+    assert found[0 * capacity + 5].item() == 1 and found[1 * capacity + 5].item() == 3
+    assert found[0 * capacity + 9].item() == -1 and found[1 * capacity + 1].item() == -1
     pool = torch.arange(capacity * page_size * width, dtype=torch.int32, device=DEVICE).view(capacity, -1)
     # History: 6 tokens each (pages X then 5 holding 2 tokens); current: pool locations 22, 23 (page 5, offsets
     # 2, 3) for both requests, with different KV.
     cur_locs = torch.tensor([22, 23, 22, 23], dtype=torch.int64, device=DEVICE)
     cur_req = torch.tensor([0, 0, 1, 1], dtype=torch.int64, device=DEVICE)
-    dst_loc = cuda_ops.remap_locs(cur_locs, cur_req, inverse, table.shape[0], capacity, page_size, errors)
+    dst_loc = cuda_ops.remap_locs(cur_locs, cur_req, inverse, page_size, errors)
     assert dst_loc.tolist() == [1 * page_size + 2, 1 * page_size + 3, 3 * page_size + 2, 3 * page_size + 3]
     current = -1 - torch.arange(4 * width, dtype=torch.int32, device=DEVICE).view(4, width)
     src_page = torch.tensor([1, 5, 9, 5], dtype=torch.int32, device=DEVICE)
@@ -514,7 +525,16 @@ def test_opcheck(cuda_ops):
     pool, src_page, dense, dst_page, cur, dst_loc = _layer_inputs(2, 16, "bf16", gen, torch.int32)
     cases = {
         "build_page_inverse": (*flat_slots(table), 3, CAPACITY, new_error_counter(DEVICE)),
-        "remap_locs": (locs, req, inverse, 3, CAPACITY, 16, new_error_counter(DEVICE)),
+        "remap_locs": (
+            locs,
+            req,
+            inverse.pages,
+            inverse.slots,
+            inverse.starts,
+            CAPACITY,
+            16,
+            new_error_counter(DEVICE),
+        ),
         "copy_pages": (pool, src_page, dense, dst_page, new_error_counter(DEVICE)),
         "scatter_rows": (cur, dst_loc, dense.view(-1, cur.shape[1]), new_error_counter(DEVICE)),
         "materialize_and_fill": (pool, src_page, dense, dst_page, cur, dst_loc, new_error_counter(DEVICE)),
@@ -544,9 +564,9 @@ def test_torch_compile_fullgraph(cuda_ops):
 
     def layer(errors, dense_out):
         inverse = cuda_ops.build_page_inverse(*flat_slots(table), table.shape[0], capacity, errors)
-        top_dense = cuda_ops.remap_locs(top_locs, top_req, inverse, table.shape[0], capacity, page_size, errors)
+        top_dense = cuda_ops.remap_locs(top_locs, top_req, inverse, page_size, errors)
         cuda_ops.materialize_and_fill(pool, src_page, dense_out, dst_page, cur, dst_loc, errors)
-        return inverse, top_dense
+        return inverse.pages, inverse.slots, inverse.starts, top_dense
 
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
     eager_errors, eager_dense = new_error_counter(DEVICE), dense.clone()
@@ -576,8 +596,8 @@ def test_cuda_graph_capture_and_replay(cuda_ops):
         errors.zero_()
         dense_out.copy_(dense)
         inverse = cuda_ops.build_page_inverse(*flat_slots(table), table.shape[0], capacity, errors)
-        cur_dense = cuda_ops.remap_locs(cur_locs, cur_req, inverse, table.shape[0], capacity, page_size, errors)
-        top_dense = cuda_ops.remap_locs(top_locs, top_req, inverse, table.shape[0], capacity, page_size, errors)
+        cur_dense = cuda_ops.remap_locs(cur_locs, cur_req, inverse, page_size, errors)
+        top_dense = cuda_ops.remap_locs(top_locs, top_req, inverse, page_size, errors)
         cuda_ops.materialize_and_fill(pool, src_page, dense_out, dst_page, cur, cur_dense, errors)
         return inverse, cur_dense, top_dense
 
@@ -610,20 +630,13 @@ def test_cuda_graph_capture_and_replay(cuda_ops):
         graph.replay()
         want_errors = new_error_counter(DEVICE)
         want_inverse = reference.build_page_inverse(*flat_slots(table), table.shape[0], capacity, want_errors)
-        want_cur = reference.remap_locs(
-            cur_locs, cur_req, want_inverse, table.shape[0], capacity, page_size, want_errors
-        )
-        want_top = reference.remap_locs(
-            top_locs, top_req, want_inverse, table.shape[0], capacity, page_size, want_errors
-        )
+        want_cur = reference.remap_locs(cur_locs, cur_req, want_inverse, page_size, want_errors)
+        want_top = reference.remap_locs(top_locs, top_req, want_inverse, page_size, want_errors)
         want_dense = dense.clone()
         reference.copy_pages(pool, src_page, want_dense, dst_page, want_errors)
         reference.scatter_rows(cur, want_cur, want_dense.view(-1, cur.shape[1]), want_errors)
-        assert (
-            torch.equal(outputs[0], want_inverse)
-            and torch.equal(outputs[1], want_cur)
-            and torch.equal(outputs[2], want_top)
-        )
+        assert_same_inverse(want_inverse, outputs[0])
+        assert torch.equal(outputs[1], want_cur) and torch.equal(outputs[2], want_top)
         _assert_same_bytes(dense_out, want_dense, f"dense after replay {replay}")
         assert errors.tolist() == want_errors.tolist()
 
@@ -661,6 +674,16 @@ def test_probe_refuses_missing_stale_and_jit_off(cuda_ops, tmp_path):
     assert _reason_in_fresh_process({cuda_build.LIB_ENV: str(tmp_path), cuda_build.JIT_ENV: "0"}) == "None"
 
 
+def _inverse_of(pages: int, slots: int, requests: int) -> PageInverse:
+    """An inverse of the given sizes holding no page (for the argument checks)."""
+    return PageInverse(
+        pages=torch.full((pages,), -1, dtype=torch.int32, device=DEVICE),
+        slots=torch.full((slots,), -1, dtype=torch.int32, device=DEVICE),
+        starts=torch.zeros(requests + 1, dtype=torch.int32, device=DEVICE),
+        capacity=12,
+    )
+
+
 # Last in the file: on the H200 run of 2026-11-30 the second case segfaulted the process (see torch_bindings.cc).
 @pytest.mark.parametrize(
     "op, make_args, message",
@@ -670,9 +693,7 @@ def test_probe_refuses_missing_stale_and_jit_off(cuda_ops, tmp_path):
             lambda: (
                 torch.zeros(4, 2, dtype=torch.int32, device=DEVICE),
                 torch.zeros(4, dtype=torch.int32, device=DEVICE),
-                torch.full((24,), -1, dtype=torch.int32, device=DEVICE),
-                2,
-                12,
+                _inverse_of(pages=24, slots=24, requests=2),
                 4,
             ),
             "req_id must be int64, got Int",
@@ -682,9 +703,7 @@ def test_probe_refuses_missing_stale_and_jit_off(cuda_ops, tmp_path):
             lambda: (
                 torch.zeros(4, 2, dtype=torch.int32, device=DEVICE),
                 torch.zeros(3, dtype=torch.int64, device=DEVICE),
-                torch.full((24,), -1, dtype=torch.int32, device=DEVICE),
-                2,
-                12,
+                _inverse_of(pages=24, slots=24, requests=2),
                 4,
             ),
             "req_id must have one id per row of locs",
@@ -694,12 +713,10 @@ def test_probe_refuses_missing_stale_and_jit_off(cuda_ops, tmp_path):
             lambda: (
                 torch.zeros(4, 2, dtype=torch.int32, device=DEVICE),
                 torch.zeros(4, dtype=torch.int64, device=DEVICE),
-                torch.full((24,), -1, dtype=torch.int32, device=DEVICE),
-                3,
-                12,
+                _inverse_of(pages=24, slots=23, requests=2),
                 4,
             ),
-            "inverse must hold num_requests * capacity = 3 * 12 entries, got 24",
+            "inverse_slots must hold one slot per page of inverse_pages (24), got 23",
         ),
         (
             "build_page_inverse",

@@ -13,6 +13,7 @@ import sys
 os.environ["TRITON_INTERPRET"] = "1"
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
@@ -29,9 +30,11 @@ from sglang_cpkv.ops.errors import (
 )
 from sglang_cpkv.testing.batches import (
     ROW_LAYOUTS,
+    assert_same_inverse,
     check_against_truth,
     current_locs,
     flat_slots,
+    inverse_table,
     padded_page_table,
     random_rows,
     random_topk,
@@ -53,11 +56,16 @@ def _gen(seed: int) -> torch.Generator:
 
 def _both(op_name: str, *args, kwargs=None, **triton_knobs):
     """Run one op on the reference and on Triton with fresh counters: ``((ref_out, ref_err), (tri_out, tri_err))``;
-    ``kwargs`` go to both, ``triton_knobs`` to Triton only."""
+    ``kwargs`` go to both, ``triton_knobs`` to Triton only. An inverse comes back read whole (``inverse_table``),
+    after its compact form was checked equal (page runs and starts exactly; slots where no page repeats)."""
     results = []
     for impl, knobs in ((reference, {}), (triton_ops, triton_knobs)):
         errors = new_error_counter("cpu")
         results.append((getattr(impl, op_name)(*args, errors, **(kwargs or {}), **knobs), errors))
+    if isinstance(results[0][0], ops.PageInverse):
+        (ref, ref_err), (tri, tri_err) = results
+        assert_same_inverse(ref, tri, repeats=int(ref_err[ERR_PAGE_OUT_OF_RANGE]) > 0)
+        results = [(inverse_table(ref), ref_err), (inverse_table(tri), tri_err)]
     return results
 
 
@@ -213,7 +221,7 @@ def test_remap_topk_locs_matches_reference(loc_dtype, page_size, tiles):
     inverse = reference.build_page_inverse(*flat_slots(padded_page_table(case, 6)), 3, 30, new_error_counter("cpu"))
     locs, req = topk_locs(case, 9, 13, gen)
     (ref, ref_err), (tri, tri_err) = _both(
-        "remap_locs", locs.to(loc_dtype), req, inverse, 3, 30, page_size, block_n=tiles[0], block_k=tiles[1]
+        "remap_locs", locs.to(loc_dtype), req, inverse, page_size, block_n=tiles[0], block_k=tiles[1]
     )
     assert tri.dtype == torch.int32 and tri.shape == locs.shape
     assert torch.equal(ref, tri)
@@ -230,7 +238,7 @@ def test_remap_counts_bad_request_and_page_ids():
         [[4, 48, -1], [4, 99, 7], [4, -1, 8], [21, -5, 36], [47, 50, 23], [-2, -1, -64]], dtype=torch.int32
     )
     req = torch.tensor([0, -1, 7, -3, 1, 0])
-    (ref, ref_err), (tri, tri_err) = _both("remap_locs", locs, req, inverse, 2, 12, 4)
+    (ref, ref_err), (tri, tri_err) = _both("remap_locs", locs, req, inverse, 4)
     assert torch.equal(ref, tri)
     expected = [0] * 3
     # request 7's row: two locations (its -1 is padding); request -3's: three (-5 is no padding)
@@ -247,19 +255,17 @@ def test_remap_current_locs_1d(loc_dtype):
     case = sparse_case(4, 16, 50, 5, _gen(3))
     inverse = reference.build_page_inverse(*flat_slots(padded_page_table(case, 5)), 4, 50, new_error_counter("cpu"))
     locs, req = current_locs(case)
-    (ref, ref_err), (tri, tri_err) = _both("remap_locs", locs.to(loc_dtype), req, inverse, 4, 50, 16)
+    (ref, ref_err), (tri, tri_err) = _both("remap_locs", locs.to(loc_dtype), req, inverse, 16)
     assert torch.equal(ref, tri) and torch.equal(ref_err, tri_err) and (tri >= 0).all()
 
 
 def test_remap_takes_compact_request_ids_only():
-    inverse = torch.full((24,), -1, dtype=torch.int32)
+    inverse = reference.build_page_inverse(*flat_slots(torch.tensor([[1, 2]])), 1, 12, new_error_counter("cpu"))
     with pytest.raises(ValueError, match="one id per row"):
         triton_ops.remap_locs(
             torch.zeros(4, 3, dtype=torch.int32),
             torch.zeros(4, 3, dtype=torch.int64),
             inverse,
-            2,
-            12,
             4,
             new_error_counter("cpu"),
         )
@@ -404,8 +410,14 @@ def test_contract_violations_refused_on_every_backend(backend, monkeypatch):
     with pytest.raises(CpSharedKvError, match=r"entry_slots must be int32, got torch\.int64"):
         ops.build_page_inverse(torch.tensor([1]), torch.tensor([0]), 1, 4, errors, torch.tensor([0]))
     inverse = ops.build_page_inverse(*flat_slots(torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)), 2, 6, errors)
-    with pytest.raises(CpSharedKvError, match=r"inverse must be int32 \[num_requests \* capacity\] = \[2 \* 3\]"):
-        ops.remap_locs(torch.tensor([[4]]), torch.tensor([1]), inverse, 2, 3, 2, errors)  # 12 entries, C = 3
+    with pytest.raises(CpSharedKvError, match="inverse must be a PageInverse"):
+        ops.remap_locs(torch.tensor([[4]]), torch.tensor([1]), torch.full((12,), -1, dtype=torch.int32), 2, errors)
+    with pytest.raises(CpSharedKvError, match=r"inverse\.starts must be a contiguous int32 1-D tensor"):
+        ops.remap_locs(
+            torch.tensor([[4]]), torch.tensor([1]), replace(inverse, starts=inverse.starts.long()), 2, errors
+        )
+    with pytest.raises(CpSharedKvError, match="page_size must be >= 1"):
+        ops.remap_locs(torch.tensor([[4]]), torch.tensor([1]), inverse, 0, errors)
     pages = torch.zeros(2, 12)
     with pytest.raises(CpSharedKvError, match="do not tile the dense pages"):
         ops.materialize_and_fill(
@@ -439,7 +451,7 @@ def test_shared_partial_page_keeps_each_request_its_own_rows(backend, monkeypatc
     cur_locs = torch.tensor([22, 23, 22, 23], dtype=torch.int32)
     cur_req = torch.tensor([0, 0, 1, 1])
     current = random_rows(4, "bf16", gen)
-    dense_locs = ops.remap_locs(cur_locs, cur_req, inverse, 2, capacity, page_size, errors)
+    dense_locs = ops.remap_locs(cur_locs, cur_req, inverse, page_size, errors)
     assert dense_locs.tolist() == [6, 7, 14, 15]
     ops.scatter_rows(current, dense_locs, dense, errors)
     assert errors.tolist() == [0, 0, 0]

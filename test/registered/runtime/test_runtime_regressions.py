@@ -23,6 +23,7 @@ from sglang_cpkv.testing.batches import (
     BatchCase,
     check_against_truth,
     host_plan,
+    inverse_table,
     make_pool_and_current,
     padded_page_table,
     random_topk,
@@ -64,7 +65,7 @@ def test_shared_page_5_each_request_keeps_its_own_slot_and_current_write():
     # both requests, so each request has its own slot of it (3 and 4), its history rows copied in.
     assert plan.history_region_slots == 3 and plan.slot_pages.tolist() == [1, 5, 9, 5, 5]
     assert plan.slot_req.tolist() == [-1, -1, -1, 0, 1]
-    inverse = plan.inverse.tolist()
+    inverse = inverse_table(plan.inverse).tolist()
     assert inverse[0 * C + 5] == 3 and inverse[1 * C + 5] == 4
     assert inverse[0 * C + 1] == 0 and inverse[1 * C + 9] == 2
     # Current tokens: positions 5, 6 of each request, i.e. page 5 offsets 1, 2, in its OWN slot.
@@ -253,7 +254,7 @@ def test_page_ids_past_int32_are_bad_ids_not_wrapped():
     assert pages.tolist() == [1, 16]  # 16 = C: counted as out of range by the inverse build
     errors = torch.zeros(3, dtype=torch.int32)
     inverse = reference.build_page_inverse(pages, torch.tensor([0, 0]), 1, 16, errors)
-    assert errors.tolist() == [1, 0, 0] and int(inverse[5]) == -1
+    assert errors.tolist() == [1, 0, 0] and int(inverse_table(inverse)[5]) == -1
 
 
 def test_checked_mode_remaps_zero_rows(monkeypatch):

@@ -2,11 +2,11 @@
 
 Contract: :func:`sglang_cpkv.ops.reference.build_page_inverse`.
 
-The inverse is filled with -1 (one ``fill_``), then one program per block of entries claims
-``entry_req[e] * C + entry_pages[e]`` for entry ``e`` with an atomic compare-and-swap from -1, writing
-``entry_slots[e]``: the first entry of a request to claim a page wins, and an entry that finds it taken is
-counted (a page twice in one request). Lanes past the entry count compare against -2, which no entry ever
-holds, so they never write (``atomic_cas`` has no mask).
+Three steps, none of which synchronizes: a kernel checks every entry and writes its sort key (``r * C + page``
+for an entry, ``R * C`` for padding and bad ids, so they sort last) counting bad ids; torch's device sort orders
+the keys; a second kernel writes each sorted position's page id and slot (the slot through the sort's order) and
+counts a key equal to its predecessor (a page twice in one request). Each request's run starts where the sorted
+keys reach ``r * C`` (``torch.searchsorted``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from sglang_cpkv.ops.errors import ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE
+from sglang_cpkv.ops.reference import PageInverse
 from sglang_cpkv.ops.triton._common import check_errors, check_index, next_power_of_2
 
 # GPU: 1024 entries per program (a 256K-token batch of 64-token pages is 4096 entries: 4 programs).
@@ -25,11 +26,11 @@ _CPU_MAX_BLOCK = 1 << 16
 
 
 @triton.jit
-def _build_page_inverse_kernel(
+def _inverse_keys_kernel(
     entry_pages_ptr,  # int32/int64 [E]
     entry_req_ptr,  # int64 [E]
-    entry_slots_ptr,  # int32/int64 [E]
-    inverse_ptr,  # int32 [R * C], all -1 on entry
+    entry_slots_ptr,  # int32 [E]
+    keys_ptr,  # int64 [E], written
     errors_ptr,  # int32 [NUM_ERROR_KINDS]
     num_entries,  # E
     num_requests,  # R
@@ -46,14 +47,39 @@ def _build_page_inverse_kernel(
     padding = (page == -1) | (req == -1)
     bad_page = ~padding & ((page >= capacity) | (page < -1) | (slot < 0))
     bad_req = ~padding & ~bad_page & ((req >= num_requests) | (req < -1))
-    valid = in_range & ~(padding | bad_page | bad_req)
-    entry = tl.where(valid, req * capacity + page, 0)
-    claimed = tl.atomic_cas(inverse_ptr + entry, tl.where(valid, -1, -2).to(tl.int32), slot.to(tl.int32))
-    repeated = valid & (claimed != -1)
-    n_bad_page = tl.sum((in_range & bad_page).to(tl.int32) + repeated.to(tl.int32), axis=0)
+    valid = ~(padding | bad_page | bad_req)
+    tl.store(keys_ptr + e, tl.where(valid, req * capacity + page, num_requests * capacity), mask=in_range)
+    n_bad_page = tl.sum((in_range & bad_page).to(tl.int32), axis=0)
     n_bad_req = tl.sum((in_range & bad_req).to(tl.int32), axis=0)
     tl.atomic_add(errors_ptr + ERR_PAGE, n_bad_page, mask=n_bad_page > 0)
     tl.atomic_add(errors_ptr + ERR_REQ, n_bad_req, mask=n_bad_req > 0)
+
+
+@triton.jit
+def _inverse_runs_kernel(
+    sorted_keys_ptr,  # int64 [E], ascending
+    order_ptr,  # int64 [E], the entry at each sorted position
+    entry_slots_ptr,  # int32 [E]
+    pages_ptr,  # int32 [E], written
+    slots_ptr,  # int32 [E], written
+    errors_ptr,  # int32 [NUM_ERROR_KINDS]
+    num_entries,  # E
+    end_key,  # R * C: the key of what is not an entry
+    capacity,  # C
+    BLOCK: tl.constexpr,
+    ERR_PAGE: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = i < num_entries
+    key = tl.load(sorted_keys_ptr + i, mask=in_range, other=end_key)
+    held = in_range & (key < end_key)
+    previous = tl.load(sorted_keys_ptr + i - 1, mask=held & (i > 0), other=-1)
+    entry = tl.load(order_ptr + i, mask=held, other=0)
+    slot = tl.load(entry_slots_ptr + entry, mask=held, other=-1)
+    tl.store(pages_ptr + i, tl.where(held, key % capacity, -1).to(tl.int32), mask=in_range)
+    tl.store(slots_ptr + i, tl.where(held, slot, -1).to(tl.int32), mask=in_range)
+    n_repeated = tl.sum((held & (previous == key)).to(tl.int32), axis=0)
+    tl.atomic_add(errors_ptr + ERR_PAGE, n_repeated, mask=n_repeated > 0)
 
 
 def build_page_inverse(
@@ -66,7 +92,7 @@ def build_page_inverse(
     *,
     block: int = 0,
     num_warps: int = 4,
-) -> torch.Tensor:
+) -> PageInverse:
     """Per-request page inverse (contract: :func:`sglang_cpkv.ops.reference.build_page_inverse`).
 
     Args:
@@ -75,9 +101,6 @@ def build_page_inverse(
         block: entries per program (power of two). 0 = auto: 1024 on a GPU, ``next_power_of_2(E)`` up to
             65536 on CPU (the interpreter).
         num_warps: warps per program.
-
-    Returns:
-        int32 ``[R * C]``.
     """
     device = entry_pages.device
     entry_pages = check_index("entry_pages", entry_pages, device)
@@ -97,24 +120,45 @@ def build_page_inverse(
     if capacity < 1 or num_requests < 0:
         raise ValueError(f"capacity must be >= 1 and num_requests >= 0, got {capacity}, {num_requests}")
     check_errors(errors, device)
-    inverse = torch.full((num_requests * capacity,), -1, dtype=torch.int32, device=device)
     num_entries = entry_pages.numel()
-    if num_entries == 0 or inverse.numel() == 0:
-        return inverse
+    end_key = num_requests * capacity
+    keys = torch.empty(num_entries, dtype=torch.int64, device=device)
+    pages = torch.empty(num_entries, dtype=torch.int32, device=device)
+    slots = torch.empty(num_entries, dtype=torch.int32, device=device)
     on_cpu = device.type == "cpu"
-    block = block or (min(next_power_of_2(num_entries), _CPU_MAX_BLOCK) if on_cpu else _GPU_BLOCK)
-    _build_page_inverse_kernel[(triton.cdiv(num_entries, block),)](
-        entry_pages,
-        entry_req,
-        entry_slots,
-        inverse,
-        errors,
-        num_entries,
-        num_requests,
-        capacity,
-        BLOCK=block,
-        ERR_PAGE=ERR_PAGE_OUT_OF_RANGE,
-        ERR_REQ=ERR_REQ_OUT_OF_RANGE,
-        num_warps=num_warps,
-    )
-    return inverse
+    block = block or (min(next_power_of_2(max(num_entries, 1)), _CPU_MAX_BLOCK) if on_cpu else _GPU_BLOCK)
+    grid = (triton.cdiv(num_entries, block),)
+    if num_entries:
+        _inverse_keys_kernel[grid](
+            entry_pages,
+            entry_req,
+            entry_slots,
+            keys,
+            errors,
+            num_entries,
+            num_requests,
+            capacity,
+            BLOCK=block,
+            ERR_PAGE=ERR_PAGE_OUT_OF_RANGE,
+            ERR_REQ=ERR_REQ_OUT_OF_RANGE,
+            num_warps=num_warps,
+        )
+    sorted_keys, order = keys.sort()
+    if num_entries:
+        _inverse_runs_kernel[grid](
+            sorted_keys,
+            order,
+            entry_slots,
+            pages,
+            slots,
+            errors,
+            num_entries,
+            end_key,
+            capacity,
+            BLOCK=block,
+            ERR_PAGE=ERR_PAGE_OUT_OF_RANGE,
+            num_warps=num_warps,
+        )
+    boundaries = torch.arange(num_requests + 1, dtype=torch.int64, device=device) * capacity
+    starts = torch.searchsorted(sorted_keys, boundaries, out_int32=True)
+    return PageInverse(pages=pages, slots=slots, starts=starts, capacity=capacity)

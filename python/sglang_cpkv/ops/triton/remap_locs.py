@@ -3,9 +3,10 @@
 Contract: :func:`sglang_cpkv.ops.reference.remap_locs`.
 
 Request ids are compact: one int64 per row of ``locs`` (``[N]`` for ``[N, K]`` top-k locations),
-loaded once per tile row and broadcast in registers, never materialized as ``[N, K]``. The page
-size is a compile-time constant so that ``// page_size`` and ``% page_size`` are shifts for the
-usual power-of-two sizes.
+loaded once per tile row and broadcast in registers, never materialized as ``[N, K]``; so are the bounds of
+the row's request run in the inverse. Each location's page is found by a binary search of that run, a fixed
+``inverse.search_steps`` halvings (lanes whose run is already one entry idle). The page size is a compile-time
+constant so that ``// page_size`` and ``% page_size`` are shifts for the usual power-of-two sizes.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import triton
 import triton.language as tl
 
 from sglang_cpkv.ops.errors import ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE
+from sglang_cpkv.ops.reference import PageInverse
 from sglang_cpkv.ops.triton._common import check_errors, check_index, next_power_of_2
 
 # GPU: 4096 locations (16 KiB of int32) per program, up to 1024 of them along a row.
@@ -28,7 +30,10 @@ _CPU_TILE = 1 << 16
 def _remap_locs_kernel(
     locs_ptr,  # int32/int64 [N, K], row stride locs_stride
     req_id_ptr,  # int64 [N]; -1 = padding row
-    inverse_ptr,  # int32 [R * C]
+    inverse_pages_ptr,  # int32 [E], each request's run ascending
+    inverse_slots_ptr,  # int32 [E]
+    inverse_starts_ptr,  # int32 [R + 1]
+    search_steps,  # halvings that bring any run to one entry
     out_ptr,  # int32 [N, K], contiguous
     errors_ptr,  # int32 [NUM_ERROR_KINDS]
     n_rows,  # N
@@ -56,7 +61,22 @@ def _remap_locs_kernel(
     bad_page = ~padding & ~bad_req & ((loc < 0) | (page >= capacity))
     ok = ~padding & ~bad_req & ~bad_page
 
-    slot = tl.load(inverse_ptr + req * capacity + page, mask=ok, other=-1).to(tl.int64)
+    row_ok = row_in[:, None] & (req >= 0) & (req < batch_rows)
+    lo = tl.load(inverse_starts_ptr + req, mask=row_ok, other=0).to(tl.int64)
+    hi = tl.load(inverse_starts_ptr + req + 1, mask=row_ok, other=0).to(tl.int64)
+    lo = tl.where(ok, lo, 0)
+    hi = tl.where(ok, hi, 0)
+    count = hi - lo
+    for _ in range(search_steps):  # lower bound of page in [lo, lo + count)
+        half = count // 2
+        probe = tl.load(inverse_pages_ptr + lo + half, mask=count > 0, other=0).to(tl.int64)
+        right = (count > 0) & (probe < page)
+        lo = tl.where(right, lo + half + 1, lo)
+        count = tl.where(right, count - half - 1, half)
+    hit = ok & (lo < hi)
+    found = tl.load(inverse_pages_ptr + lo, mask=hit, other=-1).to(tl.int64)
+    hit = hit & (found == page)
+    slot = tl.load(inverse_slots_ptr + lo, mask=hit, other=-1).to(tl.int64)
     dense = tl.where(slot >= 0, slot * PAGE_SIZE + loc % PAGE_SIZE, -1)
     tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], dense.to(tl.int32), mask=tile_in)
 
@@ -69,9 +89,7 @@ def _remap_locs_kernel(
 def remap_locs(
     locs: torch.Tensor,
     req_id: torch.Tensor,
-    inverse: torch.Tensor,
-    num_requests: int,
-    capacity: int,
+    inverse: PageInverse,
     page_size: int,
     errors: torch.Tensor,
     *,
@@ -84,8 +102,7 @@ def remap_locs(
     Args:
         locs: int32 or int64 ``[N]`` or ``[N, K]``; ``-1`` is padding, another negative location a bad id.
         req_id: int32/int64 ``[N]`` request row of each row of ``locs`` (``-1``: padding row).
-        inverse: int32 ``[R * C]``.
-        num_requests: ``R``. capacity: ``C``.
+        inverse: :class:`~sglang_cpkv.ops.reference.PageInverse` of the batch (``R`` requests, capacity ``C``).
         page_size: tokens per page.
         errors: int32 counter (request ids outside ``[-1, R)``, locations below -1, pages ``>= C``).
         block_k: locations per tile along a row (power of two). 0 = auto:
@@ -106,18 +123,21 @@ def remap_locs(
             f"req_id must have one id per row of locs: locs {tuple(locs.shape)}, req_id {tuple(req_id.shape)}"
         )
     req_id = check_index("req_id", req_id, device)
-    if inverse.dtype != torch.int32 or inverse.dim() != 1 or inverse.device != device:
+    for name in ("pages", "slots", "starts"):
+        part = getattr(inverse, name)
+        if part.dtype != torch.int32 or part.dim() != 1 or part.device != device or not part.is_contiguous():
+            raise ValueError(
+                f"inverse.{name} must be a contiguous int32 1-D tensor on {device}, got "
+                f"{part.dtype}{tuple(part.shape)} on {part.device}"
+            )
+    if inverse.capacity <= 0 or inverse.starts.numel() < 1 or inverse.slots.numel() != inverse.pages.numel():
         raise ValueError(
-            f"inverse must be int32 [R * C] on {device}, got {inverse.dtype}{tuple(inverse.shape)} on {inverse.device}"
-        )
-    if capacity <= 0 or inverse.numel() != num_requests * capacity:
-        raise ValueError(
-            f"inverse must hold num_requests * capacity = {num_requests} * {capacity} entries, got {inverse.numel()}"
+            f"inverse must have capacity > 0, R + 1 starts and one slot per page, got capacity {inverse.capacity}, "
+            f"{inverse.starts.numel()} starts, {inverse.pages.numel()} pages, {inverse.slots.numel()} slots"
         )
     if page_size <= 0:
         raise ValueError(f"page_size must be > 0, got {page_size}")
     check_errors(errors, device)
-    inverse = inverse.contiguous()
     n_rows, n_cols = loc2d.shape
     out = torch.empty((n_rows, n_cols), dtype=torch.int32, device=device)
     if out.numel() == 0:
@@ -129,14 +149,17 @@ def remap_locs(
     _remap_locs_kernel[grid](
         loc2d,
         req_id,
-        inverse,
+        inverse.pages,
+        inverse.slots,
+        inverse.starts,
+        inverse.search_steps,
         out,
         errors,
         n_rows,
         n_cols,
         loc2d.stride(0),
-        capacity,
-        num_requests,
+        inverse.capacity,
+        inverse.num_requests,
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
