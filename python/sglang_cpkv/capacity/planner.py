@@ -248,7 +248,12 @@ def _layer_figures(inputs: PlanInputs, cp: int, node: NodeCapacity, reservation)
         from sglang_cpkv.ops.errors import CpSharedKvError
 
         try:
-            reservation.check_batch(batch_traffic.needed_rows, batch_traffic.num_slots, batch_traffic.num_tokens)
+            reservation.check_batch(
+                batch_traffic.needed_rows,
+                batch_traffic.num_slots,
+                batch_traffic.num_tokens,
+                batch_traffic.entries,
+            )
         except CpSharedKvError as refusal:  # a server would refuse the batch: no time is shown for it
             past_reservation = str(refusal)
     kv = "fp8" if inputs.kv_cache_dtype.startswith("fp8") else "bf16"

@@ -98,6 +98,7 @@ class LayerTraffic:
     own_history_pages: int
     dense_rows: int
     entry_rows: int
+    entries: int  # the batch's page-table entries (the reservation's check counts them)
     needed_rows: int  # the rows the batch's pages fill (the reservation's check counts them)
     num_slots: int
     num_tokens: int
@@ -158,6 +159,7 @@ def layer_traffic(
         own_history_pages=own_history,
         dense_rows=plan.dense_rows,
         entry_rows=plan.entries * page_size,
+        entries=plan.entries,
         needed_rows=plan.needed_slots * page_size,
         num_slots=plan.num_slots,
         num_tokens=plan.num_tokens,

@@ -331,7 +331,7 @@ def on_extend_metadata(
     if split:
         metadata = forward_batch.attn_cp_metadata
         check_split_matches_upstream(plan, metadata.per_rank_logical_token, metadata.per_rank_actual_token)
-    reservation.check_batch(plan.needed_slots * page_size, plan.num_slots, plan.num_tokens)
+    reservation.check_batch(plan.needed_slots * page_size, plan.num_slots, plan.num_tokens, plan.entries)
     group = exchange_group() if parallel.attn_cp_size > 1 else SingleRankGroup()
     batch = backend_state(backend).begin(backend, forward_batch, plan, group, reservation)
     return remap_page_table(batch, page_table, bs_idx)

@@ -124,16 +124,18 @@ class AdmissionTally:
         self.counted, self.last = 0, None  # how many of the adder's requests are counted, and the last of them
         self.nodes: dict[int, tuple[Any, int]] = {}  # id(node) -> (node, its tokens as counted)
         self.pages = 0
+        self.entries = 0  # page-table entries of the counted requests (each request's pages, shared or not)
 
     def catch_up(self, admitted: list[Any]) -> None:
         """Count the requests the adder admitted since the last call (its ``can_run_list``, at their ``extend_end``);
         start again when that list is not the one counted so far."""
         n = self.counted
         if len(admitted) < n or (n and admitted[n - 1] is not self.last):
-            self.nodes, self.pages, n = {}, 0, 0
+            self.nodes, self.pages, self.entries, n = {}, 0, 0, 0
         for req in admitted[n:]:
             added = self._count(req, req.extend_end, commit=True)  # first: it may correct self.pages
             self.pages += added
+            self.entries += _pages(req.extend_end, self.page_size)
         self.counted, self.last = len(admitted), admitted[-1] if admitted else None
 
     def with_candidate(self, req: Any, end: int) -> int:
@@ -168,7 +170,8 @@ class AdmissionTally:
 def defers_request(adder: Any, req: Any) -> bool:
     """Whether ``req`` waits for a later batch: the batch's dense view (:class:`AdmissionTally`, with the candidate's
     tokens up to the end of what the chunk budget leaves it; an upper bound, so a request may wait that would just
-    have fit) would hold more than the limit."""
+    have fit) would hold more than the limit, or its page tables more entries than the reservation's plan bound
+    (``Reservation.max_batch_entries``)."""
     reservation = _published
     if reservation is None or not adder.can_run_list:
         return False
@@ -179,14 +182,18 @@ def defers_request(adder: Any, req: Any) -> bool:
         end = min(end, req.prefix_len + max(adder.rem_chunk_tokens, 0))
     tally = admission_tally(adder)
     wanted = tally.with_candidate(req, end) * reservation.page_size
-    if wanted <= reservation.max_batch_tokens:
+    entries = tally.entries + _pages(end, reservation.page_size)
+    if wanted <= reservation.max_batch_tokens and entries <= reservation.max_batch_entries:
         return False
     logger.debug(
-        "CP shared-KV: request %s waits: the batch would hold %d tokens of dense KV, %s is %d",
+        "CP shared-KV: request %s waits: the batch would hold %d tokens of dense KV and %d page-table entries, "
+        "%s %d allows %d entries",
         getattr(req, "rid", "?"),
         wanted,
+        entries,
         SETTING,
         reservation.max_batch_tokens,
+        reservation.max_batch_entries,
     )
     return True
 

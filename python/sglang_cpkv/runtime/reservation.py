@@ -15,7 +15,12 @@ target's, and a speculative draft's, which has its own backend and pool):
 * ``S = round_dense_slots(ceil(max_batch_tokens / page_size))`` dense slots;
 * per kind (latent KV; DSA index K): ``views`` dense buffers of ``S`` pages (two with the layer-ahead
   history, else one); under CP the history all-gather writes them in place (no exchange buffer);
-* the current-row scratch: ``chunk_tokens + 1`` rows of the latent row format.
+* the current-row scratch: ``chunk_tokens + 1`` rows of the latent row format;
+* the batch plan (:mod:`.plan`): what one batch's plan holds and its inverse build allocates on the device, per
+  page-table entry (the per-request inverse and the staged entries), per dense slot and per current token. A batch
+  may have at most ``max_batch_entries`` page-table entries (one per page of each request's view, so a prompt that
+  ``k`` requests share is ``k`` entries of its pages): as many as the limit has tokens, bounding the plan by the
+  limit as the views are, whatever the page ids' capacity ``C``.
 
 :attr:`Reservation.total_bytes` is what the KV budget is charged before the pool is sized.
 """
@@ -25,9 +30,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sglang_cpkv.ops.errors import CpSharedKvError
+from sglang_cpkv.ops.reference import INVERSE_BUILD_BYTES_PER_ENTRY, INVERSE_BYTES_PER_ENTRY
 from sglang_cpkv.runtime.buckets import round_dense_slots
 
 SETTING = "--cp-shared-kv-max-batch-tokens"
+
+# Device bytes of a batch plan (runtime/plan.py) besides its inverse: per page-table entry its page id (int32), slot
+# (int32) and request (int64) as staged; per dense slot its page (int32), request (int64), own entry (int64),
+# region page (int32) and its pool / view copy pairs (4 x int32); per current token its request, dense location
+# (int64 each, and the int32 remap before the cast), split request, location and token index, gather index and
+# owned cache row (int64 each).
+PLAN_BYTES_PER_ENTRY = 4 + 4 + 8
+PLAN_BYTES_PER_SLOT = 4 + 8 + 8 + 4 + 4 * 4
+PLAN_BYTES_PER_TOKEN = 8 + 8 + 4 + 8 * 5
 
 
 def page_rounded(tokens: int, page_size: int) -> int:
@@ -81,6 +96,11 @@ class Reservation:
             )
 
     @property
+    def max_batch_entries(self) -> int:
+        """Page-table entries one batch may have (module docstring)."""
+        return self.max_batch_tokens
+
+    @property
     def dense_slots(self) -> int:
         """``S``: dense slots (pages) of every dense buffer."""
         return round_dense_slots(-(-self.max_batch_tokens // self.page_size))
@@ -96,6 +116,14 @@ class Reservation:
             page_bytes = page_tokens * token_bytes
             parts[f"{kind} dense views"] = self.views_per_kind * self.dense_slots * page_bytes
         parts["current-row scratch"] = (self.chunk_tokens + 1) * self.latent_token_bytes
+        per_entry = INVERSE_BYTES_PER_ENTRY + INVERSE_BUILD_BYTES_PER_ENTRY + PLAN_BYTES_PER_ENTRY
+        # R + 1 inverse starts: a batch has at most one request per current token.
+        parts["batch plan"] = (
+            self.max_batch_entries * per_entry
+            + self.dense_slots * PLAN_BYTES_PER_SLOT
+            + self.chunk_tokens * (PLAN_BYTES_PER_TOKEN + 4)
+            + 4
+        )
         return parts
 
     @property
@@ -112,8 +140,14 @@ class Reservation:
             f"tokens, {self.views_per_kind} view(s) per kind, cp {self.cp_size}; per backend: {parts})"
         )
 
-    def check_batch(self, dense_tokens: int, num_slots: int, num_tokens: int) -> None:
+    def check_batch(self, dense_tokens: int, num_slots: int, num_tokens: int, entries: int) -> None:
         """Refuse a batch the reserved buffers cannot hold (the admission hook keeps batches under it)."""
+        if entries > self.max_batch_entries:
+            raise CpSharedKvError(
+                f"the batch has {entries} page-table entries (pages of its requests' views, a shared prompt once per "
+                f"request), more than the {self.max_batch_entries} {SETTING} {self.max_batch_tokens} reserves its "
+                f"plan for: raise {SETTING}"
+            )
         if num_slots > self.dense_slots:
             raise CpSharedKvError(
                 f"the batch needs {dense_tokens} tokens of dense KV ({num_slots} slots), more than {SETTING} "

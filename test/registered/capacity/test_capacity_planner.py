@@ -104,9 +104,81 @@ def test_the_glm51_cp8_reservation_row_is_reproduced():
     with playing_gpu((10, 0)):
         on = size_node({**server, "enable_cp_shared_kv": True}, layers=78, budget_bytes=budget)
         off = size_node(server, layers=78, budget_bytes=budget)
-    assert round(on.reservation.total_bytes / GIB, 3) == row["reserved_gib"]
+    # The row was recorded before the reservation charged the batch plan (issue 33): its views and scratch, and
+    # upstream's pool without the mode, are reproduced; the plan part adds its bytes and takes their pool tokens.
+    parts = on.reservation.parts()
+    plan_part = parts.pop("batch plan")
+    assert {k: round(v / 2**20, 1) for k, v in parts.items()} == row["parts_mib_per_backend"]
+    assert round((on.reservation.total_bytes - plan_part) / GIB, 3) == row["reserved_gib"]
     assert on.reservation.dense_slots == row["dense_slots"]
-    assert (off.pool_tokens, on.pool_tokens) == (row["pool_tokens_off"], row["pool_tokens_on"])
+    assert off.pool_tokens == row["pool_tokens_off"]
+    per_token = on.cell_bytes
+    assert row["pool_tokens_on"] - plan_part // per_token - 2 * PAGE <= on.pool_tokens <= row["pool_tokens_on"]
+
+
+def test_every_per_batch_byte_of_the_glm51_b300_batch_is_inside_the_charge():
+    """Issue 33's case through upstream's sizing: GLM-5.1-FP8 at TP 8 / CP 8, chunk 65,536, flashmla_kv on B300
+    (budget 0.85 x HBM - the weights). The real ``build_plan`` of 1024 requests of 16 new tokens on one cached
+    16-page prompt, at the widened capacity: an ``R x C`` int32 inverse of it was over 1 GiB, about twice the whole
+    reservation; every device tensor of the batch-sized plan, with what its inverse build allocates besides, fits
+    the reservation's batch-plan part, and the batch passes the reservation's check."""
+    import dataclasses
+
+    import torch
+
+    from sglang_cpkv.ops import INVERSE_BUILD_BYTES_PER_ENTRY
+    from sglang_cpkv.runtime import build_plan
+
+    gpu, model = GPUS["b300"], MODELS["glm-5.1-fp8"]
+    server = prefill_cp_server(
+        model.model_dir,
+        kv_cache_dtype="fp8_e4m3",
+        dsa_prefill_backend="flashmla_kv",
+        dsa_decode_backend="flashmla_kv",
+        chunked_prefill_size=65536,
+        enable_cp_shared_kv=True,
+    )
+    budget = int(0.85 * gpu.hbm_bytes - model.parameters / 8)
+    with playing_gpu(gpu.capability):
+        node = size_node(server, layers=78, budget_bytes=budget)
+    reserved, cp, page = node.reservation, node.attn_cp_size, node.page_size
+    capacity = cp * -(-node.pool_tokens // page)
+    requests, prompt_pages, new_tokens = 1024, 16, 16
+    assert cp == 8 and capacity > 300_000
+    assert requests * capacity * 4 > 2**30 > reserved.total_bytes  # what the R x C table would have allocated
+
+    shared = list(range(cp, cp + prompt_pages))  # page ids [0, cp) are reserved
+    own = [cp + prompt_pages + r for r in range(requests)]
+    table = [shared + [own[r]] for r in range(requests)]
+    out_cache_loc = torch.tensor([own[r] * page + t for r in range(requests) for t in range(new_tokens)])
+    plan = build_plan(
+        table,
+        [prompt_pages * page] * requests,
+        [new_tokens] * requests,
+        out_cache_loc,
+        capacity=capacity,
+        page_size=page,
+        cp_size=cp,
+        cp_rank=0,
+        strategy="interleave",
+    )
+    reserved.check_batch(plan.needed_slots * page, plan.num_slots, plan.num_tokens, plan.entries)
+    held = plan.inverse.nbytes
+    for f in dataclasses.fields(plan):
+        value = getattr(plan, f.name)
+        if isinstance(value, torch.Tensor) and f.name != "entry_slots_host":  # the one host tensor
+            held += value.numel() * value.element_size()
+    staged_entries = plan.entries * (4 + 4 + 8)  # the entries' page ids, slots and requests on the device
+    build = plan.entries * INVERSE_BUILD_BYTES_PER_ENTRY
+    assert plan.entries == requests * (prompt_pages + 1) and plan.inverse.nbytes == 8 * plan.entries + 4 * (
+        requests + 1
+    )
+    assert held + staged_entries + build <= reserved.parts()["batch plan"], (held, staged_entries, build)
+    print(
+        f"C = {capacity}: R x C inverse {requests * capacity * 4 / GIB:.2f} GiB; batch-sized {plan.inverse.nbytes / 2**20:.2f} "
+        f"MiB; plan + build {(held + staged_entries + build) / 2**20:.1f} MiB of the {reserved.parts()['batch plan'] / 2**20:.1f} "
+        f"MiB charged; reservation {reserved.total_bytes / GIB:.3f} GiB"
+    )
 
 
 def test_the_dense_rows_of_the_dense_layout_table_are_reproduced():

@@ -346,6 +346,36 @@ def test_sixteen_requests_on_a_60k_prompt_are_admitted_whole_under_the_default_l
     assert sum(-(-end // PAGE) for _, end in batch) * PAGE > limit  # one view per request would not fit
 
 
+def test_page_table_entries_past_the_plan_bound_wait(monkeypatch):
+    """100 requests of one page of their own on one cached 512-page prompt, limit 45,000 tokens: the dense view
+    (the prompt once, 612 pages, 39,168 tokens) fits, but each request's page table has 513 entries and the
+    reservation bounds a batch's plan at as many entries as the limit has tokens: 87 requests are admitted
+    (87 x 513 = 44,631), the 88th waits (45,144)."""
+    count, prompt_pages, limit = 100, 512, 45_000
+    world = World(
+        monkeypatch,
+        mode_on=True,
+        pool_tokens=(prompt_pages + 16 * count) * PAGE // 8,  # x 8 page ids per pool page
+        rows=count,
+        max_context=(prompt_pages + 2) * PAGE,
+        max_running_requests=count,
+        max_prefill_tokens=count * 2 * PAGE,
+        chunked_prefill_size=count * 2 * PAGE,
+    )
+    reserved = publish_limit(limit, chunk_tokens=count * 2 * PAGE)
+    assert reserved.max_batch_entries == limit
+    prompt = list(range(7000, 7000 + prompt_pages * PAGE))
+    _cache_prompt(world, prompt)
+    waiting = _shared_prompt_requests(prompt, count, suffix=PAGE)
+    adder, _ = world.prefill_pass(waiting)
+    admitted = limit // (prompt_pages + 1)
+    assert rids(adder) == [f"s{i}" for i in range(admitted)]
+    batch = [(r, r.extend_end) for r in adder.can_run_list]
+    assert walked_dense_pages(world.tree_cache, batch) * PAGE <= limit  # the view alone would admit more
+    assert (prompt_pages + count) * PAGE <= limit
+    assert sum(-(-end // PAGE) for _, end in batch) == admitted * (prompt_pages + 1)
+
+
 def test_the_tally_follows_a_node_split_mid_pass_as_a_walk_of_the_batch_does(monkeypatch):
     """A and B hit a cached 4-page prompt, one radix node, counted as such when B is the candidate; C's match splits
     that node (C shares only the first 2 pages): the node keeps the last 2 pages and a new parent takes the first 2.

@@ -210,7 +210,7 @@ def test_the_default_limit_holds_one_full_context_request_and_a_chunk_of_others_
             tables, prefix, extend, locs, capacity=next_page, page_size=PAGE, cp_size=1, cp_rank=0, strategy="none"
         )
         dense_tokens = plan.needed_slots * PAGE
-        reservation.check_batch(dense_tokens, plan.num_slots, plan.num_tokens)  # fits: no refusal
+        reservation.check_batch(dense_tokens, plan.num_slots, plan.num_tokens, plan.entries)  # fits: no refusal
     # The worst case needs more than the context and the chunk page-rounded: the rounding is what counts.
     assert dense_tokens > page_rounded(context, PAGE) + page_rounded(chunk, PAGE)
 

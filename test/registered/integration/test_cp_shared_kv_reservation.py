@@ -97,8 +97,15 @@ def test_the_limit_sizes_the_reservation(monkeypatch):
     # Under CP the history all-gather lands in the dense views themselves: no exchange buffer is reserved.
     page_bytes = PAGE * (reserved.latent_token_bytes + reserved.index_k_token_bytes)
     views = reserved.views_per_kind * reserved.dense_slots * page_bytes
-    assert sorted(reserved.parts()) == ["current-row scratch", "index_k dense views", "latent dense views"]
-    assert sum(reserved.parts().values()) == views + (reserved.chunk_tokens + 1) * reserved.latent_token_bytes
+    assert sorted(reserved.parts()) == [
+        "batch plan",
+        "current-row scratch",
+        "index_k dense views",
+        "latent dense views",
+    ]
+    parts = reserved.parts()
+    assert parts["latent dense views"] + parts["index_k dense views"] == views
+    assert parts["current-row scratch"] == (reserved.chunk_tokens + 1) * reserved.latent_token_bytes
 
 
 if __name__ == "__main__":
