@@ -147,6 +147,17 @@ class CpSharedKvPlan:
         return self.inverse.device
 
     @property
+    def device_bytes(self) -> int:
+        """Bytes of every device tensor the plan holds for its batch, the inverse included (the reservation's
+        batch-plan part charges them, with the staged entries and the inverse build's scratch)."""
+        held = self.inverse.nbytes
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if isinstance(value, torch.Tensor) and name != "entry_slots_host":  # the one host tensor
+                held += value.numel() * value.element_size()
+        return held
+
+    @property
     def dense_rows(self) -> int:
         """Rows of the dense view: ``num_slots * page_size``."""
         return self.num_slots * self.page_size

@@ -32,6 +32,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from sglang_cpkv.ops import INVERSE_BUILD_BYTES_PER_ENTRY
 from sglang_cpkv.testing.batches import BatchCase, same_bytes
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 from sglang_cpkv.testing.dsa_kit import (
@@ -387,7 +388,12 @@ def _gloo_rank(rank, model_dir, init_method, out_dir):
                 state = getattr(world.backend, dsa_extend.STATE_ATTR, None)
                 results[("latent bytes", name, mode_on, i)] = 0 if state is None else state.buffers.held_bytes("latent")
                 if mode_on:
-                    results[("held bytes", name, i)] = (state.buffers.held_bytes(""), published().total_bytes)
+                    reserved = published()
+                    plan_part = reserved.backends * reserved.parts()["batch plan"]
+                    results[("held bytes", name, i)] = (state.buffers.held_bytes(""), reserved.total_bytes - plan_part)
+                    plan = state.batch.plan
+                    staged = plan.entries * (4 + 4 + 8) + plan.entries * INVERSE_BUILD_BYTES_PER_ENTRY
+                    results[("plan bytes", name, i)] = (plan.device_bytes + staged, plan_part)
             seed = None
             if name == "ragged-no-prefix-cut":
                 seed = _mtp_seed(world)
@@ -616,8 +622,11 @@ def test_cp2_no_dense_latent_view_where_the_route_never_reads_it(gloo_results):
 
 def test_cp2_the_buffers_are_the_reservation_reused_across_batches(gloo_results):
     """Every buffer the mode holds was reserved: after a batch that reads a dense latent view the backend holds
-    exactly the published reservation (dense views, exchange, scratch), and a second batch adds nothing."""
+    exactly the published reservation's buffers (dense views, scratch), and a second batch adds nothing; the batch's
+    plan (its device tensors, the staged entries and the inverse build's scratch bound) fits the batch-plan part."""
     for results in gloo_results:
+        for key, (nbytes, charged) in ((k, v) for k, v in results.items() if k[0] == "plan bytes"):
+            assert 0 < nbytes <= charged, (key, nbytes, charged)
         held = {key[1:]: value for key, value in results.items() if key[0] == "held bytes"}
         for (name, i), (nbytes, reserved) in held.items():
             if name == "ragged-no-prefix-cut" or (name == "chunked-ragged" and i == 0):
