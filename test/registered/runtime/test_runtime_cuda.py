@@ -13,6 +13,7 @@ import torch
 
 from sglang_cpkv import ops
 from sglang_cpkv.runtime import LayerPipeline, SingleRankGroup, build_plan, rows_kind
+from sglang_cpkv.runtime.reservation import Reservation
 from sglang_cpkv.testing.batches import (
     POISON_BYTE,
     BatchCase,
@@ -96,6 +97,59 @@ def test_gpu_layers_equal_cpu_without_host_sync(index):
         got = RankResult(ref.dense, ref.remapped, ref.local_req_id, ref.current_full, pools[layer].cpu())
         problems = check_against_truth(case, pool_before, current, topk_positions, [got])
         assert not problems, f"layer {layer}: pool after persist: " + "; ".join(problems[:5])
+
+
+# Issue 33's B300 batch: the reservation upstream's sizing gives GLM-5.1-FP8 at TP 8 / CP 8, chunk 65,536,
+# flashmla_kv (test_capacity_planner's test_every_per_batch_byte_of_the_glm51_b300_batch_is_inside_the_charge
+# derives it through upstream: pool 2,459,904 tokens per rank, so C = 8 x 38,436 page ids).
+B300_RESERVATION = Reservation(
+    max_batch_tokens=332800,
+    chunk_tokens=65536,
+    page_size=64,
+    cp_size=8,
+    views_per_kind=2,
+    latent_token_bytes=656,
+    index_k_token_bytes=132,
+)
+B300_CAPACITY = 8 * 38436
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_the_plan_device_peak_of_the_b300_batch_is_inside_the_batch_plan_part(backend, monkeypatch):
+    """What the allocator actually hands out while a batch's plan is built (the inverse's sort scratch, the
+    staged entries, every plan tensor), measured, not counted: 1024 requests of 16 new tokens on one cached
+    16-page prompt at the widened capacity fit the reservation's batch-plan part."""
+    monkeypatch.setenv(ops.BACKEND_ENV, backend)
+    device = torch.device("cuda")
+    ops.warm_up(device)
+    reserved, cp, page = B300_RESERVATION, B300_RESERVATION.cp_size, B300_RESERVATION.page_size
+    requests, prompt_pages, new_tokens = 1024, 16, 16
+    shared = list(range(cp, cp + prompt_pages))
+    own = [cp + prompt_pages + r for r in range(requests)]
+    table = [shared + [own[r]] for r in range(requests)]
+    out_cache_loc = torch.tensor(
+        [own[r] * page + t for r in range(requests) for t in range(new_tokens)], dtype=torch.int64, device=device
+    )
+    kwargs = dict(capacity=B300_CAPACITY, page_size=page, cp_size=cp, strategy="interleave", checked=False)
+    for rank in (0, cp - 1):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        plan = build_plan(
+            table, [prompt_pages * page] * requests, [new_tokens] * requests, out_cache_loc, cp_rank=rank, **kwargs
+        )
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        reserved.check_batch(plan.needed_slots * page, plan.num_slots, plan.num_tokens, plan.entries)
+        part = reserved.parts()["batch plan"]
+        print(
+            f"{backend} rank {rank}: plan peak {peak / 2**20:.2f} MiB, held {plan.device_bytes / 2**20:.2f} MiB, "
+            f"batch-plan part {part / 2**20:.1f} MiB"
+        )
+        assert plan.entries == requests * (prompt_pages + 1)
+        assert 0 < peak <= part, (peak, part)
+        plan.raise_if_errors("b300 plan")
+        del plan
 
 
 if __name__ == "__main__":
