@@ -391,7 +391,7 @@ class Bench:
             if what == "topk":
                 for bn, bk, nw in ((8, 512, 4), (4, 1024, 8), (16, 256, 4)):
                     fn = lambda bn=bn, bk=bk, nw=nw: self.triton.remap_locs(
-                        locs, req_id, inverse, BATCH, capacity, PAGE_SIZE, errors, block_n=bn, block_k=bk, num_warps=nw
+                        locs, req_id, inverse, PAGE_SIZE, errors, block_n=bn, block_k=bk, num_warps=nw
                     )
                     candidates.append((f"triton[bn={bn},bk={bk},nw={nw}]", fn, False))
             for name, fn, eager in candidates:
