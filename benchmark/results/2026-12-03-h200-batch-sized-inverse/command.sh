@@ -4,3 +4,5 @@ OUT=$OUT AOT_ARCHS=90a STEPS="suite" benchmark/gpu_validation.sh
 # call 2 (146 s): the plan's host cost, the ops benchmark (remap, inverse, plan), the plan's measured device peak
 OUT=$OUT AOT_ARCHS=90a STEPS="ops plan-host" OPS_ONLY="remap inverse plan" benchmark/gpu_validation.sh
 python3 -m pytest -q -s test/registered/runtime/test_runtime_cuda.py -k b300
+# call 3 (32 s): the remap benchmark again after the tile-variant fix (bench_remap.json)
+python3 benchmark/bench_cp_shared_kv_ops.py --only remap
