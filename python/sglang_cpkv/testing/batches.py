@@ -267,6 +267,19 @@ def assert_same_inverse(want: ops.PageInverse, have: ops.PageInverse, repeats: b
         assert torch.equal(have.slots.cpu(), want.slots.cpu()), (have.slots, want.slots)
 
 
+def shared_prompt_batch(
+    requests: int, prompt_pages: int, new_tokens: int, cp_size: int, page_size: int
+) -> tuple[list[list[int]], list[int], list[int], list[int]]:
+    """Issue 33's admission-sized batch: ``requests`` requests on one cached ``prompt_pages``-page prompt, each with
+    ``new_tokens`` current tokens on a page of its own. Returns ``build_plan``'s page table, prefix and extend lengths
+    and ``out_cache_loc`` (host lists); page ids ``[0, cp_size)`` are left out (reserved)."""
+    shared = list(range(cp_size, cp_size + prompt_pages))
+    own = [cp_size + prompt_pages + r for r in range(requests)]
+    table = [shared + [own[r]] for r in range(requests)]
+    locs = [own[r] * page_size + t for r in range(requests) for t in range(new_tokens)]
+    return table, [prompt_pages * page_size] * requests, [new_tokens] * requests, locs
+
+
 def current_locs(case: BatchCase) -> tuple[torch.Tensor, torch.Tensor]:
     """The current tokens' pool locations ``[N]`` (int64, token order) and request ids ``[N]``."""
     req = [r for r in range(case.num_requests) for _ in range(case.extend_lens[r])]

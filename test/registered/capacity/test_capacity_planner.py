@@ -126,6 +126,7 @@ def test_every_per_batch_byte_of_the_glm51_b300_batch_is_inside_the_charge():
 
     from sglang_cpkv.ops import INVERSE_BUILD_BYTES_PER_ENTRY
     from sglang_cpkv.runtime import build_plan
+    from sglang_cpkv.testing.batches import shared_prompt_batch
 
     gpu, model = GPUS["b300"], MODELS["glm-5.1-fp8"]
     server = prefill_cp_server(
@@ -145,15 +146,12 @@ def test_every_per_batch_byte_of_the_glm51_b300_batch_is_inside_the_charge():
     assert cp == 8 and capacity > 300_000
     assert requests * capacity * 4 > 2**30 > reserved.total_bytes  # what the R x C table would have allocated
 
-    shared = list(range(cp, cp + prompt_pages))  # page ids [0, cp) are reserved
-    own = [cp + prompt_pages + r for r in range(requests)]
-    table = [shared + [own[r]] for r in range(requests)]
-    out_cache_loc = torch.tensor([own[r] * page + t for r in range(requests) for t in range(new_tokens)])
+    table, prefix_lens, extend_lens, locs = shared_prompt_batch(requests, prompt_pages, new_tokens, cp, page)
     plan = build_plan(
         table,
-        [prompt_pages * page] * requests,
-        [new_tokens] * requests,
-        out_cache_loc,
+        prefix_lens,
+        extend_lens,
+        torch.tensor(locs),
         capacity=capacity,
         page_size=page,
         cp_size=cp,

@@ -24,6 +24,7 @@ from sglang_cpkv.testing.batches import (
     random_topk,
     run_case_on_ranks,
     same_bytes,
+    shared_prompt_batch,
 )
 from sglang_cpkv.testing.ci_register import register_cuda_ci
 
@@ -124,20 +125,14 @@ def test_the_plan_device_peak_of_the_b300_batch_is_inside_the_batch_plan_part(ba
     ops.warm_up(device)
     reserved, cp, page = B300_RESERVATION, B300_RESERVATION.cp_size, B300_RESERVATION.page_size
     requests, prompt_pages, new_tokens = 1024, 16, 16
-    shared = list(range(cp, cp + prompt_pages))
-    own = [cp + prompt_pages + r for r in range(requests)]
-    table = [shared + [own[r]] for r in range(requests)]
-    out_cache_loc = torch.tensor(
-        [own[r] * page + t for r in range(requests) for t in range(new_tokens)], dtype=torch.int64, device=device
-    )
+    table, prefix_lens, extend_lens, locs = shared_prompt_batch(requests, prompt_pages, new_tokens, cp, page)
+    out_cache_loc = torch.tensor(locs, dtype=torch.int64, device=device)
     kwargs = dict(capacity=B300_CAPACITY, page_size=page, cp_size=cp, strategy="interleave", checked=False)
     for rank in (0, cp - 1):
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        plan = build_plan(
-            table, [prompt_pages * page] * requests, [new_tokens] * requests, out_cache_loc, cp_rank=rank, **kwargs
-        )
+        plan = build_plan(table, prefix_lens, extend_lens, out_cache_loc, cp_rank=rank, **kwargs)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         reserved.check_batch(plan.needed_slots * page, plan.num_slots, plan.num_tokens, plan.entries)
