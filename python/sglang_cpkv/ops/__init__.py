@@ -43,7 +43,7 @@ from sglang_cpkv.ops.errors import (
     new_error_counter,
     raise_if_errors,
 )
-from sglang_cpkv.ops.reference import INVERSE_BUILD_BYTES_PER_ENTRY, INVERSE_BYTES_PER_ENTRY, PageInverse
+from sglang_cpkv.ops.reference import PageInverse, inverse_bytes
 
 BACKEND_ENV = "SGLANG_CPKV_OPS_BACKEND"
 BACKENDS = ("auto", "cuda", "triton", "torch")
@@ -204,12 +204,11 @@ __all__ = [
     "ERR_LOC_OUT_OF_RANGE",
     "ERR_PAGE_OUT_OF_RANGE",
     "ERR_REQ_OUT_OF_RANGE",
-    "INVERSE_BUILD_BYTES_PER_ENTRY",
-    "INVERSE_BYTES_PER_ENTRY",
     "CpSharedKvError",
     "PageInverse",
     "build_page_inverse",
     "copy_pages",
+    "inverse_bytes",
     "materialize_and_fill",
     "new_error_counter",
     "raise_if_errors",

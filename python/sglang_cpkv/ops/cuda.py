@@ -48,15 +48,14 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("sglang_cpkv::build_page_inverse")
     def _build_page_inverse_fake(entry_pages, entry_req, num_requests, capacity, errors, entry_slots=None):
-        entries = entry_pages.numel()
+        cells = reference.inverse_table_size(entry_pages.numel())
         return (
-            entry_pages.new_empty((entries,), dtype=torch.int32),
-            entry_pages.new_empty((entries,), dtype=torch.int32),
-            entry_pages.new_empty((num_requests + 1,), dtype=torch.int32),
+            entry_pages.new_empty((cells,), dtype=torch.int64),
+            entry_pages.new_empty((cells,), dtype=torch.int32),
         )
 
     @torch.library.register_fake("sglang_cpkv::remap_locs")
-    def _remap_locs_fake(locs, req_id, inverse_pages, inverse_slots, inverse_starts, capacity, page_size, errors):
+    def _remap_locs_fake(locs, req_id, inverse_keys, inverse_slots, num_requests, capacity, page_size, errors):
         return torch.empty_like(locs, dtype=torch.int32, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake("sglang_cpkv::copy_pages")
@@ -140,10 +139,12 @@ def _probe() -> str | None:
         else:
             ops.copy_pages(pool, src_page, dense, dst_page, errors)
             ops.scatter_rows(current, dst_loc, dense.view(-1, width), errors)
+        # Which cell an entry takes depends on the insertion order: the inverse is compared through its lookups.
+        every_page = torch.arange(capacity, dtype=torch.int64, device=device)
         results[name] = {
-            "inverse pages": inverse.pages,
-            "inverse slots": inverse.slots,
-            "inverse starts": inverse.starts,
+            "inverse lookups": torch.stack(
+                [reference.lookup_slots(inverse, torch.full_like(every_page, r), every_page) for r in range(2)]
+            ),
             "dense locs": dense_locs,
             "dense": dense,
             "errors": errors,
@@ -190,10 +191,8 @@ def build_page_inverse(
     entry_slots: torch.Tensor | None = None,
 ) -> PageInverse:
     """Per-request page inverse: :func:`sglang_cpkv.ops.reference.build_page_inverse`."""
-    pages, slots, starts = _ops().build_page_inverse(
-        entry_pages, entry_req, num_requests, capacity, errors, entry_slots
-    )
-    return PageInverse(pages=pages, slots=slots, starts=starts, capacity=capacity)
+    keys, slots = _ops().build_page_inverse(entry_pages, entry_req, num_requests, capacity, errors, entry_slots)
+    return PageInverse(keys=keys, slots=slots, num_requests=num_requests, capacity=capacity)
 
 
 def remap_locs(
@@ -205,7 +204,7 @@ def remap_locs(
 ) -> torch.Tensor:
     """Token locations -> dense locations: :func:`sglang_cpkv.ops.reference.remap_locs` (``req_id`` int64 ``[N]``)."""
     return _ops().remap_locs(
-        locs, req_id, inverse.pages, inverse.slots, inverse.starts, inverse.capacity, page_size, errors
+        locs, req_id, inverse.keys, inverse.slots, inverse.num_requests, inverse.capacity, page_size, errors
     )
 
 

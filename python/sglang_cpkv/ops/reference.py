@@ -8,7 +8,7 @@ it), per-request inverse (:class:`PageInverse`: sized by the batch's entries, no
 Five ops cover every hot path of the runtime:
 
 * :func:`build_page_inverse` - per batch: every (request, page) entry's dense slot -> per-request inverse
-  (each request's page ids sorted, with their slots: memory O(entries), found by binary search).
+  (a hash table keyed by ``(request, page id)``: memory O(entries), a lookup in one or two probes).
 * :func:`remap_locs` - per batch (current locs) and per layer (top-k locs): token locations of a
   request -> dense locations, through the per-request inverse. Request ids are compact: one per
   row of ``locs`` (a ``[tokens, topk]`` tensor takes ``[tokens]`` ids), never broadcast.
@@ -59,74 +59,97 @@ def check_slots(entry_slots: torch.Tensor) -> None:
         raise CpSharedKvError(f"entry_slots must be int32, got {entry_slots.dtype}")
 
 
-# What a batch's inverse holds per entry (its page and its slot, int32 each) and what its build allocates besides for
-# the time of the build: the int64 keys, the sorted keys and the sort's int64 order (24 bytes), and the device
-# sort's own double buffers of keys and order (at most 32 more). The reservation charges both per entry it admits.
-INVERSE_BYTES_PER_ENTRY = 8
-INVERSE_BUILD_BYTES_PER_ENTRY = 56
+# Keys of the inverse's table: ``r * C + page`` of an entry, :data:`EMPTY_KEY` in a cell no entry holds.
+EMPTY_KEY = -1
+# The multiplier of :func:`hash_cells` (murmur2's): under 2**31, so ``low 32 bits x multiplier`` stays inside int64 on
+# every backend (no overflow for torch, Triton or CUDA to disagree on).
+HASH_MULTIPLIER = 0x5BD1E995
+
+
+def inverse_table_size(num_entries: int) -> int:
+    """Cells of a batch's inverse table: the power of two at or above twice the entries (at least 2), so at most
+    half of it is held and a probe sequence always ends at an empty cell within a couple of steps on average."""
+    return max(2, 1 << max(0, 2 * num_entries - 1).bit_length())
+
+
+def inverse_bytes(num_entries: int) -> int:
+    """Device bytes of the inverse of a batch of ``num_entries`` page-table entries (int64 key and int32 slot per
+    cell); its build allocates nothing else. Non-decreasing in ``num_entries``, so the bound of the most entries a
+    batch may have bounds every batch."""
+    return inverse_table_size(num_entries) * (8 + 4)
+
+
+def hash_cells(key: torch.Tensor, table_size: int) -> torch.Tensor:
+    """int64, the shape of ``key``: each key's home cell in a table of ``table_size`` (a power of two) cells.
+
+    The low 32 bits times :data:`HASH_MULTIPLIER`, plus the high bits, folded by its upper half: the cell of
+    ``r * C + page`` depends on every bit of it (the Triton and CUDA kernels compute the same cell)."""
+    high = key >> 32
+    mixed = (key - (high << 32)) * HASH_MULTIPLIER + high
+    return (mixed ^ (mixed >> 32)) & (table_size - 1)
 
 
 @dataclass(frozen=True, eq=False)
 class PageInverse:
-    """The per-request page inverse of a batch, sized by its entries (``E``) and requests (``R``), never by ``C``.
+    """The per-request page inverse of a batch: a hash table sized by its entries, never by ``C``.
 
-    Request ``r``'s page ids are ``pages[starts[r]:starts[r + 1]]``, ascending, with the dense slot of each at the
-    same index of ``slots``; positions from ``starts[R]`` on hold the entries that are padding or bad ids (page
-    -1). A lookup ``(r, page id)`` is a binary search of request ``r``'s run: the slot, or -1 when absent.
+    Cell ``i`` holds the key ``r * C + page`` of one entry of request ``r`` with its dense slot, or
+    :data:`EMPTY_KEY`. A key's cells are probed from :func:`hash_cells` on, one cell at a time (wrapping), up to the
+    first empty cell; the table is at most half held (:func:`inverse_table_size`), so every probe ends. A lookup
+    ``(r, page id)`` finds the slot, or -1 when absent. Which cell an entry takes depends on the order entries were
+    inserted in (the kernels insert concurrently): compare inverses through their lookups, never cell by cell.
 
     Attributes:
-        pages: int32 ``[E]``. slots: int32 ``[E]``. starts: int32 ``[R + 1]`` (``starts[0] == 0``).
-        capacity: ``C``, the page ids a lookup may name (a larger one is a bad id).
+        keys: int64 ``[T]``, ``T`` a power of two. slots: int32 ``[T]`` (defined only in held cells).
+        num_requests: ``R``. capacity: ``C``, the page ids a lookup may name (a larger one is a bad id).
     """
 
-    pages: torch.Tensor
+    keys: torch.Tensor
     slots: torch.Tensor
-    starts: torch.Tensor
+    num_requests: int
     capacity: int
 
     @property
-    def num_requests(self) -> int:
-        return self.starts.numel() - 1
-
-    @property
-    def num_entries(self) -> int:
-        return self.pages.numel()
+    def table_size(self) -> int:
+        return self.keys.numel()
 
     @property
     def device(self) -> torch.device:
-        return self.pages.device
+        return self.keys.device
 
     @property
     def nbytes(self) -> int:
         """Device bytes the inverse holds for the life of its batch."""
-        return sum(t.numel() * t.element_size() for t in (self.pages, self.slots, self.starts))
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.slots))
+
+    def held_entries(self) -> int:
+        """Entries the table holds (synchronizes: for checks and tests)."""
+        return int((self.keys != EMPTY_KEY).sum())
 
     def to(self, device: torch.device | str) -> PageInverse:
-        return PageInverse(self.pages.to(device), self.slots.to(device), self.starts.to(device), capacity=self.capacity)
-
-    @property
-    def search_steps(self) -> int:
-        """Halvings that bring any request's run to one entry (a kernel's fixed loop count): ``E.bit_length()``."""
-        return self.num_entries.bit_length()
+        return PageInverse(self.keys.to(device), self.slots.to(device), self.num_requests, self.capacity)
 
 
 def check_inverse(inverse: PageInverse) -> None:
-    """The inverse's three tensors agree in dtype, rank and device (host metadata only)."""
+    """The inverse's two tensors agree in size and device and have the table's dtypes (host metadata only)."""
     if not isinstance(inverse, PageInverse):
         raise CpSharedKvError(f"inverse must be a PageInverse (from build_page_inverse), got {type(inverse).__name__}")
-    if inverse.capacity < 1:
-        raise CpSharedKvError(f"capacity must be >= 1, got {inverse.capacity}")
-    parts = {"pages": inverse.pages, "slots": inverse.slots, "starts": inverse.starts}
-    for name, t in parts.items():
-        if t.dtype != torch.int32 or t.dim() != 1 or not t.is_contiguous() or t.device != inverse.device:
+    if inverse.capacity < 1 or inverse.num_requests < 0:
+        raise CpSharedKvError(
+            f"inverse capacity must be >= 1 and num_requests >= 0, got {inverse.capacity}, {inverse.num_requests}"
+        )
+    for name, dtype in (("keys", torch.int64), ("slots", torch.int32)):
+        t = getattr(inverse, name)
+        if t.dtype != dtype or t.dim() != 1 or not t.is_contiguous() or t.device != inverse.device:
             raise CpSharedKvError(
-                f"inverse.{name} must be a contiguous int32 1-D tensor on {inverse.device}, "
+                f"inverse.{name} must be a contiguous {dtype} 1-D tensor on {inverse.device}, "
                 f"got {t.dtype}{tuple(t.shape)} on {t.device}"
             )
-    if inverse.slots.numel() != inverse.pages.numel() or inverse.starts.numel() < 1:
+    size = inverse.table_size
+    if size < 2 or size & (size - 1) or inverse.slots.numel() != size:
         raise CpSharedKvError(
-            f"inverse must hold one slot per page and R + 1 starts, got pages {inverse.pages.numel()}, "
-            f"slots {inverse.slots.numel()}, starts {inverse.starts.numel()}"
+            f"inverse must hold a power-of-two table (at least 2 cells) of keys and as many slots, got keys "
+            f"{size}, slots {inverse.slots.numel()}"
         )
 
 
@@ -163,9 +186,9 @@ def build_page_inverse(
             ``e`` at slot ``e`` (every entry its own slot, the per-request layout).
 
     Returns:
-        :class:`PageInverse` of ``E`` entries: every valid entry ``(entry_req[e], entry_pages[e])`` finds
-        ``entry_slots[e]``; nothing else is found. Of two entries of one request holding one page, one is found
-        (unspecified which) and the other is counted.
+        :class:`PageInverse` of :func:`inverse_table_size` ``(E)`` cells: every valid entry
+        ``(entry_req[e], entry_pages[e])`` finds ``entry_slots[e]``; nothing else is found. Of two entries of one
+        request holding one page, one is found (unspecified which) and the other is counted.
     """
     check_ids(entry_pages, "entry_pages")
     check_ids(entry_req, "entry_req")
@@ -181,42 +204,56 @@ def build_page_inverse(
         raise CpSharedKvError(f"capacity must be >= 1 and num_requests >= 0, got {capacity}, {num_requests}")
     page = entry_pages.to(torch.int64)
     req = entry_req.to(torch.int64)
-    slot = entry_slots.to(torch.int64)
     padding = (page == PADDING_ID) | (req == PADDING_ID)
-    bad_page = ~padding & ((page >= capacity) | (page < PADDING_ID) | (slot < 0))
+    bad_page = ~padding & ((page >= capacity) | (page < PADDING_ID) | (entry_slots < 0))
     bad_req = ~padding & ~bad_page & ((req >= num_requests) | (req < PADDING_ID))
-    valid = ~(padding | bad_page | bad_req)
-    end = num_requests * capacity  # past every valid key: what is not an entry sorts last
-    ordered, order = torch.where(valid, req * capacity + page, end).sort()
-    held = ordered < end
-    repeated = (held[1:] & (ordered[1:] == ordered[:-1])).sum()
-    errors[ERR_PAGE_OUT_OF_RANGE] += (bad_page.sum() + repeated).to(torch.int32)
+    errors[ERR_PAGE_OUT_OF_RANGE] += bad_page.sum().to(torch.int32)
     errors[ERR_REQ_OUT_OF_RANGE] += bad_req.sum().to(torch.int32)
-    boundaries = torch.arange(num_requests + 1, dtype=torch.int64, device=page.device) * capacity
-    return PageInverse(
-        pages=torch.where(held, ordered % capacity, PADDING_ID).to(torch.int32),
-        slots=torch.where(held, slot[order], PADDING_ID).to(torch.int32),
-        starts=torch.searchsorted(ordered, boundaries, out_int32=True),
-        capacity=capacity,
-    )
+    size = inverse_table_size(page.numel())
+    keys = torch.full((size,), EMPTY_KEY, dtype=torch.int64, device=page.device)
+    slots = torch.full((size,), PADDING_ID, dtype=torch.int32, device=page.device)
+    # Insert in rounds, each pending entry at its current cell: a cell holding its key makes it a repeat (counted,
+    # dropped); an empty cell goes to the lowest pending entry probing it; the others step to the next cell.
+    pending = (~(padding | bad_page | bad_req)).nonzero().flatten()
+    key = req[pending] * capacity + page[pending]
+    cell = hash_cells(key, size)
+    repeated = torch.zeros((), dtype=torch.int64, device=page.device)
+    while pending.numel():
+        held = keys[cell]
+        repeat = held == key
+        repeated += repeat.sum()
+        free = held == EMPTY_KEY
+        claimer = torch.full((size,), pending.numel(), dtype=torch.int64, device=page.device)
+        order = torch.arange(pending.numel(), device=page.device)
+        claimer.scatter_reduce_(0, cell[free], order[free], reduce="amin")
+        won = free & (claimer[cell] == order)
+        keys[cell[won]] = key[won]
+        slots[cell[won]] = entry_slots[pending[won]]
+        # A loser of a claim on an empty cell probes it again next round: the winner may have held its key.
+        stay = ~repeat & ~won
+        step = stay & ~free
+        pending, key = pending[stay], key[stay]
+        cell = torch.where(step[stay], (cell[stay] + 1) & (size - 1), cell[stay])
+    errors[ERR_PAGE_OUT_OF_RANGE] += repeated.to(torch.int32)
+    return PageInverse(keys=keys, slots=slots, num_requests=num_requests, capacity=capacity)
 
 
 def lookup_slots(inverse: PageInverse, req: torch.Tensor, page: torch.Tensor) -> torch.Tensor:
     """int64, the shape of ``req``: the slot of each ``(req, page)`` in ``inverse``, -1 where absent.
 
     ``req`` in ``[0, R)`` and ``page`` in ``[0, C)``, int64 of one shape (the caller drops anything else)."""
-    starts = inverse.starts.to(torch.int64)
-    num_entries, capacity = inverse.num_entries, inverse.capacity
-    query = req * capacity + page
-    if num_entries == 0:
-        return torch.full_like(query, PADDING_ID)
-    position = torch.arange(num_entries, dtype=torch.int64, device=starts.device)
-    held = position < starts[-1]
-    run = torch.searchsorted(starts[1:], position, right=True)  # the request whose run holds each position
-    # Ascending: each request's run in request order, then what is no entry.
-    keys = torch.where(held, run * capacity + inverse.pages.to(torch.int64), inverse.num_requests * capacity)
-    found = torch.searchsorted(keys, query).clamp(max=num_entries - 1)
-    return torch.where(keys[found] == query, inverse.slots.to(torch.int64)[found], PADDING_ID)
+    size = inverse.table_size
+    query = (req * inverse.capacity + page).flatten()
+    slot = torch.full_like(query, PADDING_ID)
+    todo = torch.arange(query.numel(), device=query.device)
+    cell = hash_cells(query, size)
+    while todo.numel():  # probe each query's cells up to its key or an empty cell
+        held = inverse.keys[cell]
+        hit = held == query[todo]
+        slot[todo[hit]] = inverse.slots[cell[hit]].to(torch.int64)
+        going = ~hit & (held != EMPTY_KEY)
+        todo, cell = todo[going], (cell[going] + 1) & (size - 1)
+    return slot.reshape(req.shape)
 
 
 def remap_locs(

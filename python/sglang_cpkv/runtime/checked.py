@@ -87,11 +87,9 @@ def check_plan(plan: CpSharedKvPlan) -> None:
         raise CpSharedKvError("an own slot is pointed at by two entries")
     if bool((slot_pages[plan.needed_slots :] != -1).any()) or bool((slot_req[plan.needed_slots :] != -1).any()):
         raise CpSharedKvError("the layout's rounding slots hold a page or a request")
-    held = int(inverse.starts[-1])
-    if held != plan.entries or inverse.num_entries != plan.entries:
-        raise CpSharedKvError(
-            f"inverse holds {held} of its {inverse.num_entries} entries, the batch's tables {plan.entries}"
-        )
+    held = inverse.held_entries()
+    if held != plan.entries:
+        raise CpSharedKvError(f"inverse holds {held} entries, the batch's tables {plan.entries}")
 
     dense = plan.current_dense_locs.to(torch.int64).cpu()
     expected = torch.tensor(

@@ -78,8 +78,8 @@ class CpSharedKvPlan:
         slot_pages: int32 ``[num_slots]``, the page id each dense slot holds (-1: a rounding slot).
         slot_req: int64 ``[num_slots]``, the request an own slot belongs to (-1: a history-region slot, which no
             request writes, or a rounding slot).
-        inverse: the per-request inverse (``ops.build_page_inverse`` of every entry's slot): ``8 x entries +
-            4 x (R + 1)`` bytes, whatever ``C``.
+        inverse: the per-request inverse (``ops.build_page_inverse`` of every entry's slot): a hash table of
+            ``ops.inverse_bytes(entries)`` bytes, whatever ``C``.
         token_req_id: int64 ``[N]``, request row of each current token (token order).
         current_dense_locs: int64 ``[N]``, dense location of each current token (fill target: own slots only).
         pool_copy_pages, pool_copy_slots: int32, the pages of this rank's pool copied into the view and their
@@ -149,7 +149,7 @@ class CpSharedKvPlan:
     @property
     def device_bytes(self) -> int:
         """Bytes of every device tensor the plan holds for its batch, the inverse included (the reservation's
-        batch-plan part charges them, with the staged entries and the inverse build's scratch)."""
+        batch-plan part charges them, with the staged entries)."""
         held = self.inverse.nbytes
         for name in self.__dataclass_fields__:
             value = getattr(self, name)

@@ -16,8 +16,9 @@ target's, and a speculative draft's, which has its own backend and pool):
 * per kind (latent KV; DSA index K): ``views`` dense buffers of ``S`` pages (two with the layer-ahead
   history, else one); under CP the history all-gather writes them in place (no exchange buffer);
 * the current-row scratch: ``chunk_tokens + 1`` rows of the latent row format;
-* the batch plan (:mod:`.plan`): what one batch's plan holds and its inverse build allocates on the device, per
-  page-table entry (the per-request inverse and the staged entries), per dense slot and per current token. A batch
+* the batch plan (:mod:`.plan`): what one batch's plan holds on the device: the per-request inverse's table for
+  the most entries a batch may have (``ops.inverse_bytes``; its build allocates nothing else), and per page-table
+  entry (the staged entries), per dense slot and per current token. A batch
   may have at most ``max_batch_entries`` page-table entries (one per page of each request's view, so a prompt that
   ``k`` requests share is ``k`` entries of its pages): as many as the limit has tokens, bounding the plan by the
   limit as the views are, whatever the page ids' capacity ``C``.
@@ -30,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sglang_cpkv.ops.errors import CpSharedKvError
-from sglang_cpkv.ops.reference import INVERSE_BUILD_BYTES_PER_ENTRY, INVERSE_BYTES_PER_ENTRY
+from sglang_cpkv.ops.reference import inverse_bytes
 from sglang_cpkv.runtime.buckets import round_dense_slots
 
 SETTING = "--cp-shared-kv-max-batch-tokens"
@@ -116,13 +117,11 @@ class Reservation:
             page_bytes = page_tokens * token_bytes
             parts[f"{kind} dense views"] = self.views_per_kind * self.dense_slots * page_bytes
         parts["current-row scratch"] = (self.chunk_tokens + 1) * self.latent_token_bytes
-        per_entry = INVERSE_BYTES_PER_ENTRY + INVERSE_BUILD_BYTES_PER_ENTRY + PLAN_BYTES_PER_ENTRY
-        # R + 1 inverse starts: a batch has at most one request per current token.
         parts["batch plan"] = (
-            self.max_batch_entries * per_entry
+            inverse_bytes(self.max_batch_entries)
+            + self.max_batch_entries * PLAN_BYTES_PER_ENTRY
             + self.dense_slots * PLAN_BYTES_PER_SLOT
-            + self.chunk_tokens * (PLAN_BYTES_PER_TOKEN + 4)
-            + 4
+            + self.chunk_tokens * PLAN_BYTES_PER_TOKEN
         )
         return parts
 

@@ -6,8 +6,9 @@
 //
 // Terms are those of docs/design/cp-shared-kv-contract.md: capacity C (page ids of the pool), request row
 // r in [0, R), page index j, dense slot start[r] + j (the ragged layout: the launchers take every slot's page
-// and request explicitly, never a stride), per-request inverse: each request's page ids ascending with their slots
-// (pages, slots int32 [E]; request r's run [starts[r], starts[r + 1]), starts int32 [R + 1]), sized by the batch.
+// and request explicitly, never a stride), per-request inverse: a hash table of T cells (a power of two, at least
+// twice the batch's entries: reference.inverse_table_size), key r * C + page (int64, -1 in an empty cell) with the
+// dense slot (int32) of that entry, probed from the key's home cell one cell at a time (page_inverse.cuh).
 // The torch reference (python/sglang_cpkv/ops/reference.py) is the truth each launcher reproduces exactly,
 // bad ids included: -1 is skipped silently; any other id outside its range is dropped (nothing written, or -1
 // written for remap) and counted with an atomic add in errors[kind] (python/sglang_cpkv/ops/errors.py).
@@ -27,39 +28,26 @@ constexpr int kErrReqOutOfRange = 1;
 constexpr int kErrLocOutOfRange = 2;
 constexpr int kNumErrorKinds = 3;
 
-// The per-request inverse in two launches around a sort (torch's, in torch_bindings.cc):
-// page_inverse_keys writes keys[e] = entry_req[e] * C + entry_pages[e] for an entry, R * C for one with page or
-// request -1 (the layout's rounding, skipped) and for a bad id: a page id >= C or < -1 or a negative slot counts
-// errors[kErrPageOutOfRange], a request id >= R or < -1 errors[kErrReqOutOfRange]. entry_slots nullptr: entry e
-// at slot e. PageIdT: int32_t, int64_t.
+// The per-request inverse: fills keys with -1, then inserts every entry's key entry_req[e] * C + entry_pages[e] with
+// its slot (entry_slots nullptr: entry e at slot e). An entry with page or request -1 (the layout's rounding) is
+// skipped; a page id >= C or < -1, a negative slot, or a page its request already holds counts
+// errors[kErrPageOutOfRange]; a request id >= R or < -1 errors[kErrReqOutOfRange]. Several requests' entries may
+// point at one slot (a shared history slot). PageIdT: int32_t, int64_t.
 template <typename PageIdT>
-cudaError_t page_inverse_keys(const PageIdT* entry_pages,  // [E] page id of each entry
-                              const int64_t* entry_req,    // [E] request row of each entry
-                              const int32_t* entry_slots,  // [E] dense slot each entry points at, or nullptr
-                              int64_t num_entries,         // E
-                              int64_t num_requests,        // R
-                              int64_t capacity,            // C
-                              int64_t* keys,               // [E], written entirely
-                              int32_t* errors,             // [kNumErrorKinds]
-                              cudaStream_t stream);
+cudaError_t build_page_inverse(const PageIdT* entry_pages,  // [E] page id of each entry
+                               const int64_t* entry_req,    // [E] request row of each entry
+                               const int32_t* entry_slots,  // [E] dense slot each entry points at, or nullptr
+                               int64_t num_entries,         // E
+                               int64_t num_requests,        // R
+                               int64_t capacity,            // C
+                               int64_t table_size,          // T: a power of two >= 2 * E
+                               int64_t* keys,               // [T], written entirely
+                               int32_t* slots,              // [T], written in held cells
+                               int32_t* errors,             // [kNumErrorKinds]
+                               cudaStream_t stream);
 
-// page_inverse_runs, over the keys sorted ascending with the entry at each position (order): pages[i] = the page
-// id of position i and slots[i] = its entry's slot, or -1 both past the entries (keys >= R * C); a key equal to its
-// predecessor's (a page a request holds twice) counts errors[kErrPageOutOfRange]. Several requests' entries may
-// point at one slot (a shared history slot).
-cudaError_t page_inverse_runs(const int64_t* sorted_keys,  // [E] ascending
-                              const int64_t* order,        // [E] entry of each sorted position
-                              const int32_t* entry_slots,  // [E] or nullptr: entry e at slot e
-                              int64_t num_entries,         // E
-                              int64_t end_key,             // R * C
-                              int64_t capacity,            // C
-                              int32_t* pages,              // [E], written entirely
-                              int32_t* slots,              // [E], written entirely
-                              int32_t* errors,             // [kNumErrorKinds]
-                              cudaStream_t stream);
-
-// dense[n, k] = slot(req_id[n], locs[n, k] / page_size) * page_size + locs[n, k] % page_size, the slot found by a
-// binary search of the request's run of the inverse, or -1
+// dense[n, k] = slot(req_id[n], locs[n, k] / page_size) * page_size + locs[n, k] % page_size, the slot found by
+// probing the inverse from the key's home cell to the key or an empty cell, or -1
 // when locs[n, k] == -1, req_id[n] == -1, the page is absent from request req_id[n]'s table, or the id is
 // bad: req_id outside [-1, R) counts errors[kErrReqOutOfRange], a location < -1 or a page >= C counts
 // errors[kErrPageOutOfRange]
@@ -71,9 +59,9 @@ cudaError_t remap_locs(const LocT* locs,         // [N, K], row n at locs + n * 
                        int64_t row_len,          // K (1 for 1-D locs)
                        int64_t locs_row_stride,  // elements between rows of locs (>= K)
                        const int64_t* req_id,    // [N] request row of each row of locs, -1: padding row
-                       const int32_t* inverse_pages,   // [E] each request's page ids, ascending
-                       const int32_t* inverse_slots,   // [E] their slots
-                       const int32_t* inverse_starts,  // [R + 1] request r's run starts at inverse_starts[r]
+                       const int64_t* inverse_keys,    // [T] r * C + page of a held cell, -1 of an empty one
+                       const int32_t* inverse_slots,   // [T] the slot of each held cell
+                       int64_t table_size,             // T, a power of two
                        int64_t num_requests,     // R
                        int64_t capacity,         // C
                        int64_t page_size,        // tokens per page (> 0)

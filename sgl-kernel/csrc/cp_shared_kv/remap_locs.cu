@@ -1,7 +1,8 @@
 // remap_locs: token locations of each request -> locations in its dense view, through the per-request inverse
-// (a binary search of the request's run of ascending page ids).
+// (its hash table, probed from each key's home cell: page_inverse.cuh).
 // Used per batch (current locs, [N]) and per layer (top-k locs, [N, K] with one request id per row).
 #include "cp_shared_kv.h"
+#include "page_inverse.cuh"
 #include "row_copy.cuh"
 
 namespace sglang_cpkv {
@@ -36,25 +37,20 @@ classify(int64_t loc, int64_t req, int64_t num_requests, int64_t capacity, int64
   return {req, page, loc - page * page_size, -1};
 }
 
-/// The slot of page in request req's run inverse_pages[starts[req], starts[req + 1]) (ascending), or -1.
-__device__ __forceinline__ int32_t find_slot(const int32_t* __restrict__ inverse_pages,
+/// The slot of (req, page) in the inverse's table: probed from the key's home cell to the key (its slot) or an
+/// empty cell (-1). At most half the cells are held, so every probe sequence ends.
+__device__ __forceinline__ int32_t find_slot(const int64_t* __restrict__ inverse_keys,
                                              const int32_t* __restrict__ inverse_slots,
-                                             const int32_t* __restrict__ inverse_starts,
+                                             int64_t table_mask,
+                                             int64_t capacity,
                                              int64_t req,
                                              int64_t page) {
-  int32_t lo = inverse_starts[req];
-  const int32_t hi = inverse_starts[req + 1];
-  int32_t count = hi - lo;
-  while (count > 0) {  // lower bound
-    const int32_t half = count >> 1;
-    if (static_cast<int64_t>(inverse_pages[lo + half]) < page) {
-      lo += half + 1;
-      count -= half + 1;
-    } else {
-      count = half;
-    }
+  const int64_t key = req * capacity + page;
+  for (int64_t cell = detail::home_cell(key, table_mask);; cell = (cell + 1) & table_mask) {
+    const int64_t held = inverse_keys[cell];
+    if (held == key) return inverse_slots[cell];
+    if (held == detail::kEmptyKey) return -1;
   }
-  return lo < hi && static_cast<int64_t>(inverse_pages[lo]) == page ? inverse_slots[lo] : -1;
 }
 
 /// Each thread takes kUnroll groups of kVec consecutive elements of one row (K % kVec == 0), consecutive threads
@@ -67,9 +63,9 @@ __global__ void __launch_bounds__(kRemapThreads)
     remap_locs_kernel(const LocT* __restrict__ locs,        // [N, K], row stride locs_row_stride
                       int64_t locs_row_stride,              // elements between rows of locs
                       const int64_t* __restrict__ req_id,   // [N]
-                      const int32_t* __restrict__ inverse_pages,   // [E]
-                      const int32_t* __restrict__ inverse_slots,   // [E]
-                      const int32_t* __restrict__ inverse_starts,  // [R + 1]
+                      const int64_t* __restrict__ inverse_keys,    // [T]
+                      const int32_t* __restrict__ inverse_slots,   // [T]
+                      int64_t table_mask,                          // T - 1
                       FlatT total,                          // N * K
                       FlatT row_len,                        // K
                       int64_t num_requests,                   // R
@@ -114,7 +110,7 @@ __global__ void __launch_bounds__(kRemapThreads)
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
       slot[k][e] = lookup[k][e].req >= 0
-                       ? find_slot(inverse_pages, inverse_slots, inverse_starts, lookup[k][e].req, lookup[k][e].page)
+                       ? find_slot(inverse_keys, inverse_slots, table_mask, capacity, lookup[k][e].req, lookup[k][e].page)
                        : -1;
     }
   }
@@ -147,9 +143,9 @@ cudaError_t launch_remap_locs(const LocT* locs,
                               int64_t row_len,
                               int64_t locs_row_stride,
                               const int64_t* req_id,
-                              const int32_t* inverse_pages,
+                              const int64_t* inverse_keys,
                               const int32_t* inverse_slots,
-                              const int32_t* inverse_starts,
+                              int64_t table_mask,
                               int64_t num_requests,
                               int64_t capacity,
                               int64_t page_size,
@@ -165,9 +161,9 @@ cudaError_t launch_remap_locs(const LocT* locs,
     remap_locs_kernel<LocT, kVec, kUnroll, uint32_t><<<grid, kRemapThreads, 0, stream>>>(locs,
                                                                                          locs_row_stride,
                                                                                          req_id,
-                                                                                         inverse_pages,
+                                                                                         inverse_keys,
                                                                                          inverse_slots,
-                                                                                         inverse_starts,
+                                                                                         table_mask,
                                                                                          static_cast<uint32_t>(total),
                                                                                          static_cast<uint32_t>(row_len),
                                                                                          num_requests,
@@ -180,9 +176,9 @@ cudaError_t launch_remap_locs(const LocT* locs,
     remap_locs_kernel<LocT, kVec, kUnroll, uint64_t><<<grid, kRemapThreads, 0, stream>>>(locs,
                                                                                          locs_row_stride,
                                                                                          req_id,
-                                                                                         inverse_pages,
+                                                                                         inverse_keys,
                                                                                          inverse_slots,
-                                                                                         inverse_starts,
+                                                                                         table_mask,
                                                                                          static_cast<uint64_t>(total),
                                                                                          static_cast<uint64_t>(row_len),
                                                                                          num_requests,
@@ -203,9 +199,9 @@ cudaError_t remap_locs(const LocT* locs,
                        int64_t row_len,
                        int64_t locs_row_stride,
                        const int64_t* req_id,
-                       const int32_t* inverse_pages,
+                       const int64_t* inverse_keys,
                        const int32_t* inverse_slots,
-                       const int32_t* inverse_starts,
+                       int64_t table_size,
                        int64_t num_requests,
                        int64_t capacity,
                        int64_t page_size,
@@ -213,6 +209,7 @@ cudaError_t remap_locs(const LocT* locs,
                        int32_t* errors,
                        cudaStream_t stream) {
   if (num_rows * row_len == 0) return cudaSuccess;
+  const int64_t table_mask = table_size - 1;
   int page_shift = -1;
   if ((page_size & (page_size - 1)) == 0) {
     page_shift = 0;
@@ -229,9 +226,9 @@ cudaError_t remap_locs(const LocT* locs,
                                             row_len,
                                             locs_row_stride,
                                             req_id,
-                                            inverse_pages,
+                                            inverse_keys,
                                             inverse_slots,
-                                            inverse_starts,
+                                            table_mask,
                                             num_requests,
                                             capacity,
                                             page_size,
@@ -245,9 +242,9 @@ cudaError_t remap_locs(const LocT* locs,
                                        row_len,
                                        locs_row_stride,
                                        req_id,
-                                       inverse_pages,
+                                       inverse_keys,
                                        inverse_slots,
-                                       inverse_starts,
+                                       table_mask,
                                        num_requests,
                                        capacity,
                                        page_size,
@@ -262,9 +259,9 @@ template cudaError_t remap_locs<int32_t>(const int32_t*,
                                          int64_t,
                                          int64_t,
                                          const int64_t*,
+                                         const int64_t*,
                                          const int32_t*,
-                                         const int32_t*,
-                                         const int32_t*,
+                                         int64_t,
                                          int64_t,
                                          int64_t,
                                          int64_t,
@@ -276,9 +273,9 @@ template cudaError_t remap_locs<int64_t>(const int64_t*,
                                          int64_t,
                                          int64_t,
                                          const int64_t*,
+                                         const int64_t*,
                                          const int32_t*,
-                                         const int32_t*,
-                                         const int32_t*,
+                                         int64_t,
                                          int64_t,
                                          int64_t,
                                          int64_t,

@@ -151,7 +151,7 @@ cudaError_t dispatch_index_type(const at::Tensor& index, Fn&& fn) {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> build_page_inverse(const at::Tensor& entry_pages,
+std::tuple<at::Tensor, at::Tensor> build_page_inverse(const at::Tensor& entry_pages,
                                                                   const at::Tensor& entry_req,
                                                                   int64_t num_requests,
                                                                   int64_t capacity,
@@ -178,49 +178,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> build_page_inverse(const at::Tens
   const c10::cuda::CUDAGuard device_guard(entry_pages.device());
   const int64_t num_entries = entry_pages.numel();
   const int32_t* slots_in = entry_slots.has_value() ? entry_slots->data_ptr<int32_t>() : nullptr;
-  at::Tensor keys = at::empty({num_entries}, entry_pages.options().dtype(at::kLong));
+  // reference.inverse_table_size: the power of two at or above 2 E, at least 2.
+  int64_t table_size = 2;
+  while (table_size < 2 * num_entries) table_size *= 2;
+  at::Tensor keys = at::empty({table_size}, entry_pages.options().dtype(at::kLong));
+  at::Tensor slots = at::empty({table_size}, entry_pages.options().dtype(at::kInt));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   check_launch(dispatch_index_type(entry_pages,
                                    [&](auto page_id) {
                                      using PageIdT = decltype(page_id);
-                                     return sglang_cpkv::page_inverse_keys<PageIdT>(entry_pages.data_ptr<PageIdT>(),
-                                                                                    entry_req.data_ptr<int64_t>(),
-                                                                                    slots_in,
-                                                                                    num_entries,
-                                                                                    num_requests,
-                                                                                    capacity,
-                                                                                    keys.data_ptr<int64_t>(),
-                                                                                    errors.data_ptr<int32_t>(),
-                                                                                    stream);
+                                     return sglang_cpkv::build_page_inverse<PageIdT>(entry_pages.data_ptr<PageIdT>(),
+                                                                                     entry_req.data_ptr<int64_t>(),
+                                                                                     slots_in,
+                                                                                     num_entries,
+                                                                                     num_requests,
+                                                                                     capacity,
+                                                                                     table_size,
+                                                                                     keys.data_ptr<int64_t>(),
+                                                                                     slots.data_ptr<int32_t>(),
+                                                                                     errors.data_ptr<int32_t>(),
+                                                                                     stream);
                                    }),
-               "build_page_inverse (keys)");
-  // torch's device sort (on the current stream, no host sync) orders each request's entries by page id.
-  auto [sorted_keys, order] = at::sort(keys);
-  keys.reset();
-  at::Tensor pages = at::empty({num_entries}, entry_pages.options().dtype(at::kInt));
-  at::Tensor slots = at::empty({num_entries}, entry_pages.options().dtype(at::kInt));
-  check_launch(sglang_cpkv::page_inverse_runs(sorted_keys.data_ptr<int64_t>(),
-                                              order.data_ptr<int64_t>(),
-                                              slots_in,
-                                              num_entries,
-                                              num_requests * capacity,
-                                              capacity,
-                                              pages.data_ptr<int32_t>(),
-                                              slots.data_ptr<int32_t>(),
-                                              errors.data_ptr<int32_t>(),
-                                              stream),
-               "build_page_inverse (runs)");
-  // Request r's run starts at the first key >= r * C.
-  at::Tensor boundaries = at::arange(num_requests + 1, sorted_keys.options()).mul_(capacity);
-  at::Tensor starts = at::searchsorted(sorted_keys, boundaries, /*out_int32=*/true, /*right=*/false);
-  return {pages, slots, starts};
+               "build_page_inverse");
+  return {keys, slots};
 }
 
 at::Tensor remap_locs(const at::Tensor& locs,
                       const at::Tensor& req_id,
-                      const at::Tensor& inverse_pages,
+                      const at::Tensor& inverse_keys,
                       const at::Tensor& inverse_slots,
-                      const at::Tensor& inverse_starts,
+                      int64_t num_requests,
                       int64_t capacity,
                       int64_t page_size,
                       at::Tensor& errors) {
@@ -240,23 +227,26 @@ at::Tensor remap_locs(const at::Tensor& locs,
               ", req_id ",
               format_dims(req_id.sizes()));
   CPKV_CHECK(req_id.is_contiguous(), "req_id must be contiguous, got stride ", format_dims(req_id.strides()));
-  const std::pair<const at::Tensor*, const char*> parts[] = {
-      {&inverse_pages, "inverse_pages"}, {&inverse_slots, "inverse_slots"}, {&inverse_starts, "inverse_starts"}};
-  for (const auto& [part, name] : parts) {
+  const std::tuple<const at::Tensor*, const char*, at::ScalarType> parts[] = {
+      {&inverse_keys, "inverse_keys", at::kLong}, {&inverse_slots, "inverse_slots", at::kInt}};
+  for (const auto& [part, name, dtype] : parts) {
     check_cuda_tensor(*part, name, locs, "locs");
-    CPKV_CHECK(part->scalar_type() == at::kInt, name, " must be int32, got ", part->scalar_type());
+    CPKV_CHECK(part->scalar_type() == dtype, name, " must be ", c10::toString(dtype), ", got ", part->scalar_type());
     CPKV_CHECK(part->dim() == 1 && part->is_contiguous(),
                 name,
                 " must be a contiguous 1-D tensor, got shape ",
                 format_dims(part->sizes()));
   }
-  CPKV_CHECK(inverse_slots.numel() == inverse_pages.numel(),
-              "inverse_slots must hold one slot per page of inverse_pages (",
-              inverse_pages.numel(),
+  const int64_t table_size = inverse_keys.numel();
+  CPKV_CHECK(table_size >= 2 && (table_size & (table_size - 1)) == 0,
+              "inverse_keys must hold a power-of-two table of at least 2 cells, got ",
+              table_size);
+  CPKV_CHECK(inverse_slots.numel() == table_size,
+              "inverse_slots must hold one slot per cell of inverse_keys (",
+              table_size,
               "), got ",
               inverse_slots.numel());
-  CPKV_CHECK(inverse_starts.numel() >= 1, "inverse_starts must hold R + 1 starts, got none");
-  const int64_t num_requests = inverse_starts.numel() - 1;
+  CPKV_CHECK(num_requests >= 0, "num_requests must be >= 0, got ", num_requests);
   CPKV_CHECK(capacity > 0, "capacity must be > 0, got ", capacity);
   CPKV_CHECK(page_size > 0, "page_size must be > 0, got ", page_size);
   check_error_counter(errors, locs, "locs");
@@ -271,9 +261,9 @@ at::Tensor remap_locs(const at::Tensor& locs,
                                          row_len,
                                          locs_row_stride,
                                          req_id.data_ptr<int64_t>(),
-                                         inverse_pages.data_ptr<int32_t>(),
+                                         inverse_keys.data_ptr<int64_t>(),
                                          inverse_slots.data_ptr<int32_t>(),
-                                         inverse_starts.data_ptr<int32_t>(),
+                                         table_size,
                                          num_requests,
                                          capacity,
                                          page_size,
@@ -441,14 +431,14 @@ void materialize_and_fill(const at::Tensor& pool,
 
 TORCH_LIBRARY(sglang_cpkv, m) {
   // Per batch: the page, request and dense slot (default: its index) of every page-table entry -> per-request
-  // inverse (pages, slots int32 [E]: each request's page ids ascending with their slots; starts int32 [R + 1]);
+  // inverse (keys int64 [T]: r * C + page or -1, slots int32 [T]; T the power of two at or above 2 E, at least 2);
   // counts bad and repeated page ids, negative slots and bad request ids.
   m.def(
       "build_page_inverse(Tensor entry_pages, Tensor entry_req, int num_requests, int capacity, Tensor(a!) errors, "
-      "Tensor? entry_slots=None) -> (Tensor, Tensor, Tensor)");
+      "Tensor? entry_slots=None) -> (Tensor, Tensor)");
   // Per batch / per layer: pool locations [N] or [N, K] of request req_id[n] -> dense locations (int32).
   m.def(
-      "remap_locs(Tensor locs, Tensor req_id, Tensor inverse_pages, Tensor inverse_slots, Tensor inverse_starts, "
+      "remap_locs(Tensor locs, Tensor req_id, Tensor inverse_keys, Tensor inverse_slots, int num_requests, "
       "int capacity, int page_size, Tensor(a!) errors) -> Tensor");
   // Per layer: dst[dst_page[i]] = src[src_page[i]], whole pages, in place.
   m.def("copy_pages(Tensor src, Tensor src_page, Tensor(a!) dst, Tensor dst_page, Tensor(b!) errors) -> ()");

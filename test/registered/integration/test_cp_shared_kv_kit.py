@@ -32,7 +32,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from sglang_cpkv.ops import INVERSE_BUILD_BYTES_PER_ENTRY
 from sglang_cpkv.testing.batches import BatchCase, same_bytes
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 from sglang_cpkv.testing.dsa_kit import (
@@ -392,7 +391,7 @@ def _gloo_rank(rank, model_dir, init_method, out_dir):
                     plan_part = reserved.backends * reserved.parts()["batch plan"]
                     results[("held bytes", name, i)] = (state.buffers.held_bytes(""), reserved.total_bytes - plan_part)
                     plan = state.batch.plan
-                    staged = plan.entries * (4 + 4 + 8) + plan.entries * INVERSE_BUILD_BYTES_PER_ENTRY
+                    staged = plan.entries * (4 + 4 + 8)
                     results[("plan bytes", name, i)] = (plan.device_bytes + staged, plan_part)
             seed = None
             if name == "ragged-no-prefix-cut":
@@ -623,7 +622,7 @@ def test_cp2_no_dense_latent_view_where_the_route_never_reads_it(gloo_results):
 def test_cp2_the_buffers_are_the_reservation_reused_across_batches(gloo_results):
     """Every buffer the mode holds was reserved: after a batch that reads a dense latent view the backend holds
     exactly the published reservation's buffers (dense views, scratch), and a second batch adds nothing; the batch's
-    plan (its device tensors, the staged entries and the inverse build's scratch bound) fits the batch-plan part."""
+    plan (its device tensors, the inverse's table included, and the staged entries) fits the batch-plan part."""
     for results in gloo_results:
         for key, (nbytes, charged) in ((k, v) for k, v in results.items() if k[0] == "plan bytes"):
             assert 0 < nbytes <= charged, (key, nbytes, charged)

@@ -120,12 +120,13 @@ def test_build_page_inverse(cuda_ops, rows, pages_per_request, dtype, bad_ids):
     assert torch.equal(have, want)
     assert have_errors.tolist() == want_errors.tolist()
     assert bool(want_errors[ERR_PAGE_OUT_OF_RANGE] > 0) == bad_ids
-    # The compact form itself: one entry per page-table entry, whatever C; runs and starts as the reference's.
+    # The table itself: sized by the page-table entries, whatever C; every lookup as the reference's.
     compact = cuda_ops.build_page_inverse(*flat_slots(table), rows, capacity, new_error_counter(DEVICE))
     assert_same_inverse(
-        reference.build_page_inverse(*flat_slots(table), rows, capacity, new_error_counter(DEVICE)), compact
+        reference.build_page_inverse(*flat_slots(table), rows, capacity, new_error_counter(DEVICE)),
+        compact,
     )
-    assert compact.num_entries == table.numel() and compact.nbytes == 8 * table.numel() + 4 * (rows + 1)
+    assert compact.nbytes == reference.inverse_bytes(table.numel()) <= 48 * table.numel()
 
 
 def test_build_page_inverse_repeated_pages_and_empty(cuda_ops):
@@ -145,9 +146,9 @@ def test_build_page_inverse_repeated_pages_and_empty(cuda_ops):
         torch.empty(0, dtype=torch.int32, device=DEVICE),
     )
     empty = cuda_ops.build_page_inverse(*none[:2], 0, CAPACITY, new_error_counter(DEVICE), none[2])
-    assert (empty.num_entries, empty.num_requests, empty.starts.tolist()) == (0, 0, [0])
+    assert (empty.table_size, empty.num_requests, empty.held_entries()) == (2, 0, 0)
     no_entries = cuda_ops.build_page_inverse(*none[:2], 2, CAPACITY, new_error_counter(DEVICE))
-    assert no_entries.starts.tolist() == [0, 0, 0] and bool((inverse_table(no_entries) == -1).all())
+    assert no_entries.held_entries() == 0 and bool((inverse_table(no_entries) == -1).all())
 
 
 def _shared_slot_entries(
@@ -528,9 +529,9 @@ def test_opcheck(cuda_ops):
         "remap_locs": (
             locs,
             req,
-            inverse.pages,
+            inverse.keys,
             inverse.slots,
-            inverse.starts,
+            3,
             CAPACITY,
             16,
             new_error_counter(DEVICE),
@@ -566,7 +567,7 @@ def test_torch_compile_fullgraph(cuda_ops):
         inverse = cuda_ops.build_page_inverse(*flat_slots(table), table.shape[0], capacity, errors)
         top_dense = cuda_ops.remap_locs(top_locs, top_req, inverse, page_size, errors)
         cuda_ops.materialize_and_fill(pool, src_page, dense_out, dst_page, cur, dst_loc, errors)
-        return inverse.pages, inverse.slots, inverse.starts, top_dense
+        return inverse_table(inverse), top_dense
 
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
     eager_errors, eager_dense = new_error_counter(DEVICE), dense.clone()
@@ -674,12 +675,12 @@ def test_probe_refuses_missing_stale_and_jit_off(cuda_ops, tmp_path):
     assert _reason_in_fresh_process({cuda_build.LIB_ENV: str(tmp_path), cuda_build.JIT_ENV: "0"}) == "None"
 
 
-def _inverse_of(pages: int, slots: int, requests: int) -> PageInverse:
+def _inverse_of(keys: int, slots: int, requests: int) -> PageInverse:
     """An inverse of the given sizes holding no page (for the argument checks)."""
     return PageInverse(
-        pages=torch.full((pages,), -1, dtype=torch.int32, device=DEVICE),
+        keys=torch.full((keys,), -1, dtype=torch.int64, device=DEVICE),
         slots=torch.full((slots,), -1, dtype=torch.int32, device=DEVICE),
-        starts=torch.zeros(requests + 1, dtype=torch.int32, device=DEVICE),
+        num_requests=requests,
         capacity=12,
     )
 
@@ -693,7 +694,7 @@ def _inverse_of(pages: int, slots: int, requests: int) -> PageInverse:
             lambda: (
                 torch.zeros(4, 2, dtype=torch.int32, device=DEVICE),
                 torch.zeros(4, dtype=torch.int32, device=DEVICE),
-                _inverse_of(pages=24, slots=24, requests=2),
+                _inverse_of(keys=32, slots=32, requests=2),
                 4,
             ),
             "req_id must be int64, got Int",
@@ -703,7 +704,7 @@ def _inverse_of(pages: int, slots: int, requests: int) -> PageInverse:
             lambda: (
                 torch.zeros(4, 2, dtype=torch.int32, device=DEVICE),
                 torch.zeros(3, dtype=torch.int64, device=DEVICE),
-                _inverse_of(pages=24, slots=24, requests=2),
+                _inverse_of(keys=32, slots=32, requests=2),
                 4,
             ),
             "req_id must have one id per row of locs",
@@ -713,10 +714,10 @@ def _inverse_of(pages: int, slots: int, requests: int) -> PageInverse:
             lambda: (
                 torch.zeros(4, 2, dtype=torch.int32, device=DEVICE),
                 torch.zeros(4, dtype=torch.int64, device=DEVICE),
-                _inverse_of(pages=24, slots=23, requests=2),
+                _inverse_of(keys=32, slots=31, requests=2),
                 4,
             ),
-            "inverse_slots must hold one slot per page of inverse_pages (24), got 23",
+            "inverse_slots must hold one slot per cell of inverse_keys (32), got 31",
         ),
         (
             "build_page_inverse",

@@ -412,9 +412,15 @@ def test_contract_violations_refused_on_every_backend(backend, monkeypatch):
     inverse = ops.build_page_inverse(*flat_slots(torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)), 2, 6, errors)
     with pytest.raises(CpSharedKvError, match="inverse must be a PageInverse"):
         ops.remap_locs(torch.tensor([[4]]), torch.tensor([1]), torch.full((12,), -1, dtype=torch.int32), 2, errors)
-    with pytest.raises(CpSharedKvError, match=r"inverse\.starts must be a contiguous int32 1-D tensor"):
+    with pytest.raises(CpSharedKvError, match=r"inverse\.keys must be a contiguous torch\.int64 1-D tensor"):
+        ops.remap_locs(torch.tensor([[4]]), torch.tensor([1]), replace(inverse, keys=inverse.keys.int()), 2, errors)
+    with pytest.raises(CpSharedKvError, match="a power-of-two table"):
         ops.remap_locs(
-            torch.tensor([[4]]), torch.tensor([1]), replace(inverse, starts=inverse.starts.long()), 2, errors
+            torch.tensor([[4]]),
+            torch.tensor([1]),
+            replace(inverse, keys=inverse.keys[:3], slots=inverse.slots[:3]),
+            2,
+            errors,
         )
     with pytest.raises(CpSharedKvError, match="page_size must be >= 1"):
         ops.remap_locs(torch.tensor([[4]]), torch.tensor([1]), inverse, 0, errors)

@@ -2,11 +2,10 @@
 
 Contract: :func:`sglang_cpkv.ops.reference.build_page_inverse`.
 
-Three steps, none of which synchronizes: a kernel checks every entry and writes its sort key (``r * C + page``
-for an entry, ``R * C`` for padding and bad ids, so they sort last) counting bad ids; torch's device sort orders
-the keys; a second kernel writes each sorted position's page id and slot (the slot through the sort's order) and
-counts a key equal to its predecessor (a page twice in one request). Each request's run starts where the sorted
-keys reach ``r * C`` (``torch.searchsorted``).
+The table is filled with :data:`~sglang_cpkv.ops.reference.EMPTY_KEY` (torch), then one kernel inserts every entry
+by compare-and-swap, probing from its home cell (:func:`~sglang_cpkv.ops.reference.hash_cells`) one cell at a time:
+an empty cell it swaps its key into takes its slot; a cell already holding its key is a page its request holds twice
+(counted). Nothing synchronizes with the host; memory is the table alone.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import triton
 import triton.language as tl
 
 from sglang_cpkv.ops.errors import ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE
-from sglang_cpkv.ops.reference import PageInverse
+from sglang_cpkv.ops.reference import EMPTY_KEY, HASH_MULTIPLIER, PageInverse, inverse_table_size
 from sglang_cpkv.ops.triton._common import check_errors, check_index, next_power_of_2
 
 # GPU: 1024 entries per program (a 256K-token batch of 64-token pages is 4096 entries: 4 programs).
@@ -26,16 +25,28 @@ _CPU_MAX_BLOCK = 1 << 16
 
 
 @triton.jit
-def _inverse_keys_kernel(
+def home_cell(key, table_mask, MULTIPLIER: tl.constexpr):
+    """The reference's ``hash_cells`` of int64 keys (``table_mask``: cells - 1)."""
+    high = key >> 32
+    mixed = (key - (high << 32)) * MULTIPLIER + high
+    return (mixed ^ (mixed >> 32)) & table_mask
+
+
+@triton.jit
+def _insert_entries_kernel(
     entry_pages_ptr,  # int32/int64 [E]
     entry_req_ptr,  # int64 [E]
     entry_slots_ptr,  # int32 [E]
-    keys_ptr,  # int64 [E], written
+    keys_ptr,  # int64 [T], all EMPTY_KEY on entry
+    slots_ptr,  # int32 [T], written where an entry lands
     errors_ptr,  # int32 [NUM_ERROR_KINDS]
     num_entries,  # E
     num_requests,  # R
     capacity,  # C
+    table_mask,  # T - 1
     BLOCK: tl.constexpr,
+    EMPTY: tl.constexpr,
+    MULTIPLIER: tl.constexpr,
     ERR_PAGE: tl.constexpr,
     ERR_REQ: tl.constexpr,
 ):
@@ -43,43 +54,28 @@ def _inverse_keys_kernel(
     in_range = e < num_entries
     page = tl.load(entry_pages_ptr + e, mask=in_range, other=-1).to(tl.int64)
     req = tl.load(entry_req_ptr + e, mask=in_range, other=-1).to(tl.int64)
-    slot = tl.load(entry_slots_ptr + e, mask=in_range, other=-1).to(tl.int64)
+    slot = tl.load(entry_slots_ptr + e, mask=in_range, other=-1)
     padding = (page == -1) | (req == -1)
     bad_page = ~padding & ((page >= capacity) | (page < -1) | (slot < 0))
     bad_req = ~padding & ~bad_page & ((req >= num_requests) | (req < -1))
-    valid = ~(padding | bad_page | bad_req)
-    tl.store(keys_ptr + e, tl.where(valid, req * capacity + page, num_requests * capacity), mask=in_range)
-    n_bad_page = tl.sum((in_range & bad_page).to(tl.int32), axis=0)
+    pending = in_range & ~(padding | bad_page | bad_req)
+    key = req * capacity + page
+    cell = home_cell(tl.where(pending, key, 0), table_mask, MULTIPLIER)
+    repeated = tl.zeros((BLOCK,), dtype=tl.int32)
+    while tl.max(pending.to(tl.int32), axis=0) > 0:
+        # A lane that is done compares with a key no cell holds (EMPTY - 1), so its swap never writes.
+        expect = tl.where(pending, EMPTY, EMPTY - 1).to(tl.int64)
+        held = tl.atomic_cas(keys_ptr + cell, expect, tl.where(pending, key, EMPTY - 1).to(tl.int64))
+        won = pending & (held == EMPTY)
+        repeat = pending & (held == key)
+        tl.store(slots_ptr + cell, slot, mask=won)
+        repeated += repeat.to(tl.int32)
+        pending = pending & ~won & ~repeat
+        cell = tl.where(pending, (cell + 1) & table_mask, cell)
+    n_bad_page = tl.sum((in_range & bad_page).to(tl.int32) + repeated, axis=0)
     n_bad_req = tl.sum((in_range & bad_req).to(tl.int32), axis=0)
     tl.atomic_add(errors_ptr + ERR_PAGE, n_bad_page, mask=n_bad_page > 0)
     tl.atomic_add(errors_ptr + ERR_REQ, n_bad_req, mask=n_bad_req > 0)
-
-
-@triton.jit
-def _inverse_runs_kernel(
-    sorted_keys_ptr,  # int64 [E], ascending
-    order_ptr,  # int64 [E], the entry at each sorted position
-    entry_slots_ptr,  # int32 [E]
-    pages_ptr,  # int32 [E], written
-    slots_ptr,  # int32 [E], written
-    errors_ptr,  # int32 [NUM_ERROR_KINDS]
-    num_entries,  # E
-    end_key,  # R * C: the key of what is not an entry
-    capacity,  # C
-    BLOCK: tl.constexpr,
-    ERR_PAGE: tl.constexpr,
-):
-    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_range = i < num_entries
-    key = tl.load(sorted_keys_ptr + i, mask=in_range, other=end_key)
-    held = in_range & (key < end_key)
-    previous = tl.load(sorted_keys_ptr + i - 1, mask=held & (i > 0), other=-1)
-    entry = tl.load(order_ptr + i, mask=held, other=0)
-    slot = tl.load(entry_slots_ptr + entry, mask=held, other=-1)
-    tl.store(pages_ptr + i, tl.where(held, key % capacity, -1).to(tl.int32), mask=in_range)
-    tl.store(slots_ptr + i, tl.where(held, slot, -1).to(tl.int32), mask=in_range)
-    n_repeated = tl.sum((held & (previous == key)).to(tl.int32), axis=0)
-    tl.atomic_add(errors_ptr + ERR_PAGE, n_repeated, mask=n_repeated > 0)
 
 
 def build_page_inverse(
@@ -121,44 +117,28 @@ def build_page_inverse(
         raise ValueError(f"capacity must be >= 1 and num_requests >= 0, got {capacity}, {num_requests}")
     check_errors(errors, device)
     num_entries = entry_pages.numel()
-    end_key = num_requests * capacity
-    keys = torch.empty(num_entries, dtype=torch.int64, device=device)
-    pages = torch.empty(num_entries, dtype=torch.int32, device=device)
-    slots = torch.empty(num_entries, dtype=torch.int32, device=device)
-    on_cpu = device.type == "cpu"
-    block = block or (min(next_power_of_2(max(num_entries, 1)), _CPU_MAX_BLOCK) if on_cpu else _GPU_BLOCK)
-    grid = (triton.cdiv(num_entries, block),)
+    size = inverse_table_size(num_entries)
+    keys = torch.full((size,), EMPTY_KEY, dtype=torch.int64, device=device)
+    slots = torch.empty(size, dtype=torch.int32, device=device)
     if num_entries:
-        _inverse_keys_kernel[grid](
+        on_cpu = device.type == "cpu"
+        block = block or (min(next_power_of_2(num_entries), _CPU_MAX_BLOCK) if on_cpu else _GPU_BLOCK)
+        _insert_entries_kernel[(triton.cdiv(num_entries, block),)](
             entry_pages,
             entry_req,
             entry_slots,
             keys,
+            slots,
             errors,
             num_entries,
             num_requests,
             capacity,
+            size - 1,
             BLOCK=block,
+            EMPTY=EMPTY_KEY,
+            MULTIPLIER=HASH_MULTIPLIER,
             ERR_PAGE=ERR_PAGE_OUT_OF_RANGE,
             ERR_REQ=ERR_REQ_OUT_OF_RANGE,
             num_warps=num_warps,
         )
-    sorted_keys, order = keys.sort()
-    if num_entries:
-        _inverse_runs_kernel[grid](
-            sorted_keys,
-            order,
-            entry_slots,
-            pages,
-            slots,
-            errors,
-            num_entries,
-            end_key,
-            capacity,
-            BLOCK=block,
-            ERR_PAGE=ERR_PAGE_OUT_OF_RANGE,
-            num_warps=num_warps,
-        )
-    boundaries = torch.arange(num_requests + 1, dtype=torch.int64, device=device) * capacity
-    starts = torch.searchsorted(sorted_keys, boundaries, out_int32=True)
-    return PageInverse(pages=pages, slots=slots, starts=starts, capacity=capacity)
+    return PageInverse(keys=keys, slots=slots, num_requests=num_requests, capacity=capacity)

@@ -3,10 +3,10 @@
 Contract: :func:`sglang_cpkv.ops.reference.remap_locs`.
 
 Request ids are compact: one int64 per row of ``locs`` (``[N]`` for ``[N, K]`` top-k locations),
-loaded once per tile row and broadcast in registers, never materialized as ``[N, K]``; so are the bounds of
-the row's request run in the inverse. Each location's page is found by a binary search of that run, a fixed
-``inverse.search_steps`` halvings (lanes whose run is already one entry idle). The page size is a compile-time
-constant so that ``// page_size`` and ``% page_size`` are shifts for the usual power-of-two sizes.
+loaded once per tile row and broadcast in registers, never materialized as ``[N, K]``. Each location's key
+``(request, page id)`` is looked up in the inverse's hash table from its home cell to its key or an empty cell (one
+or two probes on average; the loop ends when every lane of the tile has). The page size is a compile-time constant
+so that ``// page_size`` and ``% page_size`` are shifts for the usual power-of-two sizes.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import triton
 import triton.language as tl
 
 from sglang_cpkv.ops.errors import ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE
-from sglang_cpkv.ops.reference import PageInverse
+from sglang_cpkv.ops.reference import EMPTY_KEY, HASH_MULTIPLIER, PageInverse
 from sglang_cpkv.ops.triton._common import check_errors, check_index, next_power_of_2
+from sglang_cpkv.ops.triton.build_page_inverse import home_cell
 
 # GPU: 4096 locations (16 KiB of int32) per program, up to 1024 of them along a row.
 _GPU_TILE = 4096
@@ -30,10 +31,9 @@ _CPU_TILE = 1 << 16
 def _remap_locs_kernel(
     locs_ptr,  # int32/int64 [N, K], row stride locs_stride
     req_id_ptr,  # int64 [N]; -1 = padding row
-    inverse_pages_ptr,  # int32 [E], each request's run ascending
-    inverse_slots_ptr,  # int32 [E]
-    inverse_starts_ptr,  # int32 [R + 1]
-    search_steps,  # halvings that bring any run to one entry
+    inverse_keys_ptr,  # int64 [T]: r * C + page, or EMPTY
+    inverse_slots_ptr,  # int32 [T]
+    table_mask,  # T - 1
     out_ptr,  # int32 [N, K], contiguous
     errors_ptr,  # int32 [NUM_ERROR_KINDS]
     n_rows,  # N
@@ -44,6 +44,8 @@ def _remap_locs_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EMPTY: tl.constexpr,
+    MULTIPLIER: tl.constexpr,
     ERR_PAGE: tl.constexpr,
     ERR_REQ: tl.constexpr,
 ):
@@ -61,22 +63,16 @@ def _remap_locs_kernel(
     bad_page = ~padding & ~bad_req & ((loc < 0) | (page >= capacity))
     ok = ~padding & ~bad_req & ~bad_page
 
-    row_ok = row_in[:, None] & (req >= 0) & (req < batch_rows)
-    lo = tl.load(inverse_starts_ptr + req, mask=row_ok, other=0).to(tl.int64)
-    hi = tl.load(inverse_starts_ptr + req + 1, mask=row_ok, other=0).to(tl.int64)
-    lo = tl.where(ok, lo, 0)
-    hi = tl.where(ok, hi, 0)
-    count = hi - lo
-    for _ in range(search_steps):  # lower bound of page in [lo, lo + count)
-        half = count // 2
-        probe = tl.load(inverse_pages_ptr + lo + half, mask=count > 0, other=0).to(tl.int64)
-        right = (count > 0) & (probe < page)
-        lo = tl.where(right, lo + half + 1, lo)
-        count = tl.where(right, count - half - 1, half)
-    hit = ok & (lo < hi)
-    found = tl.load(inverse_pages_ptr + lo, mask=hit, other=-1).to(tl.int64)
-    hit = hit & (found == page)
-    slot = tl.load(inverse_slots_ptr + lo, mask=hit, other=-1).to(tl.int64)
+    key = tl.where(ok, req * capacity + page, 0)
+    cell = home_cell(key, table_mask, MULTIPLIER)
+    slot = tl.full(key.shape, -1, tl.int64)
+    probing = ok
+    while tl.max(tl.max(probing.to(tl.int32), axis=1), axis=0) > 0:
+        held = tl.load(inverse_keys_ptr + cell, mask=probing, other=EMPTY)
+        hit = probing & (held == key)
+        slot = tl.where(hit, tl.load(inverse_slots_ptr + cell, mask=hit, other=-1).to(tl.int64), slot)
+        probing = probing & ~hit & (held != EMPTY)
+        cell = tl.where(probing, (cell + 1) & table_mask, cell)
     dense = tl.where(slot >= 0, slot * PAGE_SIZE + loc % PAGE_SIZE, -1)
     tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], dense.to(tl.int32), mask=tile_in)
 
@@ -123,17 +119,18 @@ def remap_locs(
             f"req_id must have one id per row of locs: locs {tuple(locs.shape)}, req_id {tuple(req_id.shape)}"
         )
     req_id = check_index("req_id", req_id, device)
-    for name in ("pages", "slots", "starts"):
+    for name, dtype in (("keys", torch.int64), ("slots", torch.int32)):
         part = getattr(inverse, name)
-        if part.dtype != torch.int32 or part.dim() != 1 or part.device != device or not part.is_contiguous():
+        if part.dtype != dtype or part.dim() != 1 or part.device != device or not part.is_contiguous():
             raise ValueError(
-                f"inverse.{name} must be a contiguous int32 1-D tensor on {device}, got "
+                f"inverse.{name} must be a contiguous {dtype} 1-D tensor on {device}, got "
                 f"{part.dtype}{tuple(part.shape)} on {part.device}"
             )
-    if inverse.capacity <= 0 or inverse.starts.numel() < 1 or inverse.slots.numel() != inverse.pages.numel():
+    size = inverse.table_size
+    if inverse.capacity <= 0 or size < 2 or size & (size - 1) or inverse.slots.numel() != size:
         raise ValueError(
-            f"inverse must have capacity > 0, R + 1 starts and one slot per page, got capacity {inverse.capacity}, "
-            f"{inverse.starts.numel()} starts, {inverse.pages.numel()} pages, {inverse.slots.numel()} slots"
+            f"inverse must have capacity > 0 and a power-of-two table of keys with as many slots, got capacity "
+            f"{inverse.capacity}, {size} keys, {inverse.slots.numel()} slots"
         )
     if page_size <= 0:
         raise ValueError(f"page_size must be > 0, got {page_size}")
@@ -149,10 +146,9 @@ def remap_locs(
     _remap_locs_kernel[grid](
         loc2d,
         req_id,
-        inverse.pages,
+        inverse.keys,
         inverse.slots,
-        inverse.starts,
-        inverse.search_steps,
+        size - 1,
         out,
         errors,
         n_rows,
@@ -163,6 +159,8 @@ def remap_locs(
         PAGE_SIZE=page_size,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        EMPTY=EMPTY_KEY,
+        MULTIPLIER=HASH_MULTIPLIER,
         ERR_PAGE=ERR_PAGE_OUT_OF_RANGE,
         ERR_REQ=ERR_REQ_OUT_OF_RANGE,
         num_warps=num_warps,
