@@ -94,10 +94,14 @@ class PageInverse:
     """The per-request page inverse of a batch: a hash table sized by its entries, never by ``C``.
 
     Cell ``i`` holds the key ``r * C + page`` of one entry of request ``r`` with its dense slot, or
-    :data:`EMPTY_KEY`. A key's cells are probed from :func:`hash_cells` on, one cell at a time (wrapping), up to the
-    first empty cell; the table is at most half held (:func:`inverse_table_size`), so every probe ends. A lookup
-    ``(r, page id)`` finds the slot, or -1 when absent. Which cell an entry takes depends on the order entries were
-    inserted in (the kernels insert concurrently): compare inverses through their lookups, never cell by cell.
+    :data:`EMPTY_KEY` and slot -1. A key's cells are probed from :func:`hash_cells` on, one cell at a time (wrapping),
+    up to the first empty cell; the table is at most half held (:func:`inverse_table_size`), so every probe ends. A
+    lookup ``(r, page id)`` finds the slot, or -1 when absent.
+
+    The table is canonical: the one that inserting the batch's distinct keys in ascending order, each into the
+    first empty cell of its probe, gives (an ordered hash table: the kernels insert concurrently and a smaller key
+    displaces a larger one, which ends in the same cells whatever the order). So every backend builds the same
+    tensors, run after run, and a key held twice keeps the slot of its lowest entry.
 
     Attributes:
         keys: int64 ``[T]``, ``T`` a power of two. slots: int32 ``[T]`` (defined only in held cells).
@@ -186,9 +190,9 @@ def build_page_inverse(
             ``e`` at slot ``e`` (every entry its own slot, the per-request layout).
 
     Returns:
-        :class:`PageInverse` of :func:`inverse_table_size` ``(E)`` cells: every valid entry
+        The canonical :class:`PageInverse` of :func:`inverse_table_size` ``(E)`` cells: every valid entry
         ``(entry_req[e], entry_pages[e])`` finds ``entry_slots[e]``; nothing else is found. Of two entries of one
-        request holding one page, one is found (unspecified which) and the other is counted.
+        request holding one page, the first is found and the other is counted.
     """
     check_ids(entry_pages, "entry_pages")
     check_ids(entry_req, "entry_req")
@@ -210,31 +214,22 @@ def build_page_inverse(
     errors[ERR_PAGE_OUT_OF_RANGE] += bad_page.sum().to(torch.int32)
     errors[ERR_REQ_OUT_OF_RANGE] += bad_req.sum().to(torch.int32)
     size = inverse_table_size(page.numel())
-    keys = torch.full((size,), EMPTY_KEY, dtype=torch.int64, device=page.device)
+    entry = (~(padding | bad_page | bad_req)).nonzero().flatten()
+    ordered, order = (req[entry] * capacity + page[entry]).sort(stable=True)
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    errors[ERR_PAGE_OUT_OF_RANGE] += (~first).sum().to(torch.int32)
+    distinct, owner = ordered[first], entry[order[first]]  # each key once, with its lowest entry
+    cells = [EMPTY_KEY] * size
+    placed = []
+    for key, cell in zip(distinct.tolist(), hash_cells(distinct, size).tolist()):
+        while cells[cell] != EMPTY_KEY:
+            cell = (cell + 1) & (size - 1)
+        cells[cell] = key
+        placed.append(cell)
+    keys = torch.tensor(cells, dtype=torch.int64, device=page.device)
     slots = torch.full((size,), PADDING_ID, dtype=torch.int32, device=page.device)
-    # Insert in rounds, each pending entry at its current cell: a cell holding its key makes it a repeat (counted,
-    # dropped); an empty cell goes to the lowest pending entry probing it; the others step to the next cell.
-    pending = (~(padding | bad_page | bad_req)).nonzero().flatten()
-    key = req[pending] * capacity + page[pending]
-    cell = hash_cells(key, size)
-    repeated = torch.zeros((), dtype=torch.int64, device=page.device)
-    while pending.numel():
-        held = keys[cell]
-        repeat = held == key
-        repeated += repeat.sum()
-        free = held == EMPTY_KEY
-        claimer = torch.full((size,), pending.numel(), dtype=torch.int64, device=page.device)
-        order = torch.arange(pending.numel(), device=page.device)
-        claimer.scatter_reduce_(0, cell[free], order[free], reduce="amin")
-        won = free & (claimer[cell] == order)
-        keys[cell[won]] = key[won]
-        slots[cell[won]] = entry_slots[pending[won]]
-        # A loser of a claim on an empty cell probes it again next round: the winner may have held its key.
-        stay = ~repeat & ~won
-        step = stay & ~free
-        pending, key = pending[stay], key[stay]
-        cell = torch.where(step[stay], (cell[stay] + 1) & (size - 1), cell[stay])
-    errors[ERR_PAGE_OUT_OF_RANGE] += repeated.to(torch.int32)
+    slots[torch.tensor(placed, dtype=torch.int64, device=page.device)] = entry_slots[owner]
     return PageInverse(keys=keys, slots=slots, num_requests=num_requests, capacity=capacity)
 
 

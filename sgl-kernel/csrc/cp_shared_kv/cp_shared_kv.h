@@ -28,11 +28,13 @@ constexpr int kErrReqOutOfRange = 1;
 constexpr int kErrLocOutOfRange = 2;
 constexpr int kNumErrorKinds = 3;
 
-// The per-request inverse: fills keys with -1, then inserts every entry's key entry_req[e] * C + entry_pages[e] with
-// its slot (entry_slots nullptr: entry e at slot e). An entry with page or request -1 (the layout's rounding) is
-// skipped; a page id >= C or < -1, a negative slot, or a page its request already holds counts
-// errors[kErrPageOutOfRange]; a request id >= R or < -1 errors[kErrReqOutOfRange]. Several requests' entries may
-// point at one slot (a shared history slot). PageIdT: int32_t, int64_t.
+// The per-request inverse: the canonical table of reference.build_page_inverse (the cells that inserting the distinct
+// keys entry_req[e] * C + entry_pages[e] in ascending order gives, whatever the order the threads insert in), each
+// held cell with the slot of the lowest entry of its key (entry_slots nullptr: entry e at slot e), -1 elsewhere. An
+// entry with page or request -1 (the layout's rounding) is skipped; a page id >= C or < -1, a negative slot, or a
+// page its request already holds counts errors[kErrPageOutOfRange]; a request id >= R or < -1
+// errors[kErrReqOutOfRange]. Several requests' entries may point at one slot (a shared history slot).
+// E < 0x7f7f7f7f. PageIdT: int32_t, int64_t.
 template <typename PageIdT>
 cudaError_t build_page_inverse(const PageIdT* entry_pages,  // [E] page id of each entry
                                const int64_t* entry_req,    // [E] request row of each entry
@@ -42,7 +44,7 @@ cudaError_t build_page_inverse(const PageIdT* entry_pages,  // [E] page id of ea
                                int64_t capacity,            // C
                                int64_t table_size,          // T: a power of two >= 2 * E
                                int64_t* keys,               // [T], written entirely
-                               int32_t* slots,              // [T], written in held cells
+                               int32_t* slots,              // [T], written entirely
                                int32_t* errors,             // [kNumErrorKinds]
                                cudaStream_t stream);
 

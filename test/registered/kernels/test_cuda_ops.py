@@ -129,6 +129,36 @@ def test_build_page_inverse(cuda_ops, rows, pages_per_request, dtype, bad_ids):
     assert compact.nbytes == reference.inverse_bytes(table.numel()) <= 48 * table.numel()
 
 
+def test_build_page_inverse_is_the_canonical_table_whatever_the_entry_order(cuda_ops):
+    """Issue 33's B300 batch (1024 requests sharing 16 pages, a page of their own each: 17,408 keys in 65,536
+    cells), its entries shuffled: thousands of threads insert concurrently and displace one another, and every
+    order gives the reference's cells and slots, with one repeated page counted and its first entry's slot kept."""
+    requests, shared = 1024, 16
+    entry_req = torch.arange(requests).repeat_interleave(shared + 1)
+    own = (shared + 8 + torch.arange(requests))[:, None]
+    entry_pages = torch.cat([(8 + torch.arange(shared)).expand(requests, shared), own], dim=1).flatten()
+    entry_slots = torch.arange(entry_pages.numel(), dtype=torch.int32)
+    entry_pages[5] = entry_pages[3]  # request 0 holds page 11 twice
+    want_errors = new_error_counter("cpu")
+    want = reference.build_page_inverse(entry_pages, entry_req, requests, 307_488, want_errors, entry_slots)
+    assert want_errors.tolist() == [1, 0, 0]
+    for seed in range(4):
+        order = torch.randperm(entry_pages.numel(), generator=torch.Generator().manual_seed(seed))
+        # The repeated page's first entry first, so "first" means the same entry in every order.
+        order = torch.cat([torch.tensor([3]), order[order != 3]])
+        errors = new_error_counter(DEVICE)
+        have = cuda_ops.build_page_inverse(
+            entry_pages[order].to(DEVICE),
+            entry_req[order].to(DEVICE),
+            requests,
+            307_488,
+            errors,
+            entry_slots[order].to(DEVICE),
+        )
+        assert_same_inverse(want, have)
+        assert errors.tolist() == [1, 0, 0]
+
+
 def test_build_page_inverse_repeated_pages_and_empty(cuda_ops):
     """A page twice in one request: counted, one of its slots kept; bad request ids counted; R = 0 and S = 0."""
     entry_pages = torch.tensor([3, 7, 3, 2, 3, -1, 5], dtype=torch.int32, device=DEVICE)
@@ -137,9 +167,8 @@ def test_build_page_inverse_repeated_pages_and_empty(cuda_ops):
     want, want_errors = _run(reference, "build_page_inverse", entry_pages, entry_req, 2, 12, entry_slots=entry_slots)
     have, have_errors = _run(cuda_ops, "build_page_inverse", entry_pages, entry_req, 2, 12, entry_slots=entry_slots)
     assert have_errors.tolist() == want_errors.tolist() == [1, 1, 0]
-    assert int(have[3]) in (0, 2)  # the repeated page: either slot, unspecified
-    keep = torch.arange(24, device=DEVICE) != 3
-    assert torch.equal(have[keep], want[keep]) and int(have[12 + 3]) == 4
+    assert int(have[3]) == 0 and int(have[12 + 3]) == 4  # the repeated page: its first entry's slot
+    assert torch.equal(have, want)
     none = (
         torch.empty(0, dtype=torch.int32, device=DEVICE),
         torch.empty(0, dtype=torch.int64, device=DEVICE),
@@ -567,7 +596,7 @@ def test_torch_compile_fullgraph(cuda_ops):
         inverse = cuda_ops.build_page_inverse(*flat_slots(table), table.shape[0], capacity, errors)
         top_dense = cuda_ops.remap_locs(top_locs, top_req, inverse, page_size, errors)
         cuda_ops.materialize_and_fill(pool, src_page, dense_out, dst_page, cur, dst_loc, errors)
-        return inverse_table(inverse), top_dense
+        return inverse.keys, inverse.slots, top_dense
 
     compiled = torch.compile(layer, fullgraph=True, dynamic=False)
     eager_errors, eager_dense = new_error_counter(DEVICE), dense.clone()

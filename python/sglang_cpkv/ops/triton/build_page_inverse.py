@@ -2,10 +2,13 @@
 
 Contract: :func:`sglang_cpkv.ops.reference.build_page_inverse`.
 
-The table is filled with :data:`~sglang_cpkv.ops.reference.EMPTY_KEY` (torch), then one kernel inserts every entry
-by compare-and-swap, probing from its home cell (:func:`~sglang_cpkv.ops.reference.hash_cells`) one cell at a time:
-an empty cell it swaps its key into takes its slot; a cell already holding its key is a page its request holds twice
-(counted). Nothing synchronizes with the host; memory is the table alone.
+The keys are filled with :data:`~sglang_cpkv.ops.reference.EMPTY_KEY` and the slots with a bound past every entry
+(torch), then three kernels: every entry's key is inserted by compare-and-swap from its home cell
+(:func:`~sglang_cpkv.ops.reference.hash_cells`) on, a smaller key displacing a larger one, which goes on probing (an
+ordered hash table: the cells do not depend on the order of the swaps, so the table is the reference's canonical
+one); a key found already held is a page its request holds twice (counted). Then every entry takes the minimum of
+its key's cell's slot and its own index, and every cell turns that lowest entry into its slot (-1 when empty).
+Nothing synchronizes with the host; memory is the table alone.
 """
 
 from __future__ import annotations
@@ -33,12 +36,24 @@ def home_cell(key, table_mask, MULTIPLIER: tl.constexpr):
 
 
 @triton.jit
-def _insert_entries_kernel(
+def _entry_keys(entry_pages_ptr, entry_req_ptr, entry_slots_ptr, e, in_range, num_requests, capacity):
+    """``(key, valid, bad_page, bad_req)`` of entries ``e`` (the reference's classification)."""
+    page = tl.load(entry_pages_ptr + e, mask=in_range, other=-1).to(tl.int64)
+    req = tl.load(entry_req_ptr + e, mask=in_range, other=-1).to(tl.int64)
+    slot = tl.load(entry_slots_ptr + e, mask=in_range, other=-1)
+    padding = (page == -1) | (req == -1)
+    bad_page = in_range & ~padding & ((page >= capacity) | (page < -1) | (slot < 0))
+    bad_req = in_range & ~padding & ~bad_page & ((req >= num_requests) | (req < -1))
+    valid = in_range & ~padding & ~bad_page & ~bad_req
+    return tl.where(valid, req * capacity + page, 0), valid, bad_page, bad_req
+
+
+@triton.jit
+def _insert_keys_kernel(
     entry_pages_ptr,  # int32/int64 [E]
     entry_req_ptr,  # int64 [E]
     entry_slots_ptr,  # int32 [E]
-    keys_ptr,  # int64 [T], all EMPTY_KEY on entry
-    slots_ptr,  # int32 [T], written where an entry lands
+    keys_ptr,  # int64 [T], all EMPTY on entry
     errors_ptr,  # int32 [NUM_ERROR_KINDS]
     num_entries,  # E
     num_requests,  # R
@@ -51,31 +66,86 @@ def _insert_entries_kernel(
     ERR_REQ: tl.constexpr,
 ):
     e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    in_range = e < num_entries
-    page = tl.load(entry_pages_ptr + e, mask=in_range, other=-1).to(tl.int64)
-    req = tl.load(entry_req_ptr + e, mask=in_range, other=-1).to(tl.int64)
-    slot = tl.load(entry_slots_ptr + e, mask=in_range, other=-1)
-    padding = (page == -1) | (req == -1)
-    bad_page = ~padding & ((page >= capacity) | (page < -1) | (slot < 0))
-    bad_req = ~padding & ~bad_page & ((req >= num_requests) | (req < -1))
-    pending = in_range & ~(padding | bad_page | bad_req)
-    key = req * capacity + page
-    cell = home_cell(tl.where(pending, key, 0), table_mask, MULTIPLIER)
+    key, pending, bad_page, bad_req = _entry_keys(
+        entry_pages_ptr, entry_req_ptr, entry_slots_ptr, e, e < num_entries, num_requests, capacity
+    )
+    cell = home_cell(key, table_mask, MULTIPLIER)
+    expect = tl.full((BLOCK,), EMPTY, tl.int64)  # what the lane believes its cell holds
     repeated = tl.zeros((BLOCK,), dtype=tl.int32)
     while tl.max(pending.to(tl.int32), axis=0) > 0:
         # A lane that is done compares with a key no cell holds (EMPTY - 1), so its swap never writes.
-        expect = tl.where(pending, EMPTY, EMPTY - 1).to(tl.int64)
-        held = tl.atomic_cas(keys_ptr + cell, expect, tl.where(pending, key, EMPTY - 1).to(tl.int64))
-        won = pending & (held == EMPTY)
-        repeat = pending & (held == key)
-        tl.store(slots_ptr + cell, slot, mask=won)
+        held = tl.atomic_cas(
+            keys_ptr + cell, tl.where(pending, expect, EMPTY - 1), tl.where(pending, key, EMPTY - 1).to(tl.int64)
+        )
+        swapped = pending & (held == expect)
+        # Into an empty cell: done. Over a larger key: that key goes on probing from the next cell.
+        carry = swapped & (expect != EMPTY)
+        repeat = pending & ~swapped & (held == key)
+        larger = pending & ~swapped & (held > key)
+        step = carry | (pending & ~swapped & (held != EMPTY) & (held < key))
         repeated += repeat.to(tl.int32)
-        pending = pending & ~won & ~repeat
-        cell = tl.where(pending, (cell + 1) & table_mask, cell)
-    n_bad_page = tl.sum((in_range & bad_page).to(tl.int32) + repeated, axis=0)
-    n_bad_req = tl.sum((in_range & bad_req).to(tl.int32), axis=0)
+        key = tl.where(carry, held, key)
+        pending = pending & ~(swapped & ~carry) & ~repeat
+        cell = tl.where(step, (cell + 1) & table_mask, cell)
+        expect = tl.where(larger, held, EMPTY)
+    n_bad_page = tl.sum(bad_page.to(tl.int32) + repeated, axis=0)
+    n_bad_req = tl.sum(bad_req.to(tl.int32), axis=0)
     tl.atomic_add(errors_ptr + ERR_PAGE, n_bad_page, mask=n_bad_page > 0)
     tl.atomic_add(errors_ptr + ERR_REQ, n_bad_req, mask=n_bad_req > 0)
+
+
+@triton.jit
+def find_cells(keys_ptr, key, probing, table_mask, EMPTY: tl.constexpr, MULTIPLIER: tl.constexpr):
+    """The cell of each probing lane's key, or -1 where it is absent."""
+    cell = home_cell(key, table_mask, MULTIPLIER)
+    found = tl.full(key.shape, -1, tl.int64)
+    while tl.max(tl.ravel(probing.to(tl.int32)), axis=0) > 0:
+        held = tl.load(keys_ptr + cell, mask=probing, other=EMPTY)
+        hit = probing & (held == key)
+        found = tl.where(hit, cell, found)
+        probing = probing & ~hit & (held != EMPTY)
+        cell = tl.where(probing, (cell + 1) & table_mask, cell)
+    return found
+
+
+@triton.jit
+def _claim_cells_kernel(
+    entry_pages_ptr,
+    entry_req_ptr,
+    entry_slots_ptr,
+    keys_ptr,  # int64 [T], every key inserted
+    owners_ptr,  # int32 [T]: the lowest entry of each cell's key, written
+    num_entries,
+    num_requests,
+    capacity,
+    table_mask,
+    BLOCK: tl.constexpr,
+    EMPTY: tl.constexpr,
+    MULTIPLIER: tl.constexpr,
+):
+    e = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    key, valid, _, _ = _entry_keys(
+        entry_pages_ptr, entry_req_ptr, entry_slots_ptr, e, e < num_entries, num_requests, capacity
+    )
+    cell = find_cells(keys_ptr, key, valid, table_mask, EMPTY, MULTIPLIER)
+    tl.atomic_min(owners_ptr + cell, e.to(tl.int32), mask=valid & (cell >= 0))
+
+
+@triton.jit
+def _owner_slots_kernel(
+    keys_ptr,  # int64 [T]
+    slots_ptr,  # int32 [T]: each held cell's lowest entry on entry, its slot (-1 when empty) on exit
+    entry_slots_ptr,  # int32 [E]
+    table_size,
+    BLOCK: tl.constexpr,
+    EMPTY: tl.constexpr,
+):
+    cell = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    in_range = cell < table_size
+    held = in_range & (tl.load(keys_ptr + cell, mask=in_range, other=EMPTY) != EMPTY)
+    owner = tl.load(slots_ptr + cell, mask=held, other=0)
+    slot = tl.load(entry_slots_ptr + owner, mask=held, other=-1)
+    tl.store(slots_ptr + cell, slot, mask=in_range)
 
 
 def build_page_inverse(
@@ -119,26 +189,26 @@ def build_page_inverse(
     num_entries = entry_pages.numel()
     size = inverse_table_size(num_entries)
     keys = torch.full((size,), EMPTY_KEY, dtype=torch.int64, device=device)
-    slots = torch.empty(size, dtype=torch.int32, device=device)
+    slots = torch.full((size,), max(num_entries, 1), dtype=torch.int32, device=device)  # past every entry
+    on_cpu = device.type == "cpu"
+    block = block or (min(next_power_of_2(max(num_entries, size)), _CPU_MAX_BLOCK) if on_cpu else _GPU_BLOCK)
+    constants = {"BLOCK": block, "EMPTY": EMPTY_KEY, "MULTIPLIER": HASH_MULTIPLIER}
+    entry_grid = (triton.cdiv(num_entries, block),)
+    entries = (entry_pages, entry_req, entry_slots)
+    sizes = (num_entries, num_requests, capacity, size - 1)
     if num_entries:
-        on_cpu = device.type == "cpu"
-        block = block or (min(next_power_of_2(num_entries), _CPU_MAX_BLOCK) if on_cpu else _GPU_BLOCK)
-        _insert_entries_kernel[(triton.cdiv(num_entries, block),)](
-            entry_pages,
-            entry_req,
-            entry_slots,
+        _insert_keys_kernel[entry_grid](
+            *entries,
             keys,
-            slots,
             errors,
-            num_entries,
-            num_requests,
-            capacity,
-            size - 1,
-            BLOCK=block,
-            EMPTY=EMPTY_KEY,
-            MULTIPLIER=HASH_MULTIPLIER,
+            *sizes,
+            **constants,
             ERR_PAGE=ERR_PAGE_OUT_OF_RANGE,
             ERR_REQ=ERR_REQ_OUT_OF_RANGE,
             num_warps=num_warps,
         )
+        _claim_cells_kernel[entry_grid](*entries, keys, slots, *sizes, **constants, num_warps=num_warps)
+    _owner_slots_kernel[(triton.cdiv(size, block),)](
+        keys, slots, entry_slots, size, BLOCK=block, EMPTY=EMPTY_KEY, num_warps=num_warps
+    )
     return PageInverse(keys=keys, slots=slots, num_requests=num_requests, capacity=capacity)

@@ -18,7 +18,7 @@ import triton.language as tl
 from sglang_cpkv.ops.errors import ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE
 from sglang_cpkv.ops.reference import EMPTY_KEY, HASH_MULTIPLIER, PageInverse
 from sglang_cpkv.ops.triton._common import check_errors, check_index, next_power_of_2
-from sglang_cpkv.ops.triton.build_page_inverse import home_cell
+from sglang_cpkv.ops.triton.build_page_inverse import find_cells
 
 # GPU: 4096 locations (16 KiB of int32) per program, up to 1024 of them along a row.
 _GPU_TILE = 4096
@@ -63,16 +63,8 @@ def _remap_locs_kernel(
     bad_page = ~padding & ~bad_req & ((loc < 0) | (page >= capacity))
     ok = ~padding & ~bad_req & ~bad_page
 
-    key = tl.where(ok, req * capacity + page, 0)
-    cell = home_cell(key, table_mask, MULTIPLIER)
-    slot = tl.full(key.shape, -1, tl.int64)
-    probing = ok
-    while tl.max(tl.max(probing.to(tl.int32), axis=1), axis=0) > 0:
-        held = tl.load(inverse_keys_ptr + cell, mask=probing, other=EMPTY)
-        hit = probing & (held == key)
-        slot = tl.where(hit, tl.load(inverse_slots_ptr + cell, mask=hit, other=-1).to(tl.int64), slot)
-        probing = probing & ~hit & (held != EMPTY)
-        cell = tl.where(probing, (cell + 1) & table_mask, cell)
+    cell = find_cells(inverse_keys_ptr, tl.where(ok, req * capacity + page, 0), ok, table_mask, EMPTY, MULTIPLIER)
+    slot = tl.load(inverse_slots_ptr + cell, mask=cell >= 0, other=-1).to(tl.int64)
     dense = tl.where(slot >= 0, slot * PAGE_SIZE + loc % PAGE_SIZE, -1)
     tl.store(out_ptr + rows[:, None] * n_cols + cols[None, :], dense.to(tl.int32), mask=tile_in)
 
