@@ -13,9 +13,10 @@ constexpr int64_t kEmptyKey = -1;
 constexpr int64_t kHashMultiplier = 0x5BD1E995;
 
 /// The home cell of key in a table of table_mask + 1 cells (a power of two).
+/// (The low 32 bits times the multiplier is one 32 x 32 -> 64-bit multiply.)
 __device__ __forceinline__ int64_t home_cell(int64_t key, int64_t table_mask) {
-  const int64_t high = key >> 32;
-  const int64_t mixed = (key - (high << 32)) * kHashMultiplier + high;
+  const uint64_t low_product = static_cast<uint64_t>(static_cast<uint32_t>(key)) * static_cast<uint32_t>(kHashMultiplier);
+  const int64_t mixed = static_cast<int64_t>(low_product) + (key >> 32);
   return (mixed ^ (mixed >> 32)) & table_mask;
 }
 
