@@ -454,7 +454,7 @@ class Bench:
                 for name, impl in self.providers("build_page_inverse")
             ]
             if rows == BATCH:
-                for block in (256, 4096):
+                for block in (1024, 4096):
                     candidates.append(
                         (
                             f"triton[block={block}]",

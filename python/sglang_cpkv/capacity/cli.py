@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ[LAYER_AHEAD_ENV] = "1" if args.layer_ahead == "on" else "0"
     from sglang_cpkv.capacity.planner import plan, stderr_progress
-    from sglang_cpkv.capacity.report import plot, table, write_json
+    from sglang_cpkv.capacity.report import budget_lines, plot, table, write_json
     from sglang_cpkv.testing.upstream_env import install_torchvision_stub
 
     stderr_progress("importing upstream sglang (the first server's resolution takes ~10 s on a CPU)")
@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{model} on {args.tp} x {inputs.gpu.name.upper()} (TP {args.tp}), chunk {inputs.chunked_prefill_size}, "
         f"{inputs.kv_cache_dtype} KV"
     )
-    print(table(rows, title, inputs.request_tokens))
+    notes = budget_lines(rows, inputs.gpu.hbm_bytes, inputs.weights_bytes_per_gpu)
+    print(table(rows, title, inputs.request_tokens, notes))
     echo = {**vars(args), "json": str(args.json) if args.json else None, "plot": str(args.plot) if args.plot else None}
     echo["gpu_figures"] = {
         "hbm_bytes": inputs.gpu.hbm_bytes,

@@ -9,7 +9,12 @@ servers per cp, same model, GPU, budget, chunk and context:
   (start-up refuses it without prefill CP) and the row is the plain TP server's.
 * ``replicated``: upstream's DSA prefill CP as shipped (every CP rank holds every page).
 * ``kv_sharding``: upstream's ``--enable-kv-cache-sharding`` (``PageInterleavePoolAllocator``: the page-id space
-  widened cp times over an unchanged per-rank pool), with the backends it requires (trtllm); cp > 1 only.
+  widened cp times over an unchanged per-rank pool), with the backends it requires (trtllm); cp > 1 only. Its KV
+  cell is the trtllm layout (576-byte FP8 latent rows, against the 656-byte packed rows of the ``flashmla_*`` routes
+  the mode runs), so its ratio over replicated CP may reach cp x the replicated cell / its cell (8 x 61,464 /
+  55,224 = 8.90 for GLM-5.1 at cp 8). ``kv_tokens_at_sharding_cell`` is the mode's node at that cell, for a like-for-like
+  comparison: computed (the mode does not run trtllm) as upstream sizes a pool, the budget less the mode's
+  reservation at that latent row, in whole pages of the kv-sharding cell, cp times.
 """
 
 from __future__ import annotations
@@ -22,7 +27,13 @@ from typing import Any
 
 from sglang_cpkv.capacity.presets import GpuPreset
 from sglang_cpkv.capacity.traffic import LayerTraffic, layer_traffic
-from sglang_cpkv.capacity.upstream import NodeCapacity, playing_gpu, prefill_cp_server, size_node
+from sglang_cpkv.capacity.upstream import (
+    NodeCapacity,
+    playing_gpu,
+    prefill_cp_server,
+    size_node,
+    upstream_mem_fraction,
+)
 from sglang_cpkv.hooks.settings import FLAG
 from sglang_cpkv.runtime.reservation import page_rounded
 
@@ -166,6 +177,7 @@ def plan(inputs: PlanInputs, progress: Callable[[str], None] | None = None) -> l
                 "attn_tp": replicated.attn_tp_size,
                 "kv_budget_gib": budget / GIB,
                 "mem_fraction_static": fraction,
+                "upstream_mem_fraction_static": upstream_mem_fraction(_server(inputs, cp)),
                 "mode_runs": cp > 1,
             }
             mode, sharded = replicated, None
@@ -195,6 +207,10 @@ def plan(inputs: PlanInputs, progress: Callable[[str], None] | None = None) -> l
             row["ratio_kv_sharding"] = None if sharded is None else sharded.node_tokens / replicated.node_tokens
             row["kv_sharding"] = None if sharded is None else _node_figures(sharded, inputs.request_tokens)
             reservation = mode.reservation
+            row["kv_tokens_at_sharding_cell"] = None
+            if sharded is not None and reservation is not None:
+                row["kv_tokens_at_sharding_cell"] = mode_tokens_at_cell(mode, sharded, budget)
+                row["ratio_at_sharding_cell"] = row["kv_tokens_at_sharding_cell"] / replicated.node_tokens
             row["reservation"] = (
                 None
                 if reservation is None
@@ -215,6 +231,22 @@ def plan(inputs: PlanInputs, progress: Callable[[str], None] | None = None) -> l
             row["layer"] = _layer_figures(inputs, cp, mode, reservation)
             rows.append(row)
     return rows
+
+
+def pool_tokens(budget: int, overhead: int, cell_bytes: int, page_size: int) -> int:
+    """Tokens of a rank's pool as upstream's configurator sizes it: the budget less its fixed overhead, in whole
+    pages of ``cell_bytes`` per token (``kv_cache_configurator``'s ``config_from_budget``)."""
+    return max(0, budget - overhead) // cell_bytes // page_size * page_size
+
+
+def mode_tokens_at_cell(mode: NodeCapacity, sharded: NodeCapacity, budget: int) -> int:
+    """The mode's node at kv-sharding's KV cell (module docstring): its reservation with the latent row kv-sharding's
+    layout has, the pool sized as upstream sizes one, cp pools."""
+    from dataclasses import replace
+
+    reservation = replace(mode.reservation, latent_token_bytes=sharded.latent_token_bytes)
+    tokens = pool_tokens(budget, reservation.total_bytes, sharded.cell_bytes, mode.page_size)
+    return mode.widening * tokens
 
 
 def _layers(inputs: PlanInputs) -> int:

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+GIB = 2**30
+
 
 def _k(tokens: int | None) -> str:
     return "-" if tokens is None else f"{tokens / 1000:,.0f}K"
@@ -15,12 +17,34 @@ def _us(seconds: float) -> str:
     return f"{seconds * 1e6:,.0f} us"
 
 
-def table(rows: list[dict[str, Any]], title: str, request_tokens: int) -> str:
+def budget_lines(rows: list[dict[str, Any]], hbm_bytes: float, weights_bytes: float) -> list[str]:
+    """What the budget column is: the operator's setting, and what upstream's own default gives that server."""
+    lines: list[str] = []
+    for row in rows:
+        fraction, default = row["mem_fraction_static"], row["upstream_mem_fraction_static"]
+        given = (
+            f"--kv-budget-gib {row['kv_budget_gib']:.1f}"
+            if fraction is None
+            else f"the operator's --mem-fraction-static {fraction:.3f} x {hbm_bytes / 1e9:.0f} GB HBM - "
+            f"{weights_bytes / GIB:.1f} GiB weights = {row['kv_budget_gib']:.1f} GiB"
+        )
+        resolved = default * hbm_bytes - weights_bytes
+        line = (
+            f"budget per GPU: {given}; upstream's default for this server resolves to --mem-fraction-static "
+            f"{default:.3f} ({'no KV budget' if resolved <= 0 else f'{resolved / GIB:.1f} GiB'})"
+        )
+        lines.append(f"cp {row['cp']}: {line}")
+    same = {line.split(": ", 1)[1] for line in lines}
+    return [f"every cp: {same.pop()}"] if len(same) == 1 else lines
+
+
+def table(rows: list[dict[str, Any]], title: str, request_tokens: int, notes: list[str] = ()) -> str:
     """The per-cp table: capacity first, then the batch's per-layer bytes and their lower-bound times."""
     lines = [title, f"(longest: the longest request that fits; concurrent: requests of {request_tokens} tokens)", ""]
     head = (
         f"{'cp':>3} {'attn_tp':>7} {'budget GiB':>10} {'mode KV':>9} {'replicated':>10} {'ratio':>6} "
-        f"{'kv-sharding':>11} {'ratio':>6} {'reserved':>13} {'longest':>8} {'concurrent':>10}"
+        f"{'kv-sharding':>11} {'ratio':>6} {'mode @ks cell':>13} {'ratio':>6} {'reserved':>13} {'longest':>8} "
+        f"{'concurrent':>10}"
     )
     lines += [head, "-" * len(head)]
     for row in rows:
@@ -30,12 +54,26 @@ def table(rows: list[dict[str, Any]], title: str, request_tokens: int) -> str:
         refused = bool(row.get("mode_refused"))
         mode_kv = "refused" if refused else _k(row["kv_tokens"])
         ratio = "-" if refused else f"{row['ratio']:.2f}x"
+        at_cell = row["kv_tokens_at_sharding_cell"]
+        at_cell_ratio = "-" if at_cell is None else f"{row['ratio_at_sharding_cell']:.2f}x"
         lines.append(
             f"{row['cp']:>3} {row['attn_tp']:>7} {row['kv_budget_gib']:>10.1f} {mode_kv:>9} "
             f"{_k(row['kv_tokens_replicated']):>10} {ratio:>6} {_k(row['kv_tokens_kv_sharding']):>11} "
-            f"{'-' if sharding_ratio is None else f'{sharding_ratio:.2f}x':>6} {reserved:>13} "
+            f"{'-' if sharding_ratio is None else f'{sharding_ratio:.2f}x':>6} {_k(at_cell):>13} "
+            f"{at_cell_ratio:>6} {reserved:>13} "
             f"{_k(row['longest_context']):>8} {row['concurrent_requests']:>10}"
         )
+    sharding = next((row for row in reversed(rows) if row["kv_sharding"]), None)
+    if sharding is not None:
+        cell, replicated_cell = sharding["kv_sharding"]["cell_bytes"], sharding["replicated"]["cell_bytes"]
+        lines.append(
+            f"kv-sharding: upstream's --enable-kv-cache-sharding, trtllm only; its KV cell is the trtllm layout "
+            f"({cell:,} bytes a token, the replicated and mode columns' {replicated_cell:,}), so its ratio's bound is "
+            f"cp x {replicated_cell:,} / {cell:,} ({sharding['cp']} x: "
+            f"{sharding['cp'] * replicated_cell / cell:.2f}x). 'mode @ks cell': the mode's node at that cell "
+            "(computed: the mode runs the flashmla routes, not trtllm), to compare like for like."
+        )
+    lines += list(notes)
     for row in rows:
         if row.get("mode_refused"):
             lines.append(f"cp {row['cp']}: the mode is refused at start-up here: {row['mode_refused']}")

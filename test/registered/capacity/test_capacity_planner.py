@@ -294,6 +294,60 @@ def test_the_per_layer_bytes_are_the_floors(planned):
     assert layer["total_s"] == pytest.approx(layer["floor_s"])
 
 
+# Figures from outside the planner: GLM-5.1's 78 attention layers (its model card; the MTP layer has a pool of its
+# own), the H200's 141 GB of HBM (NVIDIA's H200 SXM datasheet), and per token per layer the 656-byte packed FP8
+# latent row of the flashmla routes, trtllm's 576-byte raw FP8 row and the indexer's 132-byte K row.
+GLM51_LAYERS, H200_HBM = 78, 141e9
+PACKED_LATENT, TRTLLM_LATENT, INDEX_K = 656, 576, 132
+
+
+def _cp8(planned):
+    return next(row for row in planned[2]["rows"] if row["cp"] == 8)
+
+
+def test_every_cell_is_the_models_78_layers_of_its_routes_rows(planned):
+    """A wrong layer count (the MTP layer counted, a default of 61) changes every cell and fails here."""
+    row = _cp8(planned)
+    assert row["cell_bytes"] == row["replicated"]["cell_bytes"] == GLM51_LAYERS * (PACKED_LATENT + INDEX_K)
+    assert row["kv_sharding"]["cell_bytes"] == GLM51_LAYERS * (TRTLLM_LATENT + INDEX_K)
+
+
+def test_the_budget_is_the_operators_fraction_of_the_gpus_hbm_less_the_weights(planned):
+    """A wrong HBM figure or weight split fails here; the table says whose setting the budget is and what upstream's
+    own default gives this server (0.258 at chunk 65,536 on an H200: it keeps 1.5 MB of activations a chunk token)."""
+    code, stdout, result, _ = planned
+    weights = result["inputs"]["weights_gib_per_gpu"] * GIB
+    for row in result["rows"]:
+        assert row["kv_budget_gib"] * GIB == int(0.85 * H200_HBM - weights)
+        assert row["upstream_mem_fraction_static"] == 0.258
+    assert (
+        f"every cp: budget per GPU: the operator's --mem-fraction-static 0.850 x 141 GB HBM - {weights / GIB:.1f} GiB "
+        "weights = 25.0 GiB; upstream's default for this server resolves to --mem-fraction-static 0.258 (no KV budget)"
+        in stdout
+    )
+
+
+def test_each_columns_pool_is_sized_from_the_one_budget(planned):
+    """Every server of a row, kv-sharding's included, sizes its per-rank pool from the row's budget less its own
+    fixed overhead, in whole pages of its cell (upstream's configurator): a kv-sharding server sized from another
+    budget fails here. The same arithmetic at the mode's own cell reproduces upstream's pool for it, which is what
+    makes the mode's figure at kv-sharding's cell (computed, the mode does not run trtllm) like for like."""
+    from sglang_cpkv.capacity.planner import pool_tokens
+
+    row = _cp8(planned)
+    budget = int(row["kv_budget_gib"] * GIB)
+    for figures in (row["kv_sharding"], row["replicated"], row):
+        overhead = round(figures["overhead_gib"] * GIB)
+        assert figures["pool_tokens_per_rank"] == pool_tokens(budget, overhead, figures["cell_bytes"], 64)
+    assert row["overhead_gib"] * GIB == row["reservation"]["bytes"]
+    cell = GLM51_LAYERS * (TRTLLM_LATENT + INDEX_K)
+    at_cell = row["kv_tokens_at_sharding_cell"]
+    assert row["kv_sharding"]["kv_tokens"] < at_cell <= 8 * budget // cell
+    assert row["ratio_at_sharding_cell"] == at_cell / row["kv_tokens_replicated"]
+    stdout = planned[1]
+    assert "its ratio's bound is cp x 61,464 / 55,224 (8 x: 8.90x)" in stdout and "mode @ks cell" in stdout
+
+
 def test_layer_ahead_off_halves_the_views_and_holds_more(planned, tmp_path, monkeypatch):
     """``--layer-ahead off`` sizes the server as SGLANG_CPKV_LAYER_AHEAD=0 runs it: one dense view per kind instead of
     two, so the node holds more KV (the README's two headline figures)."""
