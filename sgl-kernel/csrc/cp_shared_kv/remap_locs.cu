@@ -37,16 +37,20 @@ classify(int64_t loc, int64_t req, int64_t num_requests, int64_t capacity, int64
   return {req, page, loc - page * page_size, -1};
 }
 
-/// The cell holding key, or -1: probed on from cell, whose key (held) the caller has loaded, to the key or an empty
-/// cell. At most half the cells are held, so every probe sequence ends; most end at the home cell.
-__device__ __forceinline__ int64_t probe_on(
-    const int64_t* __restrict__ inverse_keys, int64_t table_mask, int64_t key, int64_t cell, int64_t held) {
-  while (held != key) {
+/// The slot of (req, page) in the inverse's table: probed from the key's home cell to the key (its slot) or an
+/// empty cell (-1). At most half the cells are held, so every probe sequence ends.
+__device__ __forceinline__ int32_t find_slot(const int64_t* __restrict__ inverse_keys,
+                                             const int32_t* __restrict__ inverse_slots,
+                                             int64_t table_mask,
+                                             int64_t capacity,
+                                             int64_t req,
+                                             int64_t page) {
+  const int64_t key = req * capacity + page;
+  for (int64_t cell = detail::home_cell(key, table_mask);; cell = (cell + 1) & table_mask) {
+    const int64_t held = inverse_keys[cell];
+    if (held == key) return inverse_slots[cell];
     if (held == detail::kEmptyKey) return -1;
-    cell = (cell + 1) & table_mask;
-    held = inverse_keys[cell];
   }
-  return cell;
 }
 
 /// Each thread takes kUnroll groups of kVec consecutive elements of one row (K % kVec == 0), consecutive threads
@@ -100,26 +104,14 @@ __global__ void __launch_bounds__(kRemapThreads)
                               page_shift);
     }
   }
-  // Every element's home cell is loaded before any is compared (the loads overlap), then each probe goes on where
-  // it must and the slots of the cells found are loaded, again all before use.
-  int64_t key[kUnroll][kVec], cell[kUnroll][kVec], held[kUnroll][kVec];
-#pragma unroll
-  for (int k = 0; k < kUnroll; ++k) {
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      key[k][e] = lookup[k][e].req >= 0 ? lookup[k][e].req * capacity + lookup[k][e].page : detail::kEmptyKey;
-      cell[k][e] = detail::home_cell(key[k][e], table_mask);
-      held[k][e] = lookup[k][e].req >= 0 ? inverse_keys[cell[k][e]] : detail::kEmptyKey;
-    }
-  }
   int32_t slot[kUnroll][kVec];
 #pragma unroll
   for (int k = 0; k < kUnroll; ++k) {
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
-      const int64_t found =
-          lookup[k][e].req >= 0 ? probe_on(inverse_keys, table_mask, key[k][e], cell[k][e], held[k][e]) : -1;
-      slot[k][e] = found >= 0 ? inverse_slots[found] : -1;
+      slot[k][e] = lookup[k][e].req >= 0
+                       ? find_slot(inverse_keys, inverse_slots, table_mask, capacity, lookup[k][e].req, lookup[k][e].page)
+                       : -1;
     }
   }
 #pragma unroll
