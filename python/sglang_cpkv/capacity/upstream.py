@@ -150,7 +150,9 @@ def upstream_mem_fraction(server: dict[str, Any]) -> float:
     """The ``mem_fraction_static`` upstream resolves for ``server`` when the operator gives none (its heuristic for
     this GPU's memory, chunk and parallelism; call inside :func:`playing_gpu` with the GPU's HBM)."""
     with scoped_runtime_context():
-        return float(resolve_and_publish({**server, "mem_fraction_static": None}).resolved_dict()["mem_fraction_static"])
+        return float(
+            resolve_and_publish({**server, "mem_fraction_static": None}).resolved_dict()["mem_fraction_static"]
+        )
 
 
 def kv_cache_configurator(args: Any, *, layers: int, page_size: int, draft_worker: bool = False):

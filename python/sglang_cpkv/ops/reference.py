@@ -1,9 +1,10 @@
 """Torch reference of the CP shared-KV ops: the contract the Triton and CUDA kernels implement.
 
 Terms are those of ``docs/design/cp-shared-kv-contract.md`` (copied from the project's shared
-contract): page id, capacity ``C``, request row ``r`` in ``[0, R)``, page index ``j``, dense slot
-``start[r] + j`` (the ragged dense layout: request ``r``'s slots follow those of the requests before
-it), per-request inverse (:class:`PageInverse`: sized by the batch's entries, not by ``R * C``).
+contract): page id, capacity ``C``, request row ``r`` in ``[0, R)``, page index ``j``, dense slot (the ops take
+each entry's slot explicitly: a shared history slot several requests' entries point at, or a request's own slot;
+the plan, :mod:`sglang_cpkv.runtime.plan`, lays them out), per-request inverse (:class:`PageInverse`: sized by the
+batch's entries, not by ``R * C``).
 
 Five ops cover every hot path of the runtime:
 

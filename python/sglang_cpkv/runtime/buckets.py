@@ -1,8 +1,9 @@
 """The dense layout's rounding: how many dense slots a batch's views get, so that shapes repeat.
 
-The dense layout is ragged (contract, "dense layout"): request ``r``'s slots start at the exclusive
-cumulative sum of the page counts of the requests before it, so a batch needs ``sum(n_r)`` slots. Its
-dense views and the plan's per-slot tensors get :func:`round_dense_slots` of that many: the count
+The dense layout (contract, "dense layout"; :mod:`.plan`) is a history region, one slot per distinct page the batch
+reads history from, then each request's own slots (the pages it writes, and history pages another request of the
+batch writes), so a batch needs ``plan.needed_slots`` slots. Its dense views and the plan's per-slot tensors get
+:func:`round_dense_slots` of that many: the count
 rounded up to a multiple of ``2 ** max(0, bit_length(slots) - 6)``, i.e. to one of 32 steps per
 power of two. Batches of similar size then share shapes (CUDA-graph capture, allocator reuse), and
 the rounding adds less than 1/32 (3.2%) of the slots the batch needs (:data:`MAX_ROUNDING`), and

@@ -167,20 +167,34 @@ class CpSharedKvPlan:
         """Entries of the batch's page tables: ``sum(n_r)`` (the dense rows a per-request layout would need)."""
         return sum(self.request_pages)
 
+    def _tokens(self, request: int) -> int:
+        """``request``'s tokens (history and current), after checking it is a request of the batch: a lookup
+        outside the batch, or past a request's tokens, would answer with another request's view."""
+        if not 0 <= request < self.num_requests:
+            raise CpSharedKvError(f"request {request} is not in the batch (requests 0..{self.num_requests - 1})")
+        return self.prefix_lens[request] + self.extend_lens[request]
+
     def request_slots(self, request: int) -> torch.Tensor:
         """int64 host ``[n_r]``: the dense slot of each of ``request``'s pages, in page-index order (its view)."""
+        self._tokens(request)
         start = self.entry_starts[request]
         return self.entry_slots_host[start : start + self.request_pages[request]]
 
     def request_locations(self, request: int, end: int | None = None) -> torch.Tensor:
         """int64 host ``[end]``: the dense location of each logical position ``[0, end)`` of ``request`` (default
         ``end``: its history and current tokens), i.e. its view in position order."""
-        end = self.prefix_lens[request] + self.extend_lens[request] if end is None else end
+        tokens = self._tokens(request)
+        end = tokens if end is None else end
+        if not 0 <= end <= tokens:
+            raise CpSharedKvError(f"request {request} has {tokens} tokens, asked for the locations of {end}")
         positions = torch.arange(end, dtype=torch.int64)
         return self.request_slots(request)[positions // self.page_size] * self.page_size + positions % self.page_size
 
     def dense_location(self, request: int, position: int) -> int:
         """The dense location of logical position ``position`` of ``request`` (host arithmetic)."""
+        tokens = self._tokens(request)
+        if not 0 <= position < tokens:
+            raise CpSharedKvError(f"position {position} is outside request {request}'s {tokens} tokens")
         slot = int(self.entry_slots_host[self.entry_starts[request] + position // self.page_size])
         return slot * self.page_size + position % self.page_size
 

@@ -315,7 +315,7 @@ def test_every_cell_is_the_models_78_layers_of_its_routes_rows(planned):
 def test_the_budget_is_the_operators_fraction_of_the_gpus_hbm_less_the_weights(planned):
     """A wrong HBM figure or weight split fails here; the table says whose setting the budget is and what upstream's
     own default gives this server (0.258 at chunk 65,536 on an H200: it keeps 1.5 MB of activations a chunk token)."""
-    code, stdout, result, _ = planned
+    _, stdout, result, _ = planned
     weights = result["inputs"]["weights_gib_per_gpu"] * GIB
     for row in result["rows"]:
         assert row["kv_budget_gib"] * GIB == int(0.85 * H200_HBM - weights)

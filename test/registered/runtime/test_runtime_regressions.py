@@ -81,6 +81,22 @@ def test_shared_page_5_each_request_keeps_its_own_slot_and_current_write():
         assert same_bytes(row, current[2 * r]), f"request {r} read another request's current KV"
 
 
+def test_per_request_lookups_refuse_what_is_outside_the_request():
+    """Request 0 of SHARED_5 has 7 tokens on 2 pages; its position 8 (its last page's row past its tokens) and any
+    position of request 2 or -1 would name another request's view (-1: the last one's): each lookup refuses."""
+    plan = host_plan(SHARED_5, 0)
+    assert plan.dense_location(0, 6) == plan.request_locations(0)[6]
+    for lookup, named in (
+        (lambda: plan.dense_location(0, 7), "position 7 is outside request 0's 7 tokens"),
+        (lambda: plan.dense_location(0, -1), "position -1 is outside request 0's 7 tokens"),
+        (lambda: plan.dense_location(2, 0), r"request 2 is not in the batch \(requests 0..1\)"),
+        (lambda: plan.request_slots(-1), r"request -1 is not in the batch"),
+        (lambda: plan.request_locations(0, 9), "request 0 has 7 tokens, asked for the locations of 9"),
+    ):
+        with pytest.raises(CpSharedKvError, match=named):
+            lookup()
+
+
 def test_shared_page_5_value_keyed_inverse_contaminates():
     """Negative control on the same batch: request 0 reads request 1's current KV."""
     case = SHARED_5
