@@ -21,9 +21,9 @@ from sglang_cpkv.ops.errors import ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE
 from sglang_cpkv.ops.reference import EMPTY_KEY, HASH_MULTIPLIER, PageInverse, inverse_table_size
 from sglang_cpkv.ops.triton._common import check_errors, check_index, next_power_of_2
 
-# GPU: 256 entries per program: a program's probe loop runs until its slowest lane is done, so smaller programs wait
-# less (one H200, 8 x 2048 entries: 60 us at 256, 189 us at 1024, 771 us at 4096; benchmark/RESULTS.md).
-_GPU_BLOCK = 256
+# GPU: 128 entries per program: a program's probe loop runs until its slowest lane is done, so smaller programs wait
+# less (one H200, 8 x 2048 entries: 53 us at 128, 78 at 256, 96 at 64, 135 at 512, 189 at 1024; benchmark/RESULTS.md).
+_GPU_BLOCK = 128
 # Interpreter: each program instance costs ~1 ms, so one program for up to 64K entries.
 _CPU_MAX_BLOCK = 1 << 16
 
@@ -165,7 +165,7 @@ def build_page_inverse(
     Args:
         entry_pages: int32/int64 ``[E]``; entry_req: int64 ``[E]``; num_requests: ``R``; capacity: ``C``.
         errors: int32 ``[NUM_ERROR_KINDS]`` counter. entry_slots: int32 ``[E]`` (default: entry ``e`` at slot ``e``).
-        block: entries per program (power of two). 0 = auto: 256 on a GPU, ``next_power_of_2(E)`` up to
+        block: entries per program (power of two). 0 = auto: 128 on a GPU, ``next_power_of_2(E)`` up to
             65536 on CPU (the interpreter).
         num_warps: warps per program.
     """

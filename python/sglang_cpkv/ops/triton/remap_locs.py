@@ -20,9 +20,12 @@ from sglang_cpkv.ops.reference import EMPTY_KEY, HASH_MULTIPLIER, PageInverse
 from sglang_cpkv.ops.triton._common import check_errors, check_index, next_power_of_2
 from sglang_cpkv.ops.triton.build_page_inverse import find_cells
 
-# GPU: 4096 locations (16 KiB of int32) per program, up to 1024 of them along a row.
-_GPU_TILE = 4096
-_GPU_MAX_BLOCK_K = 1024
+# GPU: 128 locations per program, one warp: a program's probe loop runs until its slowest lane is done, so small
+# programs wait less (one H200, 4096 x 2048 top-k: 104 us at 128 x 1 warp, 96 us at 64, 333 us at 4096 x 4 warps;
+# benchmark/RESULTS.md).
+_GPU_TILE = 128
+_GPU_MAX_BLOCK_K = 128
+_GPU_WARPS = 1
 # Interpreter: each program instance costs ~1 ms, so few large tiles.
 _CPU_TILE = 1 << 16
 
@@ -83,7 +86,7 @@ def remap_locs(
     *,
     block_n: int = 0,
     block_k: int = 0,
-    num_warps: int = 4,
+    num_warps: int = 0,
 ) -> torch.Tensor:
     """Map token locations to dense locations (contract: :func:`sglang_cpkv.ops.reference.remap_locs`).
 
@@ -94,10 +97,10 @@ def remap_locs(
         page_size: tokens per page.
         errors: int32 counter (request ids outside ``[-1, R)``, locations below -1, pages ``>= C``).
         block_k: locations per tile along a row (power of two). 0 = auto:
-            ``next_power_of_2(K)``, at most 1024 on a GPU.
-        block_n: rows per tile (power of two). 0 = auto: a tile of 4096 locations on a GPU, of
+            ``next_power_of_2(K)``, at most 128 on a GPU.
+        block_n: rows per tile (power of two). 0 = auto: a tile of 128 locations on a GPU, of
             65536 on CPU (interpreter, where every program instance costs ~1 ms).
-        num_warps: warps per program.
+        num_warps: warps per program. 0 = auto: 1 on a GPU (4 under the interpreter, where it has no effect).
 
     Returns:
         int32, the shape of ``locs``.
@@ -134,6 +137,7 @@ def remap_locs(
     tile = _CPU_TILE if device.type == "cpu" else _GPU_TILE
     block_k = block_k or min(next_power_of_2(n_cols), tile if device.type == "cpu" else _GPU_MAX_BLOCK_K)
     block_n = block_n or max(1, min(next_power_of_2(n_rows), tile // block_k))
+    num_warps = num_warps or (4 if device.type == "cpu" else _GPU_WARPS)
     grid = (triton.cdiv(n_rows, block_n), triton.cdiv(n_cols, block_k))
     _remap_locs_kernel[grid](
         loc2d,
