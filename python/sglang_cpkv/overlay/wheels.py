@@ -7,6 +7,7 @@ for that file (``$SGLANG_CPKV_INDEX_URL``, default PyPI's simple API), cached co
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import email.parser
 import html.parser
@@ -31,6 +32,7 @@ from sglang_cpkv.overlay.pin import Pin
 
 VERSION_FILES = ("_version.py", "version.py")
 INDEX_URL_ENV = "SGLANG_CPKV_INDEX_URL"
+REDACTED = "<redacted>"
 DEFAULT_INDEX_URL = "https://pypi.org/simple"
 SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"  # PEP 691; PEP 503 HTML is the fallback
 INDEX_TIMEOUT_S = 60
@@ -88,23 +90,44 @@ def _html_files(page: str) -> list[IndexFile]:
     return files
 
 
+def index_request(url: str) -> tuple[urllib.request.Request, str]:
+    """The request for ``url`` and the form of ``url`` any output may show.
+
+    A private index's URL may carry a credential: ``user:password@`` (sent as HTTP basic authentication, never
+    as part of the URL: urllib would take it for a port) or a query string (a token). The shown form has
+    ``<redacted>`` in their place."""
+    parts = urllib.parse.urlsplit(url)
+    headers = {"Accept": f"{SIMPLE_JSON}, text/html;q=0.1"}
+    shown = parts
+    if "@" in parts.netloc:
+        userinfo, host = parts.netloc.rsplit("@", 1)
+        user, _, password = userinfo.partition(":")
+        credential = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}".encode()
+        headers["Authorization"] = "Basic " + base64.b64encode(credential).decode("ascii")
+        parts, shown = parts._replace(netloc=host), parts._replace(netloc=f"{REDACTED}@{host}")
+    if parts.query:
+        shown = shown._replace(query=REDACTED)
+    return urllib.request.Request(urllib.parse.urlunsplit(parts), headers=headers), urllib.parse.urlunsplit(shown)
+
+
 def index_files(package: str) -> list[IndexFile]:
     """Every file the package index lists for ``package`` (PEP 691 JSON, else PEP 503 HTML).
 
     The one place the overlay tool reads the index (``$SGLANG_CPKV_INDEX_URL``, default PyPI's simple API).
     """
-    base = (os.environ.get(INDEX_URL_ENV) or DEFAULT_INDEX_URL).rstrip("/")
-    url = f"{base}/{canonicalize_name(package)}/"
-    request = urllib.request.Request(url, headers={"Accept": f"{SIMPLE_JSON}, text/html;q=0.1"})
+    base = urllib.parse.urlsplit(os.environ.get(INDEX_URL_ENV) or DEFAULT_INDEX_URL)
+    page = base._replace(path=f"{base.path.rstrip('/')}/{canonicalize_name(package)}/")
+    request, shown = index_request(urllib.parse.urlunsplit(page))
     try:
         with urllib.request.urlopen(request, timeout=INDEX_TIMEOUT_S) as response:
             content_type = response.headers.get_content_type()
             body = response.read()
-    except OSError as exc:  # URLError, timeouts, refused connections
+    except (OSError, ValueError) as exc:  # URLError, timeouts, refused connections; a URL urllib cannot parse
+        reason = str(getattr(exc, "reason", exc)).replace(request.full_url, shown)
         raise OverlayError(
-            f"cannot read {url} ({getattr(exc, 'reason', exc)}): the overlay tool reads the sha256 of upstream "
+            f"cannot read {shown} ({reason}): the overlay tool reads the sha256 of upstream "
             f"wheels and the versions of the packages it pins there (another index: ${INDEX_URL_ENV})"
-        ) from exc
+        ) from None
     if content_type != SIMPLE_JSON:
         return _html_files(body.decode("utf-8", "replace"))
     return [

@@ -43,8 +43,8 @@ agree on the KV row layout):
   prefill's bootstrap address, so a loopback URL beside a remote one is refused, and a loopback URL must
   name the role's port), PD_ROUTER_EXTRA_ARGS,
   PD_LOG_DIR (logs and pid records; an absolute path, so that ``stop`` and ``status`` find the records from
-  any directory), PD_LOG_MAX_BYTES (rotate a log at this size; K/M/G suffixes; default 256M), PD_LOG_KEEP
-  (rotated files and launch logs kept per role; default 5), PD_HEALTH_TIMEOUT, PD_STOP_TIMEOUT (seconds:
+  any directory), PD_LOG_MAX_BYTES (rotate a log at this size; K/M/G suffixes; 64K to 1024G; default 256M), PD_LOG_KEEP
+  (rotated files and launch logs kept per role; 1 to 100; default 5), PD_HEALTH_TIMEOUT, PD_STOP_TIMEOUT (seconds:
   SIGTERM, then SIGKILL after it, in every mode; SIGHUP to a foreground role counts as SIGTERM),
   PD_GPU_CAPABILITY (MAJOR.MINOR of the serving GPUs, for the dry-run's resolution; default: this machine's
   GPU, else 10.3, the B300 of the documented deployment).

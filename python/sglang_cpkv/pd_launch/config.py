@@ -58,7 +58,7 @@ ENV_DEFAULTS: dict[str, str] = {
     "PD_ROUTER_EXTRA_ARGS": "",
     "PD_LOG_DIR": "",  # default: $XDG_STATE_HOME/sglang-cpkv/pd-logs (XDG_STATE_HOME defaults to ~/.local/state)
     "PD_LOG_MAX_BYTES": "256M",  # a log file is rotated (<log>.1, .2, ...) when it would grow past this size
-    "PD_LOG_KEEP": "5",  # rotated files kept per log, and launch logs kept per role
+    "PD_LOG_KEEP": "5",  # rotated files kept per log, and launch logs kept per role (LOG_KEEP_BOUNDS)
     "PD_HEALTH_TIMEOUT": "1800",
     "PD_STOP_TIMEOUT": "60",
     "PD_GPU_CAPABILITY": "",  # default: this machine's GPU, else DEFAULT_GPU_CAPABILITY
@@ -74,7 +74,14 @@ def _get(env: Mapping[str, str], name: str) -> str:
     return ENV_DEFAULTS[name] if value is None or value == "" else value
 
 
-def _int(env: Mapping[str, str], name: str, minimum: int = 0) -> int:
+# What rotation can honour: every rotation renames each kept file, so a keep count past a hundred turns one log write
+# into a long rename loop (the supervisor stops reading the server's output meanwhile); a log smaller than 64 KiB
+# rotates on almost every write, and one past 1 TiB is never rotated on a real disk.
+LOG_KEEP_BOUNDS = (1, 100)
+LOG_MAX_BYTES_BOUNDS = (64 * 1024, 1024**4)
+
+
+def _int(env: Mapping[str, str], name: str, minimum: int = 0, maximum: int | None = None) -> int:
     raw = _get(env, name)
     try:
         value = int(raw)
@@ -82,6 +89,8 @@ def _int(env: Mapping[str, str], name: str, minimum: int = 0) -> int:
         raise PDLaunchError(f"{name}={raw!r} is not an integer") from None
     if value < minimum:
         raise PDLaunchError(f"{name}={value} must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise PDLaunchError(f"{name}={value} must be <= {maximum}")
     return value
 
 
@@ -97,7 +106,11 @@ def _size(env: Mapping[str, str], name: str) -> int:
     match = re.fullmatch(r"(\d+)([KMG]?)", raw.upper())
     if not match or int(match.group(1)) == 0:
         raise PDLaunchError(f"{name}={raw!r} must be a positive size in bytes, with an optional K, M or G suffix")
-    return int(match.group(1)) * 1024 ** " KMG".index(match.group(2) or " ")
+    size = int(match.group(1)) * 1024 ** " KMG".index(match.group(2) or " ")
+    low, high = LOG_MAX_BYTES_BOUNDS
+    if not low <= size <= high:
+        raise PDLaunchError(f"{name}={raw!r} must be between 64K and 1024G bytes")
+    return size
 
 
 def is_loopback(host: str) -> bool:
@@ -267,7 +280,7 @@ class PDConfig:
             router_extra_args=tuple(_args(env, "PD_ROUTER_EXTRA_ARGS")),
             log_dir=_log_dir(env),
             log_max_bytes=_size(env, "PD_LOG_MAX_BYTES"),
-            log_keep=_int(env, "PD_LOG_KEEP", 1),
+            log_keep=_int(env, "PD_LOG_KEEP", *LOG_KEEP_BOUNDS),
             health_timeout=float(_int(env, "PD_HEALTH_TIMEOUT", 1)),
             stop_timeout=float(_int(env, "PD_STOP_TIMEOUT", 1)),
             gpu_capability=_gpu_capability(env),

@@ -14,6 +14,7 @@ import http.server
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -60,6 +61,7 @@ class FakeIndex:
     def __init__(self) -> None:
         self.files: dict[str, list[dict]] = {}
         self.asked: list[str] = []
+        self.authorization: list[str | None] = []
 
     def add(self, project: str, filename: str, data: bytes = b"", requires_python: str | None = None, yanked=False):
         entry = {"filename": filename, "url": filename, "hashes": {"sha256": _sha(data or filename.encode())}}
@@ -74,6 +76,7 @@ class FakeIndex:
             def do_GET(self) -> None:
                 project = self.path.strip("/").split("/")[-1]
                 index.asked.append(project)
+                index.authorization.append(self.headers.get("Authorization"))
                 if project not in index.files:
                     self.send_error(404)
                     return
@@ -204,6 +207,30 @@ def _foo_files(index: FakeIndex) -> dict[str, str]:
         ("foo-2.1.0-py3-none-any.whl", None, False),
     ]
     return {name: index.add("foo", name, requires_python=rp, yanked=yanked) for name, rp, yanked in names}
+
+
+def test_an_index_credential_is_sent_as_basic_auth_and_never_shown(index: FakeIndex, monkeypatch) -> None:
+    """A private index URL with ``user:password@`` (and a token in its query) works, and no output shows them: the
+    credential goes as an Authorization header; an unreachable index's error shows ``<redacted>`` in their place."""
+    import base64
+
+    from sglang_cpkv.overlay.common import OverlayError
+    from sglang_cpkv.overlay.wheels import index_files
+
+    index.add("sglang", "sglang-9.0.0-cp311-cp311-manylinux_2_34_x86_64.whl")
+    port = os.environ[INDEX_URL_ENV].split(":")[2].split("/")[0]
+    monkeypatch.setenv(INDEX_URL_ENV, f"http://alice:s3cret-pass@127.0.0.1:{port}/simple")
+    assert [f.filename for f in index_files("sglang")] == ["sglang-9.0.0-cp311-cp311-manylinux_2_34_x86_64.whl"]
+    assert index.authorization[-1] == "Basic " + base64.b64encode(b"alice:s3cret-pass").decode()
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        dead = closed.getsockname()[1]
+    monkeypatch.setenv(INDEX_URL_ENV, f"https://alice:s3cret-pass@127.0.0.1:{dead}/simple?token=tk-42")
+    with pytest.raises(OverlayError) as refused:
+        index_files("sglang")
+    message = str(refused.value)
+    assert f"cannot read https://<redacted>@127.0.0.1:{dead}/simple/sglang/?<redacted>" in message
+    assert "s3cret" not in message and "tk-42" not in message and "alice" not in message
 
 
 def test_the_newest_allowed_version_with_a_wheel_for_each_tag_is_chosen(index: FakeIndex) -> None:

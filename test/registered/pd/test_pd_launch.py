@@ -155,6 +155,9 @@ def test_cp_shared_kv_flag_is_opt_in_and_only_the_prefill_gets_the_all_ranks_var
         ),
         ({"PD_LOG_MAX_BYTES": "lots"}, "PD_LOG_MAX_BYTES='lots' must be a positive size"),
         ({"PD_LOG_KEEP": "0"}, "PD_LOG_KEEP=0 must be >= 1"),
+        ({"PD_LOG_KEEP": "1000000000"}, "PD_LOG_KEEP=1000000000 must be <= 100"),
+        ({"PD_LOG_MAX_BYTES": "1K"}, "PD_LOG_MAX_BYTES='1K' must be between 64K and 1024G bytes"),
+        ({"PD_LOG_MAX_BYTES": "5000G"}, "PD_LOG_MAX_BYTES='5000G' must be between 64K and 1024G bytes"),
     ],
 )
 def test_bad_environment_names_the_variable(env, message):
