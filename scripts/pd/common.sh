@@ -6,7 +6,10 @@
 #                     on PATH (the image's); in a checkout after `make setup`: PD_PYTHON=$PWD/.venv/bin/python.
 #   PD_LAUNCH_PYTHON  the interpreter that runs the launcher itself (default: PD_PYTHON; the standard library
 #                     is enough).
-#   PD_ENV_FILE       optional file of `export PD_...=...` lines sourced first (e.g. scripts/pd/glm51-fp8-b300.env).
+#   PD_ENV_FILE       optional file of settings read first (e.g. scripts/pd/glm51-fp8-b300.env): `export KEY=VALUE`
+#                     lines (shell syntax: quotes and ${VAR:-default} work) and compose-style `KEY=VALUE` lines
+#                     (the value taken literally, one pair of surrounding quotes removed), LF or CRLF line
+#                     endings, blank lines and `#` comments; any other line is refused with its line number.
 # All PD_* variables are described in python/sglang_cpkv/pd_launch/__init__.py.
 
 pd_repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -16,8 +19,29 @@ if [ -n "${PD_ENV_FILE:-}" ]; then
     echo "$(basename "$0"): error: PD_ENV_FILE=$PD_ENV_FILE: no such file (a relative path is read from $PWD)" >&2
     exit 2
   fi
-  # shellcheck disable=SC1090
-  . "$PD_ENV_FILE"
+  pd_env_line=0
+  while IFS= read -r pd_line || [ -n "$pd_line" ]; do
+    pd_env_line=$((pd_env_line + 1))
+    pd_line="${pd_line%$'\r'}"
+    pd_line="${pd_line#"${pd_line%%[![:space:]]*}"}"
+    case "$pd_line" in '' | '#'*) continue ;; esac
+    if [[ "$pd_line" =~ ^export[[:space:]]+([A-Za-z_][A-Za-z0-9_]*)= ]]; then
+      # The operator's own shell line, as sourcing it would run it.
+      eval "$pd_line" || {
+        echo "$(basename "$0"): error: $PD_ENV_FILE:$pd_env_line: the line failed (${BASH_REMATCH[1]})" >&2
+        exit 2
+      }
+    elif [[ "$pd_line" =~ ^([A-Za-z_][A-Za-z0-9_]*)=(.*)$ ]]; then
+      pd_value="${BASH_REMATCH[2]}"
+      if [[ "$pd_value" =~ ^\"(.*)\"$ || "$pd_value" =~ ^\'(.*)\'$ ]]; then pd_value="${BASH_REMATCH[1]}"; fi
+      export "${pd_line%%=*}=$pd_value"
+    else
+      # The line itself is not printed: it may hold a secret.
+      echo "$(basename "$0"): error: $PD_ENV_FILE:$pd_env_line: not a KEY=VALUE or export KEY=VALUE line" >&2
+      exit 2
+    fi
+  done <"$PD_ENV_FILE"
+  unset pd_line pd_value pd_env_line
 fi
 
 export PD_PYTHON="${PD_PYTHON:-python3}"

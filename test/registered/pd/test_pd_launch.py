@@ -165,6 +165,42 @@ def test_bad_environment_names_the_variable(env, message):
         cfg(**env)
 
 
+@pytest.mark.parametrize("newline", ["\n", "\r\n"])
+def test_env_files_in_either_format_and_line_ending_are_read_alike(tmp_path, newline):
+    """An env file of `export` lines (shell syntax) and compose-style KEY=VALUE lines, LF or CRLF, gives the router
+    the same command; a line of neither form is refused with its line number and without its text (it may hold a
+    secret); the shipped file reads in CRLF too."""
+    lines = [
+        'export PD_ROUTER_PORT="${PD_ROUTER_PORT:-31005}"',
+        "  # a comment, after blanks",
+        "",
+        "PD_ROUTER_HOST=0.0.0.0",
+        "PD_ROUTER_EXTRA_ARGS='--decode-policy random'",
+    ]
+    env_file = tmp_path / "router.env"
+    env_file.write_bytes(newline.join(lines).encode() + newline.encode())
+    env = {**os.environ, "PD_PYTHON": sys.executable, "PD_ENV_FILE": str(env_file)}
+    for name in ("PD_ROUTER_PORT", "PD_ROUTER_HOST", "PD_ROUTER_EXTRA_ARGS"):
+        env.pop(name, None)
+    done = subprocess.run([PD / "run_router.sh", "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "--host 0.0.0.0 --port 31005 --decode-policy random" in done.stdout and "\r" not in done.stdout
+    env_file.write_bytes(newline.join([*lines, "oops hf_secret_value"]).encode())
+    bad = subprocess.run([PD / "run_router.sh", "--dry-run"], env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and f"{env_file}:6: not a KEY=VALUE or export KEY=VALUE line" in bad.stderr
+    assert "hf_secret_value" not in bad.stdout + bad.stderr
+    shipped = tmp_path / "shipped.env"
+    shipped.write_bytes((PD / "glm51-fp8-b300.env").read_bytes().replace(b"\n", newline.encode()))
+    ok = subprocess.run(
+        [PD / "run_router.sh", "--dry-run"],
+        env={**env, "PD_ENV_FILE": str(shipped)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ok.returncode == 0 and "\r" not in ok.stdout, ok.stderr
+
+
 def test_dry_run_through_the_bash_launcher_scrubs_secrets_from_parser_errors():
     # The router role: the bash -> CLI -> PD_PYTHON check -> exit status path without an import of upstream.
     env = {**os.environ, "PD_PYTHON": sys.executable, "PD_ROUTER_EXTRA_ARGS": "--decode-polcy random --hf-token tk-3"}
