@@ -100,6 +100,36 @@ def test_image_labels_healthcheck_and_user():
     assert ("FROM", "${BASE_IMAGE}${BASE_IMAGE_DIGEST}") in instructions
 
 
+def test_the_image_creates_the_cache_directories_upstream_writes_for_its_user():
+    """The directories upstream writes at start-up (``SGLANG_CACHE_DIR``: P2P-access and DeepGEMM caches) and the
+    documented mount point (``HF_HOME``), with every parent under the home, are created in the image for the user
+    (mode 1777 for ``--user``): a volume mounted at one of them must not leave a root-owned parent. Read from
+    upstream's own defaults with the image's HOME, checked against the Dockerfile (no Docker engine)."""
+    import importlib
+
+    instructions = dockerfile_instructions()
+    env = " ".join(args for instruction, args in instructions if instruction == "ENV")
+    home = re.search(r"HOME=(\S+)", env).group(1)
+    hf_home = re.search(r"HF_HOME=(\S+)", env).group(1)
+    saved = os.environ.get("HOME")
+    os.environ["HOME"] = home
+    try:
+        environ = importlib.reload(importlib.import_module("sglang.srt.environ"))
+        cache = os.path.expanduser(environ.envs.SGLANG_CACHE_DIR.get())
+    finally:
+        os.environ["HOME"] = saved
+        importlib.reload(environ)
+    created = set()
+    for args in (args for instruction, args in instructions if instruction == "RUN"):
+        for match in re.finditer(r"install -d -m 1777 -o sglang -g sglang((?:\s+/\S+)+)", args):
+            created.update(match.group(1).split())
+    for directory in (cache, hf_home):
+        path = Path(directory)
+        while path != Path(home):
+            assert str(path) in created, (str(path), sorted(created))
+            path = path.parent
+
+
 def test_entrypoint_health_checks_the_role_the_container_runs(tmp_path):
     env = {
         **os.environ,
