@@ -268,13 +268,19 @@ def check_health(role: str, cfg: PDConfig, record: dict | None) -> tuple[bool, s
     return True, f"pid {record['pid']} running, healthy"
 
 
+# A wait says what it sees whenever that changes, and at least this often (a router started before its workers
+# waits for them; the default PD_HEALTH_TIMEOUT is half an hour).
+PROGRESS_EVERY_S = 30.0
+
+
 def wait_healthy(role: str, cfg: PDConfig, supervisor: subprocess.Popen | None = None) -> None:
-    """Poll until ``role`` is healthy (``check_health``), its supervisor exits, or PD_HEALTH_TIMEOUT passes."""
+    """Poll until ``role`` is healthy (``check_health``), its supervisor exits, or PD_HEALTH_TIMEOUT passes; the
+    progress goes to stderr (:data:`PROGRESS_EVERY_S`)."""
     require_role(role)
     started = time.monotonic()
     deadline = started + cfg.health_timeout
     _log(f"waiting for {role} at {cfg.health_url(role)} (up to {cfg.health_timeout:.0f}s)")
-    seen = ""
+    seen, shown, next_progress = "", "", started + PROGRESS_EVERY_S
     while True:
         if supervisor is not None and supervisor.poll() is not None:
             raise PDLaunchError(f"{role} exited before it became healthy (see {cfg.log_dir / (role + '.log')})")
@@ -285,8 +291,12 @@ def wait_healthy(role: str, cfg: PDConfig, supervisor: subprocess.Popen | None =
         if healthy:
             _log(f"{role} is healthy")
             return
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if now >= deadline:
             raise PDLaunchError(f"{role} not healthy after {cfg.health_timeout:.0f}s (PD_HEALTH_TIMEOUT): {seen}")
+        if (seen != shown and record is not None) or now >= next_progress:
+            _log(f"still waiting for {role} ({now - started:.0f}s of {cfg.health_timeout:.0f}s): {seen}")
+            shown, next_progress = seen, now + PROGRESS_EVERY_S
         interval = 0.5 if time.monotonic() - started < 10 else 2.0  # quick for a quick start, then gentle
         time.sleep(min(interval, max(0.1, deadline - time.monotonic())))
 

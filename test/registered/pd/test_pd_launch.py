@@ -547,6 +547,8 @@ def test_failed_start_is_reported_and_cleaned_up(stub_env, tmp_path, mode, messa
     failed = launch(PD / "run_prefill.sh", env=env)
     assert failed.returncode == 2 and message in failed.stderr
     assert "stub server starting" in failed.stderr  # the log tail is shown
+    if mode == "hang":  # the wait said what it saw while it waited
+        assert re.search(r"still waiting for prefill \(\d+s of 10s\): pid \d+ running, not listening", failed.stderr)
     assert not alive(int((tmp_path / "child.pid").read_text()))
     assert not (tmp_path / "logs" / "prefill.pid").exists()
 
