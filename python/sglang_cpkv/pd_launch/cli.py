@@ -10,7 +10,7 @@ from pathlib import Path
 
 import sglang_cpkv.pd_launch as package
 from sglang_cpkv.pd_launch.commands import shell_command
-from sglang_cpkv.pd_launch.config import ROLES, PDConfig, PDLaunchError, require_role
+from sglang_cpkv.pd_launch.config import ONE_HOST_DEFAULTS, ROLES, PDConfig, PDLaunchError, require_role
 from sglang_cpkv.pd_launch.dry_run import dry_run
 from sglang_cpkv.pd_launch.lifecycle import run_role, start, status, stop, up, wait_healthy
 
@@ -53,10 +53,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "run":
             return run_role(require_role(args.role), cfg, echo=not args.detached, log_path=args.log)
         elif args.command == "up":
+            # One host: the servers' sizes split it and the decode's GPUs follow the prefill's, unless chosen (the
+            # roles inherit the environment).
+            chosen = {name: value for name, value in ONE_HOST_DEFAULTS.items() if not os.environ.get(name)}
+            os.environ.update(chosen)
+            cfg = PDConfig.from_env()
             if not os.environ.get("PD_DECODE_BASE_GPU_ID"):
-                # One host: the decode's GPUs follow the prefill's unless chosen (the roles inherit this).
                 os.environ["PD_DECODE_BASE_GPU_ID"] = str(cfg.prefill_base_gpu_id + cfg.prefill_tp)
                 cfg = PDConfig.from_env()
+            if chosen:
+                print(
+                    f"pd_launch: one host: {', '.join(f'{k}={v}' for k, v in chosen.items())} (unset)", file=sys.stderr
+                )
             up(cfg)
         elif args.command == "wait":
             wait_healthy(require_role(args.role), cfg)

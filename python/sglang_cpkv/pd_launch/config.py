@@ -74,6 +74,12 @@ def _get(env: Mapping[str, str], name: str) -> str:
     return ENV_DEFAULTS[name] if value is None or value == "" else value
 
 
+# `up` runs the three roles on one host: unless the operator sets them, the servers split one 8-GPU host (prefill TP4 /
+# CP4 on GPUs 0-3, decode TP4 / attention DP4 after it), as docker/compose.pd.yaml's defaults do; ENV_DEFAULTS are
+# those of one 8-GPU node per server.
+ONE_HOST_DEFAULTS = {"PD_PREFILL_TP": "4", "PD_PREFILL_CP": "4", "PD_DECODE_TP": "4", "PD_DECODE_DP": "4"}
+
+
 # What rotation can honour: every rotation renames each kept file, so a keep count past a hundred turns one log write
 # into a long rename loop (the supervisor stops reading the server's output meanwhile); a log smaller than 64 KiB
 # rotates on almost every write, and one past 1 TiB is never rotated on a real disk.

@@ -244,6 +244,18 @@ def test_one_host_refuses_overlapping_gpus_and_up_places_the_decode_after_the_pr
     assert clash.returncode == 2 and "but the prefill already runs on GPU 0,1 of this host" in clash.stderr
 
 
+def test_up_with_the_sizes_unset_fits_one_8_gpu_host(env, tmp_path):
+    """The one-host recipe as the README runs it (no TP set): prefill TP4/CP4 on GPUs 0-3, decode TP4/DP4 on 4-7
+    (the defaults of one 8-GPU node per server would put the decode on GPUs 8-15), said on stderr."""
+    env = {k: v for k, v in env.items() if k not in ("PD_PREFILL_TP", "PD_PREFILL_CP", "PD_DECODE_TP", "PD_DECODE_DP")}
+    up = launch(PD / "up.sh", env=env)
+    assert up.returncode == 0, up.stderr
+    assert "one host: PD_PREFILL_TP=4, PD_PREFILL_CP=4, PD_DECODE_TP=4, PD_DECODE_DP=4 (unset)" in up.stderr
+    gpus = (record(tmp_path, "prefill")["gpus"], record(tmp_path, "decode")["gpus"])
+    assert gpus == (["0", "1", "2", "3"], ["4", "5", "6", "7"])
+    assert launch(PD / "stop.sh", env=env).returncode == 0
+
+
 def test_a_misspelled_role_is_refused_by_name(env):
     for args in (["status", "prefil"], ["stop", "prefil"], ["wait", "prefil"]):
         ran = launch(PD / "pd.sh", *args, env=env)
