@@ -12,6 +12,7 @@ directory, and that a server ignoring SIGTERM is killed after PD_STOP_TIMEOUT, i
 in the foreground.
 """
 
+import contextlib
 import io
 import json
 import os
@@ -536,6 +537,46 @@ def test_stop_leaves_a_recycled_pid_alone(stub_env, tmp_path):
     finally:
         decoy.kill()
         decoy.wait()
+
+
+def test_a_stale_record_naming_a_strangers_group_whose_leader_exited_is_not_acted_on(stub_env, tmp_path):
+    """After a reboot or a container restart a record's group id can be another program's, whose own leader has
+    exited (its members live on): `stop` must not signal that group nor report "stopped", and `start` must not take
+    the role for running. Our groups' members carry the record's launch id in their environment; a stranger's not."""
+    code = "import os, sys, time; os.setsid(); print(os.getpid(), flush=True); os.fork() or time.sleep(300)"
+    leader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    pgid = int(leader.stdout.readline())
+    leader.wait()  # the stranger's leader exits; its forked child lives on in group pgid
+    members = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _pgrp(int(p.name)) == pgid]
+    assert members and pgid not in members
+    try:
+        (tmp_path / "logs").mkdir()
+        stale = {
+            "role": "prefill",
+            "pid": pgid,
+            "pgid": pgid,
+            "start_time": 1,
+            "launch_id": "0" * 32,
+            "argv": [],
+            "log": "",
+        }
+        (tmp_path / "logs" / "prefill.pid").write_text(json.dumps(stale))
+        stopped = launch(PD / "run_prefill.sh", "stop", env=stub_env)
+        assert stopped.returncode == 0 and "already gone" in stopped.stderr and "stopped" not in stopped.stderr
+        assert all(alive(pid) for pid in members)
+        started = launch(PD / "run_prefill.sh", env={**stub_env, "STUB_MODE": "exit", "PD_HEALTH_TIMEOUT": "60"})
+        assert "already runs" not in started.stderr
+    finally:
+        for pid in members:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _pgrp(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[2])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 @pytest.mark.parametrize("mode, message", [("exit", "exited before it became healthy"), ("hang", "PD_HEALTH_TIMEOUT")])
