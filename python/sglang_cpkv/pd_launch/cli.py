@@ -12,9 +12,10 @@ import sglang_cpkv.pd_launch as package
 from sglang_cpkv.pd_launch.commands import shell_command
 from sglang_cpkv.pd_launch.config import ONE_HOST_DEFAULTS, ROLES, PDConfig, PDLaunchError, require_role
 from sglang_cpkv.pd_launch.dry_run import dry_run
-from sglang_cpkv.pd_launch.lifecycle import run_role, start, status, stop, up, wait_healthy
+from sglang_cpkv.pd_launch.lifecycle import Interrupted, run_role, start, status, stop, up, wait_healthy
 
 EXIT_REFUSED = 2  # a PDLaunchError: bad settings, a refused command, a role that did not start or stop
+EXIT_INTERRUPTED = 130  # Ctrl-C: what had started was stopped (128 + SIGINT, as a shell reports it)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -72,6 +73,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0 if status(args.roles, cfg) else 1
         elif args.command == "stop":
             stop(args.roles, cfg)
+    except Interrupted as exc:
+        print(f"pd_launch: {exc}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # before anything started
+        print("pd_launch: interrupted; nothing was started", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except PDLaunchError as exc:
         print(f"pd_launch: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED

@@ -491,6 +491,10 @@ def run_role(role: str, cfg: PDConfig, echo: bool = True, log_path: Path | None 
     return status_code
 
 
+class Interrupted(PDLaunchError):
+    """Ctrl-C while a role started: what had started is stopped (exit status 130)."""
+
+
 def start(role: str, cfg: PDConfig, wait: bool = True) -> None:
     """Start ``role``'s supervisor detached (its log in PD_LOG_DIR); wait until the role is healthy."""
     preflight(role, cfg)
@@ -518,9 +522,14 @@ def start(role: str, cfg: PDConfig, wait: bool = True) -> None:
         return
     try:
         wait_healthy(role, cfg, supervisor)
-    except PDLaunchError:
-        argv = build_command(role, cfg)
-        _log(f"last lines of {log_path}:\n{scrub(tail(log_path), secret_values(argv, dict(os.environ)))}")
+    except (PDLaunchError, KeyboardInterrupt) as failure:
+        interrupted = isinstance(failure, KeyboardInterrupt)
+        if interrupted:  # Ctrl-C: stop what this start began; a second Ctrl-C must not cut that short
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            _log(f"interrupted: stopping {role}")
+        else:
+            argv = build_command(role, cfg)
+            _log(f"last lines of {log_path}:\n{scrub(tail(log_path), secret_values(argv, dict(os.environ)))}")
         record = _read_pid_record(cfg, role)
         if record is not None and record.get("supervisor") == supervisor.pid:
             stop([role], cfg)
@@ -530,6 +539,8 @@ def start(role: str, cfg: PDConfig, wait: bool = True) -> None:
                 supervisor.wait(cfg.stop_timeout + KILL_WAIT_S)
             except subprocess.TimeoutExpired:
                 supervisor.kill()
+        if interrupted:
+            raise Interrupted(f"interrupted while {role} was starting; {role} stopped") from None
         raise
 
 
@@ -539,7 +550,12 @@ def up(cfg: PDConfig) -> None:
     for role in ROLES:
         try:
             start(role, cfg)
-        except PDLaunchError:
+        except (PDLaunchError, KeyboardInterrupt) as failure:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the roles already up are stopped whatever comes next
             stop(list(reversed(ROLES)), cfg)
+            if isinstance(failure, KeyboardInterrupt):
+                raise Interrupted(f"interrupted while {role} was starting; every role stopped") from None
+            if isinstance(failure, Interrupted):
+                raise Interrupted(f"{failure}; every role stopped") from None
             raise
     status(ROLES, cfg)

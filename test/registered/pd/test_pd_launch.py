@@ -594,6 +594,26 @@ def test_failed_start_is_reported_and_cleaned_up(stub_env, tmp_path, mode, messa
     assert not (tmp_path / "logs" / "prefill.pid").exists()
 
 
+@pytest.mark.parametrize("script", ["run_prefill.sh", "up.sh"])
+def test_ctrl_c_while_starting_stops_what_started_and_exits_cleanly(stub_env, tmp_path, script):
+    """Ctrl-C while a role is starting (a stub that never becomes healthy): no traceback, exit status 130, and what
+    had started is stopped: its processes gone and no pid record left (up: every role)."""
+    env = {**stub_env, "STUB_MODE": "hang", "PD_HEALTH_TIMEOUT": "120"}
+    proc = subprocess.Popen([PD / script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        child = tmp_path / "child.pid"
+        assert wait_for(lambda: child.exists() and child.read_text().strip()), "the stub never started"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert "interrupted while prefill was starting; prefill stopped" in err
+    assert not alive(int(child.read_text()))
+    assert not list((tmp_path / "logs").glob("*.pid"))
+
+
 def test_foreground_run_tees_output_and_returns_the_role_exit_status(stub_env, tmp_path):
     ran = launch(PD / "run_prefill.sh", "--foreground", env={**stub_env, "STUB_MODE": "exit"})
     assert ran.returncode == 3
