@@ -35,8 +35,29 @@ def _interpreter_hint() -> str:
     return hint
 
 
+IB_SYSFS = Path("/sys/class/infiniband")
+IB_FLAG = "--disaggregation-ib-device"
+
+
+def missing_ib_devices(cfg: PDConfig, sysfs: Path | None = None) -> list[str]:
+    """The devices of PD_IB_DEVICE when this machine has none of them: it is not the machine the role runs on, and
+    upstream's start-up check of them in sysfs is left to that one. Empty when it has any (a host missing only some
+    of them is the role's host misconfigured: upstream's check runs and refuses)."""
+    sysfs = IB_SYSFS if sysfs is None else sysfs
+    devices = [d.strip() for d in cfg.ib_device.split(",") if d.strip()]
+    return devices if not any((sysfs / d).exists() for d in devices) else []
+
+
 def _role_argv(role: str, cfg: PDConfig) -> list[str]:
-    return router_args(cfg) if role == "router" else server_args(role, cfg)
+    """The role's arguments as the start-up checks resolve them here: the machine-specific InfiniBand devices are
+    left to the machine the role runs on when this one lacks them (:func:`dry_run` says so)."""
+    if role == "router":
+        return router_args(cfg)
+    argv = server_args(role, cfg)
+    if missing_ib_devices(cfg) and IB_FLAG in argv:
+        at = argv.index(IB_FLAG)
+        argv = argv[:at] + argv[at + 2 :]
+    return argv
 
 
 def run_startup_checks(roles: Sequence[str], cfg: PDConfig, secrets: Sequence[str]) -> list[dict]:
@@ -81,6 +102,13 @@ def dry_run(roles: Sequence[str], cfg: PDConfig, out=sys.stdout) -> None:
     for role in roles:
         print(f"# {role}", file=out)
         print(shell_command(role, cfg), file=out)
+    missing = missing_ib_devices(cfg)
+    if missing and any(role != "router" for role in roles):
+        print(
+            f"# PD_IB_DEVICE: not checked here: this machine has none of {', '.join(missing)} under {IB_SYSFS}; "
+            "the server checks its devices where it runs",
+            file=out,
+        )
     out.flush()
     for result in run_startup_checks(roles, cfg, secrets):
         role, status, message = result["role"], result["status"], scrub(result["message"], secrets)

@@ -351,6 +351,28 @@ def test_start_up_checks(checked, name, role, settings, status, fragment):
     assert got["role"] == role and got["status"] == status and fragment in got["message"], got
 
 
+def test_the_dry_run_leaves_infiniband_devices_this_machine_lacks_to_the_role_s_machine(tmp_path, monkeypatch):
+    """The shipped env file's RoCE devices on a machine without them (any CPU machine): the dry-run passes, printing
+    the command with them and saying they were not checked; a machine holding some of them but not all is the
+    role's own, misconfigured: upstream's check runs there and refuses."""
+    import importlib
+
+    dry_run_module = importlib.import_module("sglang_cpkv.pd_launch.dry_run")
+
+    devices = "roce_vf_rail0,roce_vf_rail1"
+    config = cfg(PD_MODEL_PATH=str(DSA_MODEL), PD_IB_DEVICE=devices)
+    monkeypatch.setattr(dry_run_module, "IB_SYSFS", tmp_path / "no-infiniband")
+    text = dry_run_text(config, roles=["prefill"])
+    assert f"--disaggregation-ib-device {devices}" in text
+    assert (
+        f"# PD_IB_DEVICE: not checked here: this machine has none of roce_vf_rail0, roce_vf_rail1 under {tmp_path}"
+        in text
+    )
+    assert "# prefill: flags accepted by upstream's ServerArgs parser; start-up checks passed" in text
+    (tmp_path / "some" / "roce_vf_rail0").mkdir(parents=True)
+    assert dry_run_module.missing_ib_devices(config, tmp_path / "some") == []
+
+
 def test_a_refusal_reaches_the_user_with_the_servers_message_and_no_secret():
     config = cfg(**CP_SHARED_KV_LOCAL, PD_DSA_PREFILL_BACKEND="trtllm", **SECRETS)
     out = io.StringIO()
