@@ -29,7 +29,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -79,18 +78,13 @@ def _live_group_members(pgid: int) -> list[int]:
     return members
 
 
-# Set in every role's environment and written to its pid record: every process of the group inherits it, so a group
-# member is provably ours when its environment holds the record's id (a pid or a group id alone can be another
-# program's after a reboot or a container restart).
-LAUNCH_ID_ENV = "PD_LAUNCH_ID"
-
-
-def _carries_launch_id(pid: int, launch_id: str) -> bool:
+def _boot_id() -> str:
+    """This boot of the machine: a record written in another boot names processes that are gone (their pids and
+    group ids may be another program's now)."""
     try:
-        environ = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:  # gone, or another user's: not ours
-        return False
-    return f"{LAUNCH_ID_ENV}={launch_id}".encode() in environ.split(b"\0")
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _pid_namespace() -> str:
@@ -150,22 +144,22 @@ def _foreign(record: dict) -> bool:
 
 
 def _record_alive(record: dict) -> bool:
-    """True while the process group the record names still has live members that are provably ours.
+    """True while the process group the record names still has live members that are ours.
 
-    A pid can be recycled only once its process group is empty, so a leader pid that now belongs to a
-    process with another start time means our group is gone (and that group id is someone else's). With the
-    leader gone, the group id may be another program's whose own leader exited: a member counts only when its
-    environment carries the record's launch id.
+    A record of another boot (a reboot) or another pid namespace (a container restart) names nobody's processes
+    here: its pids and group ids may be other programs' now. Within this boot, a pid can be recycled only once
+    its process group is empty, so a leader pid that now belongs to a process with another start time means our
+    group is gone (and that group id is someone else's); with the leader gone and the group alive (the router's
+    launcher leaves the router in its group), the members are ours.
     """
     if _foreign(record):
+        return False
+    if record.get("boot_id", _boot_id()) != _boot_id():  # written before a reboot: nothing it names is ours
         return False
     leader = _proc_stat(record["pid"])
     if leader is not None and leader.start_time != record["start_time"]:
         return False
-    launch_id = record.get("launch_id")
-    if launch_id is None:  # a record of a launcher without launch ids: ours only while its leader lives
-        return leader is not None and leader.state != "Z"
-    return any(_carries_launch_id(pid, launch_id) for pid in _live_group_members(record["pgid"]))
+    return bool(_live_group_members(record["pgid"]))
 
 
 def _describe_gpus(ids: Sequence[str]) -> str:
@@ -401,8 +395,7 @@ def run_role(role: str, cfg: PDConfig, echo: bool = True, log_path: Path | None 
     preflight(role, cfg)
     argv = build_command(role, cfg)
     added_env = role_env(role, cfg)
-    launch_id = uuid.uuid4().hex
-    env = {**os.environ, **added_env, LAUNCH_ID_ENV: launch_id}
+    env = {**os.environ, **added_env}
     scrubber = StreamScrubber(secret_values(argv, env))
     log_path = log_path or new_log(cfg, role)
     sink = LogSink(log_path, cfg.log_max_bytes, cfg.log_keep, echo=echo)
@@ -434,7 +427,7 @@ def run_role(role: str, cfg: PDConfig, echo: bool = True, log_path: Path | None 
         "supervisor": os.getpid(),
         "supervisor_start_time": me.start_time if me else None,
         "pidns": _pid_namespace(),
-        "launch_id": launch_id,
+        "boot_id": _boot_id(),
         "gpus": cfg.gpu_ids(role) if role != "router" else [],
         "argv": redact_argv(argv),
         "log": str(log_path),

@@ -561,10 +561,10 @@ def test_stop_leaves_a_recycled_pid_alone(stub_env, tmp_path):
         decoy.wait()
 
 
-def test_a_stale_record_naming_a_strangers_group_whose_leader_exited_is_not_acted_on(stub_env, tmp_path):
-    """After a reboot or a container restart a record's group id can be another program's, whose own leader has
-    exited (its members live on): `stop` must not signal that group nor report "stopped", and `start` must not take
-    the role for running. Our groups' members carry the record's launch id in their environment; a stranger's not."""
+def test_a_record_of_another_boot_naming_a_strangers_group_is_not_acted_on(stub_env, tmp_path):
+    """After a reboot a record's group id can be another program's, whose own leader has exited (its members live
+    on): `stop` must not signal that group nor report "stopped", and `start` must not take the role for running. The
+    record says which boot wrote it."""
     code = "import os, sys, time; os.setsid(); print(os.getpid(), flush=True); os.fork() or time.sleep(300)"
     leader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     pgid = int(leader.stdout.readline())
@@ -578,7 +578,7 @@ def test_a_stale_record_naming_a_strangers_group_whose_leader_exited_is_not_acte
             "pid": pgid,
             "pgid": pgid,
             "start_time": 1,
-            "launch_id": "0" * 32,
+            "boot_id": "00000000-0000-0000-0000-000000000000",
             "argv": [],
             "log": "",
         }
@@ -621,7 +621,16 @@ def test_ctrl_c_while_starting_stops_what_started_and_exits_cleanly(stub_env, tm
     """Ctrl-C while a role is starting (a stub that never becomes healthy): no traceback, exit status 130, and what
     had started is stopped: its processes gone and no pid record left (up: every role)."""
     env = {**stub_env, "STUB_MODE": "hang", "PD_HEALTH_TIMEOUT": "120"}
-    proc = subprocess.Popen([PD / script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # As a terminal's Ctrl-C finds it: SIGINT not ignored (a test runner started in the background ignores it, and
+    # Python keeps an inherited ignore).
+    proc = subprocess.Popen(
+        [PD / script],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         child = tmp_path / "child.pid"
         assert wait_for(lambda: child.exists() and child.read_text().strip()), "the stub never started"
