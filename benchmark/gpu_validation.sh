@@ -13,10 +13,11 @@
 #                                                # logs.tar.gz (every log) under $OUT; exit 0 only when all passed
 #   STEPS="suite kit-layer ops" ...              # only these steps (default: all; the environment and the AOT
 #                                                # build always run): suite kit-smoke kit-cuda harness kit-layer
-#                                                # forward plan-host ops sass memcheck
+#                                                # forward ragged plan-host ops sass memcheck
 #   kit-cuda: the 1-GPU files that run every route's real kernel through the kit (a part of suite, for iterating);
 #   forward: the whole-forward time of the flashmla routes at the deployed shape, three processes (issue 35;
 #            FORWARD_ROUTES="flashmla_kv:fp8" for one route, FORWARD_HISTORY, FORWARD_REPS);
+#   ragged: issue 34's repro on pristine upstream and with the queue, and the fix's per-layer cost;
 #   plan-host: the host cost of the mode's per-batch plan by request count.
 set -uo pipefail
 # Absolute: the suite runner starts each test file in the file's own directory.
@@ -126,6 +127,24 @@ if want forward; then
       --requests 8 --history "${FORWARD_HISTORY:-8192,32768,131072}" --extend 1024 --sharing distinct,shared \
       --layers 4 --reps "${FORWARD_REPS:-5}" --processes 3 --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || status=1
     grep -vE '^\[20|[Ww]arn|^process ' "$OUT/$name.log" | tail -n 14
+  done
+fi
+
+if want ragged; then
+  step "the RAGGED route's per-request keys (issue 34): the repro on pristine upstream and with the queue; the cost"
+  # The repro uses upstream's own kit only: the carried pristine wheel in its own directory, ahead of the patched one.
+  pristine=/tmp/cpkv-pristine-sglang
+  rm -rf "$pristine" && python3 -m pip install --quiet --no-index --no-deps --no-compile --target "$pristine" .whl/sglang-*.whl
+  for backend in flashmla_sparse triton_sparse_mla; do
+    heads=$([ "$backend" = triton_sparse_mla ] && echo 32 || echo 64) # triton_sparse_mla takes at most 32
+    PYTHONPATH="$pristine:$PYTHONPATH" python3 scripts/repro/ragged_history_less_fp8.py --backend "$backend" --heads "$heads" \
+      2>&1 | tail -n 1 | sed 's/^/pristine 0.5.23: /' | tee -a "$OUT/ragged_repro.txt"
+    python3 scripts/repro/ragged_history_less_fp8.py --backend "$backend" --heads "$heads" \
+      2>&1 | tail -n 1 | sed 's/^/with the queue: /' | tee -a "$OUT/ragged_repro.txt"
+    python3 benchmark/bench_ragged_history_less.py --backend "$backend" --heads "$heads" --topk 2048 --requests 8 \
+      --with-history 4 --history "${RAGGED_HISTORY:-8192,32768}" --extend 1024 --out "$OUT/ragged_cost_$backend.json" \
+      > "$OUT/ragged_cost_$backend.log" 2>&1 || status=1
+    grep -vE '^\[20|[Ww]arn' "$OUT/ragged_cost_$backend.log" | tail -n 4
   done
 fi
 

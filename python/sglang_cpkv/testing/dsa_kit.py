@@ -235,7 +235,7 @@ class _Capture:
             run = run_kernels and ("triton" in name or flash_mla)
             setattr(backend, name, self._kernel(name, getattr(backend, name), run))
         if not torch.cuda.is_available():
-            up["dsa_backend_module"].dequantize_k_cache_paged_dsa = _gather_rows
+            up["dsa_backend_module"].dequantize_k_cache_paged_dsa = _dequantize_rows
         if not flash_mla:
             # flashmla_kv's scheduling metadata comes from the flash_mla library, absent here with its kernel.
             backend._compute_flashmla_metadata = lambda cache_seqlens, seq_len_q: SimpleNamespace(
@@ -259,10 +259,16 @@ class _Capture:
         return record
 
 
-def _gather_rows(quant_k_cache: torch.Tensor, page_table_1_flattened: torch.Tensor, group_size: int = 128):
-    """CPU stand-in for upstream's ``dequantize_k_cache_paged_dsa``: the raw rows it would dequantize, in order."""
-    rows = quant_k_cache.reshape(quant_k_cache.shape[0] * quant_k_cache.shape[1], -1)
-    return rows[page_table_1_flattened.to(torch.int64)].unsqueeze(1)
+def _dequantize_rows(quant_k_cache: torch.Tensor, page_table_1_flattened: torch.Tensor, group_size: int = 128):
+    """CPU stand-in for upstream's ``dequantize_k_cache_paged_dsa`` (a Triton kernel): the same arithmetic on the
+    656-byte rows, in order (NoPE fp8 x its tile's fp32 scale, in fp32, to bf16; RoPE bf16 as stored), so the keys a
+    kernel reads are the bf16 rows it reads on a GPU."""
+    rows = quant_k_cache.reshape(-1, quant_k_cache.shape[-1])[page_table_1_flattened.to(torch.int64)]
+    tiles = NOPE // group_size
+    scales = rows[:, NOPE : NOPE + 4 * tiles].contiguous().view(torch.float32)
+    nope = rows[:, :NOPE].to(torch.float32) * scales.repeat_interleave(group_size, dim=1)
+    rope = rows[:, NOPE + 4 * tiles :].contiguous().view(torch.bfloat16)
+    return torch.cat([nope.to(torch.bfloat16), rope], dim=-1).unsqueeze(1)
 
 
 def _reads(name: str, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, output) -> KernelReads:

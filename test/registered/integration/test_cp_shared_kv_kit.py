@@ -151,13 +151,10 @@ def _rows_of_request(run, case, r, layer=0):
     ],
 )
 def test_bs_gt_1_shared_prefix_reads_what_each_request_reads_alone(route_name):
-    """On the RAGGED route upstream itself reads a request without history differently in a batch where another
-    request has one (the FP8 cache dequantized) than alone (its bf16 rows): there each request of the batch has
-    a history (C's is one page), so the comparison with bs = 1 holds for upstream too."""
+    """C has no history beside A's and B's radix hit (on the RAGGED route, the case the queue's
+    read-history-less-requests-alike-on-ragged.patch fixes)."""
     route = ROUTES[route_name]
     case = _shared_prefix_case()
-    if route.fp8 and route.prefill_backend != "flashmla_kv":
-        case = BatchCase(PAGE, case.capacity, case.page_tables, (170, 128, 64), (50, 40, 36))
     off, on = _run_pair(route, case, SHARED_SHAPE)
     _assert_same_reads(off, on, "bs 3")
     for r in range(case.num_requests):
@@ -232,20 +229,28 @@ def test_sharing_patterns_read_what_each_request_reads_alone(route_name):
         assert batch.index_k[layer]
 
 
-@pytest.mark.xfail(strict=True, reason="upstream 0.5.23, docs/upstream-findings.md item 3 (mode off)")
-def test_upstream_ragged_reads_a_history_less_request_alike_in_any_batch():
-    """Upstream's RAGGED route decides ``_has_prefix`` for the whole batch: a request without history reads its
-    current KV as bf16 rows alone, but as the FP8 cache's 656-byte rows (quantized, then dequantized) beside a
-    request with a cached prefix. The mode off, upstream's code only; an upstream fix shows up as an XPASS."""
+@pytest.mark.parametrize("mode_on", [False, True], ids=["mode off", "mode on"])
+def test_ragged_reads_a_history_less_request_alike_in_any_batch(mode_on):
+    """Upstream's RAGGED route picks the keys for the whole batch: beside a request with a cached prefix, every
+    request's keys came from the FP8 cache (quantized, then dequantized), while a request without history alone
+    reads its chunk's bf16 rows (docs/upstream-findings.md item 3). With the queue's fix
+    (read-history-less-requests-alike-on-ragged.patch) it reads its bf16 rows in any batch, mode off and on."""
     case = _shared_prefix_case()  # request 2 has no history, requests 0 and 1 have
     runs = []
     for batch in (case, _alone(case, 2)):
-        world = _world(RAGGED_FP8, SHARED_SHAPE, False)
+        world = _world(RAGGED_FP8, SHARED_SHAPE, mode_on)
         world.write_history(batch)
         runs.append(world.forward(batch))
-    rows, valid = _rows_of_request(runs[0], case, 2)
-    assert torch.equal(valid, runs[1].kernel[0].valid)
-    assert same_bytes(rows, runs[1].kernel[0].rows), "request 2 reads other bytes in the batch than alone"
+    for layer in range(RAGGED_FP8.num_layers):
+        rows, valid = _rows_of_request(runs[0], case, 2, layer)
+        assert torch.equal(valid, runs[1].kernel[layer].valid)
+        assert same_bytes(rows, runs[1].kernel[layer].rows), f"layer {layer}: request 2 reads other keys than alone"
+        for r in (0, 1):  # the requests with history still read their cache rows, as alone
+            alone = _world(RAGGED_FP8, SHARED_SHAPE, mode_on)
+            alone.write_history(_alone(case, r))
+            solo = alone.forward(_alone(case, r))
+            rows, valid = _rows_of_request(runs[0], case, r, layer)
+            assert same_bytes(rows, solo.kernel[layer].rows), f"layer {layer}: request {r} reads other keys than alone"
 
 
 def test_a_batch_past_the_reservation_is_refused_naming_the_setting():
@@ -397,7 +402,7 @@ def _gloo_rank(rank, model_dir, init_method, out_dir):
             if name == "ragged-no-prefix-cut":
                 seed = _mtp_seed(world)
             results[(name, mode_on)] = (runs, seed)
-            if mode_on and name in SHARING_CP2_ROUTES:
+            if mode_on and name in ALONE_CP2:
                 for r in range(cases[0].num_requests):
                     solo_case = _alone(cases[0], r)
                     solo = KitWorld(
@@ -510,6 +515,11 @@ SHARING_CP2_ROUTES = {
 }
 
 
+# Each request of these batches is also run alone at cp 2 (mode on): shared-ragged's C has no history beside A's
+# and B's radix hit (the RAGGED route's per-request keys).
+ALONE_CP2 = (*SHARING_CP2_ROUTES, "shared-ragged")
+
+
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kit_cp2")
@@ -539,6 +549,22 @@ def test_cp2_sharing_patterns_read_what_each_request_reads_alone(gloo_results, n
     case = _sharing_case(CP)
     route = SHARING_CP2_ROUTES[name]
     for layer in range(route.num_layers):
+        batch = _request_reads([(results[(name, True)][0][0], case) for results in gloo_results], layer)
+        alone = {}
+        for r in range(case.num_requests):
+            runs = [results[("alone", name, r)] for results in gloo_results]
+            alone.update({(r, p): v for (_, p), v in _request_reads(runs, layer).items()})
+        _assert_reads_alone(batch, alone, f"{name} layer {layer}")
+
+
+def test_cp2_ragged_requests_read_what_they_read_alone(gloo_results):
+    """At cp 2 on the RAGGED route, the history-less C beside A's and B's radix hit reads, on both ranks, what it
+    reads alone (its chunk's bf16 keys, the all-gathered chunk), and so do A and B (their cache rows); the mode off
+    reads the same rows (test_cp2_each_rank_reads_the_same_kv_with_the_mode_on)."""
+    name = "shared-ragged"
+    case = next(cases[0] for n, _, cases, _ in _cp2_scenarios() if n == name)
+    assert case.prefix_lens[2] == 0 and case.prefix_lens[0] > 0
+    for layer in range(RAGGED_FP8.num_layers):
         batch = _request_reads([(results[(name, True)][0][0], case) for results in gloo_results], layer)
         alone = {}
         for r in range(case.num_requests):

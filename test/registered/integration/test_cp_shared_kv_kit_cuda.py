@@ -168,10 +168,6 @@ def _shared_case():
 def test_bs_gt_1_each_request_equals_its_bs_1_run(route_name):
     route = ROUTES[route_name]
     case = _shared_case()
-    if route.fp8 and route.prefill_backend not in ("flashmla_kv", "flashmla_auto"):
-        # RAGGED: upstream reads a request without history from its bf16 rows alone but from the dequantized FP8
-        # cache in a batch where another request has history; every request gets one, so bs = 1 compares.
-        case = BatchCase(PAGE, case.capacity, case.page_tables, (170, 128, 64), (50, 40, 36))
     off, _ = _run(route, case, SHARED_SHAPE, False)
     on, world = _run(route, case, SHARED_SHAPE, True)
     _assert_same(off, on, "bs 3")
@@ -210,8 +206,6 @@ def test_index_share_with_the_history_layer_ahead_and_synchronous(route_name, la
     monkeypatch.setenv("SGLANG_CPKV_LAYER_AHEAD", layer_ahead)
     route = INDEX_SHARE_ROUTES[route_name]
     case = _shared_case()
-    if route.fp8 and route.prefill_backend != "flashmla_kv":
-        case = BatchCase(PAGE, case.capacity, case.page_tables, (170, 128, 64), (50, 40, 36))
     off, on = _pair(route, case, SHARED_SHAPE)
     assert sorted(on.index_k) == [0, 2]
     _assert_same(off, on, f"IndexShare, layer-ahead {layer_ahead}")
