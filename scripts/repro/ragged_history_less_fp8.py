@@ -15,9 +15,13 @@ Exit status: 0 when the keys are the same, 1 when they differ.
 from __future__ import annotations
 
 import argparse
+import os
 import unittest
 
 import torch
+
+# The sparse route, as a server takes it past the dense-MHA threshold (2048 keys by default), for short requests.
+os.environ.setdefault("SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD", "0")
 
 
 def keys_of_the_history_less_request(
