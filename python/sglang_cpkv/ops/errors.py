@@ -19,11 +19,13 @@ import torch
 ERR_PAGE_OUT_OF_RANGE = 0  # a page id outside [0, capacity), or twice in one request (or a page index outside src/dst)
 ERR_REQ_OUT_OF_RANGE = 1  # a request id outside [0, batch_rows) other than the padding id -1
 ERR_LOC_OUT_OF_RANGE = 2  # a destination row outside the destination tensor
-NUM_ERROR_KINDS = 3
+ERR_FOREIGN_SLOT = 3  # a current token whose dense slot is not its request's own (runtime.plan, every mode)
+NUM_ERROR_KINDS = 4
 ERROR_NAMES = (
     "page id out of range or repeated in a request",
     "request id out of range",
     "destination row out of range",
+    "current token located outside its request's own slots (out_cache_loc disagrees with its page table)",
 )
 
 

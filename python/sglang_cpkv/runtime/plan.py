@@ -8,17 +8,19 @@ inverse) are those of ``docs/design/cp-shared-kv-contract.md``.
 
 Dense layout: request ``r``'s page table has ``n_r = ceil((prefix_r + extend_r) / page_size)`` entries ``(r, j)``.
 
-* **the history region**, slots ``[0, H)``: one slot per distinct page id any request of the batch reads history
-  from (its pool rows, taken before this forward writes the pool). At cp 1 in page-id order; under CP ordered as
-  the exchange delivers it: rank ``k``'s block holds the pages it owns (``page % cp == k``), in page-id order,
+* **the history region**, slots ``[0, H)``: one slot per distinct page id some view reads from the region (its pool
+  rows, taken before this forward writes the pool): at cp 1 the pages of history-only entries (below), in page-id
+  order; under CP every page read as history (an own slot's history rows come from the gathered region), ordered
+  as the exchange delivers it: rank ``k``'s block holds the pages it owns (``page % cp == k``), in page-id order,
   after the blocks of ranks ``0..k-1``, so each rank packs its block from its pool straight into the view and one
   all-gather (blocks of uneven size) fills the whole region in every rank's view.
 * **own slots**, after the region, in ``(r, j)`` order: every entry a request writes (its current pages, its
   CURRENT_REUSE page: a history ending mid-page continued by its current tokens) and every history page that some
   request of the batch writes as current in this forward (allocator reuse, the contract's second class). Such an
   entry's history rows are copied into its own slot from the region (at cp 1 straight from the pool).
-* an entry that is history only (a full history page no request of the batch writes) points at the page's region
-  slot: the readers of a shared prompt share one copy (the contract's "shared history slot").
+* an entry that is history only (a page no request of the batch writes, the entry taking no current token: a full
+  history page, or the partial last page of a request without current tokens) points at the page's region slot:
+  the readers of a shared prompt share one copy (the contract's "shared history slot").
 
 No slot is written by two requests: the region is written by the history step only, an own slot by its request
 only. The view has :func:`~.buckets.round_dense_slots` ``(H + own)`` slots (under 3.2% more, so shapes repeat); the
@@ -45,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_cpkv import ops
-from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, CpSharedKvError
+from sglang_cpkv.ops.errors import ERR_FOREIGN_SLOT, ERR_LOC_OUT_OF_RANGE, CpSharedKvError
 from sglang_cpkv.runtime import checked as checked_mode
 from sglang_cpkv.runtime.buckets import round_dense_slots
 from sglang_cpkv.runtime.cp_split import CpSplit, CpStrategy, build_cp_split
@@ -279,6 +281,19 @@ def _entry_pages(table: torch.Tensor, entry_req: torch.Tensor, entry_j: torch.Te
     return torch.where((pages >= 0) & (pages < capacity), pages, capacity).to(torch.int32)
 
 
+def _own_slots_only(
+    dense_locs: torch.Tensor, token_req: torch.Tensor, slot_req: torch.Tensor, page_size: int, errors: torch.Tensor
+) -> torch.Tensor:
+    """The current tokens' dense locations with every one outside its request's own slots dropped (-1) and counted
+    (``ERR_FOREIGN_SLOT``), on the device, without a host sync. An ``out_cache_loc`` that disagrees with its
+    request's page table (a caller's bug: upstream's agree) can name a page the request reads as history only, whose
+    slot is a shared history slot: its write would change another request's view."""
+    slot = torch.div(dense_locs.clamp(min=0), page_size, rounding_mode="floor")
+    foreign = (dense_locs >= 0) & (slot_req[slot] != token_req)
+    errors[ERR_FOREIGN_SLOT] += foreign.sum(dtype=errors.dtype)
+    return dense_locs.masked_fill(foreign, PADDING_ID)
+
+
 @dataclass(frozen=True)
 class _Layout:
     """The dense layout of a batch (host int64; module docstring)."""
@@ -290,7 +305,7 @@ class _Layout:
     gather_blocks: tuple[tuple[int, int], ...]  # under CP (start, count) of each rank's block; () at cp 1
     own_history_pages: torch.Tensor  # [M] page ids of the own entries that hold history rows (copied into their slot)
     own_history_slots: torch.Tensor  # [M] their own slots
-    own_history_sources: torch.Tensor  # [M] the region slot of each of those pages
+    own_history_sources: torch.Tensor  # [M] under CP the region slot of each of those pages (at cp 1 -1: pool copies)
 
 
 def _dense_layout(
@@ -298,6 +313,7 @@ def _dense_layout(
     entry_req: torch.Tensor,
     entry_j: torch.Tensor,
     prefix: tuple[int, ...],
+    extend: tuple[int, ...],
     *,
     page_size: int,
     cp_size: int,
@@ -308,18 +324,23 @@ def _dense_layout(
     ``pages``: host int64 ``[E]`` page ids of the entries (``C`` for a bad id: never shared, never fetched). Sets of
     pages are flags over the page ids (``C + 1``: the last is the bad-id bucket), not sorts of the entries: every
     step is linear in the entries and the page ids."""
+    first_row = entry_j * page_size
     prefix_of = torch.tensor(prefix, dtype=torch.int64)[entry_req]
-    history_rows = (prefix_of - entry_j * page_size).clamp(min=0, max=page_size)  # rows of history in the page
+    tokens_of = prefix_of + torch.tensor(extend, dtype=torch.int64)[entry_req]
+    history_rows = (prefix_of - first_row).clamp(min=0, max=page_size)  # rows of history in the page
+    writes = (tokens_of - first_row).clamp(max=page_size) > history_rows  # the entry takes current tokens
     fetchable = pages < capacity
     written = torch.zeros(capacity + 1, dtype=torch.bool)
-    written[pages[history_rows < page_size]] = True  # the page takes current tokens of some request
-    shared = (history_rows == page_size) & fetchable & ~written[pages]
+    written[pages[writes]] = True  # the page takes current tokens of some request
+    shared = ~writes & fetchable & ~written[pages]  # history only (a zero-extend request's partial page included)
 
-    # The region: every distinct page some entry reads history from, ordered by (owner rank, page id): under CP each
-    # rank's block is contiguous (at cp 1 every owner is 0, so it is page-id order). Page p = q * cp + k is owned by
-    # rank k (ownership.page_owner), so the flags seen as [k, q] list the region in that order.
+    # The region: every distinct page some view reads from it, ordered by (owner rank, page id): under CP each rank's
+    # block is contiguous (at cp 1 every owner is 0, so it is page-id order). Page p = q * cp + k is owned by rank k
+    # (ownership.page_owner), so the flags seen as [k, q] list the region in that order. At cp 1 an own slot's
+    # history comes straight from the pool, so the region holds the shared entries' pages only; under CP it comes
+    # from the gathered region, so the region holds every page read as history.
     in_region = torch.zeros(capacity + 1, dtype=torch.bool)
-    in_region[pages[history_rows > 0]] = True
+    in_region[pages[shared if cp_size == 1 else history_rows > 0]] = True
     by_owner = in_region[:capacity].view(capacity // cp_size, cp_size).t()
     owner_page = by_owner.nonzero()
     region = owner_page[:, 1] * cp_size + owner_page[:, 0]
@@ -444,7 +465,7 @@ def build_plan(
     else:  # no history anywhere: every entry is its own, whatever its page id
         layout_pages = torch.full((entry_req.numel(),), capacity, dtype=torch.int64)
     layout = _dense_layout(
-        layout_pages, entry_req, entry_j, prefix, page_size=page_size, cp_size=cp_size, capacity=capacity
+        layout_pages, entry_req, entry_j, prefix, extend, page_size=page_size, cp_size=cp_size, capacity=capacity
     )
     region = layout.region_pages
     needed = region.numel() + layout.own_entries.numel()
@@ -491,7 +512,13 @@ def build_plan(
     inverse = ops.build_page_inverse(
         entry_pages, entry_req_dev, num_requests, capacity, errors, entry_slots=entry_slots
     )
-    current_dense_locs = ops.remap_locs(out_cache_loc, token_req_id, inverse, page_size, errors).to(torch.int64)
+    current_dense_locs = _own_slots_only(
+        ops.remap_locs(out_cache_loc, token_req_id, inverse, page_size, errors).to(torch.int64),
+        token_req_id,
+        slot_req,
+        page_size,
+        errors,
+    )
 
     local_req_id = split.shard(token_req_id, PADDING_ID, local_token_index)
     local_out_cache_loc = split.shard(out_cache_loc, PADDING_ID, local_token_index)

@@ -26,7 +26,8 @@ namespace sglang_cpkv {
 constexpr int kErrPageOutOfRange = 0;
 constexpr int kErrReqOutOfRange = 1;
 constexpr int kErrLocOutOfRange = 2;
-constexpr int kNumErrorKinds = 3;
+constexpr int kErrForeignSlot = 3;  // counted by the batch plan's own-slot check (torch), no kernel here
+constexpr int kNumErrorKinds = 4;
 
 // The per-request inverse: the canonical table of reference.build_page_inverse (the cells that inserting the distinct
 // keys entry_req[e] * C + entry_pages[e] in ascending order gives, whatever the order the threads insert in), each

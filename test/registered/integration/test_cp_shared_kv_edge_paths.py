@@ -137,7 +137,7 @@ def test_the_ops_take_zero_current_rows(backend, monkeypatch):
     ops.materialize_and_fill(
         dense, torch.tensor([0]), dense, torch.tensor([1]), torch.empty(0, 8), torch.empty(0, dtype=torch.int64), errors
     )
-    assert errors.tolist() == [0, 0, 0]
+    assert errors.tolist() == [0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -211,11 +211,13 @@ def test_sharing_patterns_read_what_each_request_reads_alone(route_name):
     plan = world.backend.cp_shared_kv.batch.plan
     # Pages 4 and 9 are one shared history slot each; pages 2 and 7 take A's current tokens, so every entry of them
     # is its request's own slot (B's and C's history rows copied in from the region), never shared.
+    # At cp 1 the region holds the history-only pages (4, 9): the own slots of pages 2 and 7 take their history
+    # rows straight from the pool.
     region = plan.history_region_slots
-    assert region == 4 and plan.request_slots(0)[:2].tolist() == plan.request_slots(1)[:2].tolist()
+    assert region == 2 and plan.request_slots(0)[:2].tolist() == plan.request_slots(1)[:2].tolist()
     assert all(int(plan.request_slots(r)[-1]) >= region for r in range(3))
     assert int(plan.request_slots(1)[2]) >= region and int(plan.request_slots(2)[0]) >= region
-    assert plan.needed_slots == region + 6  # region (2, 4, 7, 9) + A's 2, 7, B's 2, 5, C's 7, 3
+    assert plan.needed_slots == region + 6  # region (4, 9) + A's 2, 7, B's 2, 5, C's 7, 3
     for layer in range(route.num_layers):
         alone = {}
         for r in range(case.num_requests):
@@ -262,11 +264,11 @@ def test_a_batch_past_the_reservation_is_refused_naming_the_setting():
     from sglang_cpkv.ops.errors import CpSharedKvError
     from sglang_cpkv.runtime.reservation import SETTING
 
-    case = _shared_prefix_case()  # the history region (4, 9, 2) and own pages (A's 2, 7; B's 5; C's 11, 3): 8 pages
+    case = _shared_prefix_case()  # the history region (4, 9) and own pages (A's 2, 7; B's 5; C's 11, 3): 7 pages
     world = _world(PAGED_BF16, SHARED_SHAPE, True)
     world.write_history(case)
     publish(dataclasses.replace(published(), max_batch_tokens=6 * PAGE))
-    with pytest.raises(CpSharedKvError, match=f"needs 512 tokens of dense KV .* more than {SETTING} 384"):
+    with pytest.raises(CpSharedKvError, match=f"needs 448 tokens of dense KV .* more than {SETTING} 384"):
         world.forward(case)
 
 

@@ -123,7 +123,7 @@ def test_the_table_does_not_depend_on_the_order_of_the_entries(block):
         args = (entry_pages[order], entry_req[order], 20, 40, errors, entry_slots[order])
         assert_same_inverse(want, triton_ops.build_page_inverse(*args, block=block))
         assert_same_inverse(want, reference.build_page_inverse(*args))
-        assert errors.tolist() == [0, 0, 0]
+        assert errors.tolist() == [0, 0, 0, 0]
 
 
 def test_build_page_inverse_empty_batch():
@@ -222,7 +222,7 @@ def test_build_page_inverse_refuses_int64_slots(backend, monkeypatch):
         reference.build_page_inverse(entry_pages, entry_req, 1, 4, errors, entry_slots)
     with pytest.raises(ValueError, match=r"entry_slots must be int32, got torch\.int64"):
         triton_ops.build_page_inverse(entry_pages, entry_req, 1, 4, errors, entry_slots)
-    assert errors.tolist() == [0, 0, 0]
+    assert errors.tolist() == [0, 0, 0, 0]
 
 
 # --- remap_locs -----------------------------------------------------------------------------
@@ -318,7 +318,7 @@ def test_copy_pages_byte_exact_and_bounded(layout, index_dtype, block_words):
         outs.append((buffer, errors))
     (ref, ref_err), (tri, tri_err) = outs
     assert same_bytes(ref, tri)
-    assert tri_err.tolist() == ref_err.tolist() == [4, 0, 0]
+    assert tri_err.tolist() == ref_err.tolist() == [4, 0, 0, 0]
     assert same_bytes(tri[1 + 0], src[9]) and same_bytes(tri[1 + 4], src[3])
 
 
@@ -372,7 +372,7 @@ def test_materialize_and_fill_current_rows_win_over_copied_pages(layout):
     assert same_bytes(rows[0], pool[3].view(page_size, -1)[0]) and same_bytes(rows[3], pool[3].view(page_size, -1)[3])
     for dense, errors in outs:
         assert same_bytes(dense, outs[0][0])
-        assert errors.tolist() == [1, 0, 1]
+        assert errors.tolist() == [1, 0, 1, 0]
 
 
 def test_scatter_rows_unaligned_view_falls_back_to_narrower_words():
@@ -445,7 +445,7 @@ def test_contract_violations_refused_on_every_backend(backend, monkeypatch):
         ops.materialize_and_fill(
             pages, torch.tensor([0]), pages, torch.tensor([1]), torch.zeros(1, 5), torch.tensor([0]), errors
         )
-    assert errors.tolist() == [0, 0, 0]
+    assert errors.tolist() == [0, 0, 0, 0]
 
 
 # --- the [[1,5],[9,5]] shared-page regression -------------------------------------------------
@@ -476,7 +476,7 @@ def test_shared_partial_page_keeps_each_request_its_own_rows(backend, monkeypatc
     dense_locs = ops.remap_locs(cur_locs, cur_req, inverse, page_size, errors)
     assert dense_locs.tolist() == [6, 7, 14, 15]
     ops.scatter_rows(current, dense_locs, dense, errors)
-    assert errors.tolist() == [0, 0, 0]
+    assert errors.tolist() == [0, 0, 0, 0]
     for r, first_page in enumerate((1, 9)):
         view = dense[r * 8 : r * 8 + 8]
         history = torch.cat([pool[first_page * 4 : first_page * 4 + 4], pool[20:22]])

@@ -61,15 +61,16 @@ def test_shared_page_5_each_request_keeps_its_own_slot_and_current_write():
     assert case.state_class == COLLISION
     plan = host_plan(case, 0)
     C = case.capacity
-    # The history region holds each page read as history once (1, 5, 9: slots 0-2); page 5 takes current tokens of
-    # both requests, so each request has its own slot of it (3 and 4), its history rows copied in.
-    assert plan.history_region_slots == 3 and plan.slot_pages.tolist() == [1, 5, 9, 5, 5]
-    assert plan.slot_req.tolist() == [-1, -1, -1, 0, 1]
+    # The history region holds the history-only pages (1, 9: slots 0-1); page 5 takes current tokens of both
+    # requests, so each request has its own slot of it (2 and 3), its history rows copied in from the pool (at cp 1
+    # no view reads page 5 from the region, so the region has no slot of it).
+    assert plan.history_region_slots == 2 and plan.slot_pages.tolist() == [1, 9, 5, 5]
+    assert plan.slot_req.tolist() == [-1, -1, 0, 1]
     inverse = inverse_table(plan.inverse).tolist()
-    assert inverse[0 * C + 5] == 3 and inverse[1 * C + 5] == 4
-    assert inverse[0 * C + 1] == 0 and inverse[1 * C + 9] == 2
+    assert inverse[0 * C + 5] == 2 and inverse[1 * C + 5] == 3
+    assert inverse[0 * C + 1] == 0 and inverse[1 * C + 9] == 1
     # Current tokens: positions 5, 6 of each request, i.e. page 5 offsets 1, 2, in its OWN slot.
-    assert plan.current_dense_locs.tolist() == [3 * 4 + 1, 3 * 4 + 2, 4 * 4 + 1, 4 * 4 + 2]
+    assert plan.current_dense_locs.tolist() == [2 * 4 + 1, 2 * 4 + 2, 3 * 4 + 1, 3 * 4 + 2]
     pool, current = make_pool_and_current(case, torch.bfloat16, 8, seed=1)
     pipe = _pipeline(plan, pool)
     dense = pipe.dense_view("kv", 0, current)
@@ -95,6 +96,69 @@ def test_per_request_lookups_refuse_what_is_outside_the_request():
     ):
         with pytest.raises(CpSharedKvError, match=named):
             lookup()
+
+
+# A and B read pages 1 and 5 as history only (one shared history slot each) and write pages 2 and 3.
+SHARED_HISTORY = BatchCase(
+    page_size=4, capacity=16, page_tables=((1, 5, 2), (1, 5, 3)), prefix_lens=(8, 8), extend_lens=(2, 2)
+)
+
+
+@pytest.mark.parametrize("checked", [False, True], ids=["unchecked", "checked"])
+def test_a_current_row_never_lands_in_a_shared_slot(checked):
+    """B's out_cache_loc disagrees with its page table: its two current tokens name page 5, which B (and A) read
+    as history only, so their dense slot is the shared history slot of page 5. The tokens are dropped and counted on
+    the device (outside checked mode with no host sync: the plan refuses nothing), and A's view keeps page 5's
+    history; checked mode raises, naming the kind."""
+    case = SHARED_HISTORY
+    locs = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
+    assert locs[2:].tolist() == [3 * 4 + 0, 3 * 4 + 1]
+    locs[2:] = torch.tensor([5 * 4 + 0, 5 * 4 + 1])  # B's chunk "in" page 5
+    kw = dict(capacity=case.capacity, page_size=4, cp_size=1, cp_rank=0, strategy="none", checked=checked)
+    build = lambda: build_plan([list(t) for t in case.page_tables], case.prefix_lens, case.extend_lens, locs, **kw)  # noqa: E731
+    if checked:
+        with pytest.raises(CpSharedKvError, match="current token located outside its request's own slots"):
+            build()
+        return
+    plan = build()
+    shared_5 = int(plan.request_slots(0)[1])
+    assert shared_5 == int(plan.request_slots(1)[1]) < plan.history_region_slots
+    assert plan.errors.tolist() == [0, 0, 0, 2]
+    assert plan.current_dense_locs.tolist()[2:] == [-1, -1]
+    pool, current = make_pool_and_current(case, torch.bfloat16, 8, seed=3)
+    dense = _pipeline(plan, pool).dense_view("kv", 0, current)
+    truth = truth_rows(case, pool, current)
+    for p in range(10):  # A: its history (pages 1 and 5) and its chunk, as alone
+        assert same_bytes(dense[plan.dense_location(0, p)], truth[0][p]), p
+    for p in range(8):  # B's history too; its dropped chunk is written nowhere
+        assert same_bytes(dense[plan.dense_location(1, p)], truth[1][p]), p
+    with pytest.raises(CpSharedKvError, match="2 x current token located outside its request's own slots"):
+        plan.raise_if_errors()
+
+
+def test_the_region_holds_the_pages_some_view_reads_from_it():
+    """64 requests on one shared 2-page prefix whose last page each continues (its own slot): at cp 1 the region
+    holds the history-only pages only (an own slot's history comes from the pool); under CP every page read as
+    history (own slots copy theirs from the gathered region). A request without current tokens whose history ends
+    mid-page reads that page as history: a shared slot, not one of its own."""
+    ps, n = 4, 64
+    tables = tuple((1, 2, 3 + r) for r in range(n))
+    case = BatchCase(ps, 80, tables, (10,) * n, (1,) * n)  # history ends in each request's own page 3 + r
+    plan = host_plan(case, 0)
+    assert plan.history_region_slots == 2 and plan.needed_slots == 2 + n
+    cp2 = BatchCase(ps, 80, tables, (10,) * n, (1,) * n, cp_size=2)
+    assert host_plan(cp2, 0).history_region_slots == 2 + n
+
+    zero_extend = BatchCase(ps, 16, ((1, 5), (1, 6)), (6, 6), (0, 2))  # request 0 has no current tokens
+    plan = host_plan(zero_extend, 0)
+    assert int(plan.request_slots(0)[1]) < plan.history_region_slots  # page 5: history, a shared slot
+    assert plan.slot_req.tolist()[: plan.needed_slots] == [-1, -1, 1]  # region (1, 5); only request 1 owns a slot
+    pool, current = make_pool_and_current(zero_extend, torch.bfloat16, 8, seed=4)
+    dense = _pipeline(plan, pool).dense_view("kv", 0, current)
+    truth = truth_rows(zero_extend, pool, current)
+    for r, tokens in ((0, 6), (1, 8)):
+        for p in range(tokens):
+            assert same_bytes(dense[plan.dense_location(r, p)], truth[r][p]), (r, p)
 
 
 def test_shared_page_5_value_keyed_inverse_contaminates():
@@ -270,7 +334,7 @@ def test_page_ids_past_int32_are_bad_ids_not_wrapped():
     assert pages.tolist() == [1, 16]  # 16 = C: counted as out of range by the inverse build
     errors = torch.zeros(3, dtype=torch.int32)
     inverse = reference.build_page_inverse(pages, torch.tensor([0, 0]), 1, 16, errors)
-    assert errors.tolist() == [1, 0, 0] and int(inverse_table(inverse)[5]) == -1
+    assert errors.tolist() == [1, 0, 0, 0] and int(inverse_table(inverse)[5]) == -1
 
 
 def test_checked_mode_remaps_zero_rows(monkeypatch):
@@ -371,7 +435,7 @@ def test_dense_rounding_is_bounded():
         rounded = round_dense_slots(slots)
         assert slots <= rounded <= slots * (1 + MAX_ROUNDING), slots
     assert [round_dense_slots(n) for n in (0, 1, 63, 64, 65, 100, 4097)] == [1, 1, 63, 64, 66, 100, 4224]
-    assert host_plan(SHARED_5, 0).num_slots == 5  # 3 history-region + 2 own slots, nothing to round below 64 slots
+    assert host_plan(SHARED_5, 0).num_slots == 4  # 2 history-region + 2 own slots, nothing to round below 64 slots
 
 
 if __name__ == "__main__":
