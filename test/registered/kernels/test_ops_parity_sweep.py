@@ -20,7 +20,13 @@ import torch
 
 from sglang_cpkv import ops
 from sglang_cpkv.ops import reference
-from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE, new_error_counter
+from sglang_cpkv.ops.errors import (
+    ERR_LOC_OUT_OF_RANGE,
+    ERR_PAGE_OUT_OF_RANGE,
+    ERR_REQ_OUT_OF_RANGE,
+    NUM_ERROR_KINDS,
+    new_error_counter,
+)
 from sglang_cpkv.testing.batches import (
     ROW_LAYOUTS,
     BatchCase,
@@ -185,7 +191,7 @@ def test_bad_ids_dropped_and_counted(provider):
         assert same_bytes(guard[0], before[0]) and same_bytes(guard[5], before[5])
         counts.append((errors.tolist(), guard))
     (ref_err, ref_guard), (got_err, got_guard) = counts
-    expected = [0] * 3
+    expected = [0] * NUM_ERROR_KINDS
     expected[ERR_PAGE_OUT_OF_RANGE] = 3 + 2 + 2  # inverse: 12, -7, 40; remap: 200, 192 (C = 12); copy: 4 (dst), 3 (src)
     expected[ERR_REQ_OUT_OF_RANGE] = 3  # request 5 of 2, three real locations
     expected[ERR_LOC_OUT_OF_RANGE] = 2  # 4 (= M) and -9

@@ -25,6 +25,7 @@ from sglang_cpkv.ops.errors import (
     ERR_LOC_OUT_OF_RANGE,
     ERR_PAGE_OUT_OF_RANGE,
     ERR_REQ_OUT_OF_RANGE,
+    NUM_ERROR_KINDS,
     CpSharedKvError,
     new_error_counter,
 )
@@ -99,7 +100,7 @@ def test_build_page_inverse_counts_bad_ids_and_repeated_pages(block):
     (ref, ref_err), (tri, tri_err) = _both(
         "build_page_inverse", entry_pages, entry_req, 2, 12, kwargs={"entry_slots": entry_slots}, block=block
     )
-    expected = [0] * 3
+    expected = [0] * NUM_ERROR_KINDS
     expected[ERR_PAGE_OUT_OF_RANGE] = 3  # 12, -7 and the second page 3 of request 0
     expected[ERR_REQ_OUT_OF_RANGE] = 1
     assert tri_err.tolist() == ref_err.tolist() == expected
@@ -200,7 +201,7 @@ def test_build_page_inverse_counts_negative_slots(block):
     (ref, ref_err), (tri, tri_err) = _both(
         "build_page_inverse", entry_pages, entry_req, 2, 12, kwargs={"entry_slots": entry_slots}, block=block
     )
-    expected = [0] * 3
+    expected = [0] * NUM_ERROR_KINDS
     expected[ERR_PAGE_OUT_OF_RANGE] = 2
     assert tri_err.tolist() == ref_err.tolist() == expected
     assert same_bytes(ref, tri)
@@ -256,7 +257,7 @@ def test_remap_counts_bad_request_and_page_ids():
     req = torch.tensor([0, -1, 7, -3, 1, 0])
     (ref, ref_err), (tri, tri_err) = _both("remap_locs", locs, req, inverse, 4)
     assert torch.equal(ref, tri)
-    expected = [0] * 3
+    expected = [0] * NUM_ERROR_KINDS
     # request 7's row: two locations (its -1 is padding); request -3's: three (-5 is no padding)
     expected[ERR_REQ_OUT_OF_RANGE] = 5
     # loc 48 (page 12) and loc 50 (page 12) with C = 12; locs -2 and -64 (only -1 is padding)
@@ -339,7 +340,7 @@ def test_scatter_rows_byte_exact_and_bounded(layout, index_dtype, block_rows):
         outs.append((buffer, errors))
     (ref, ref_err), (tri, tri_err) = outs
     assert same_bytes(ref, tri)
-    expected = [0] * 3
+    expected = [0] * NUM_ERROR_KINDS
     expected[ERR_LOC_OUT_OF_RANGE] = 2  # 12 (= M) and -4
     assert tri_err.tolist() == ref_err.tolist() == expected
     assert same_bytes(tri[1 + 11], src[3])
