@@ -3,9 +3,11 @@ when to retire it, the pristine sha256 of every touched file) and the static che
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 import json
+import re
 from pathlib import Path
 
 from sglang_cpkv.overlay.common import OverlayError, sha256_bytes, write_if_changed
@@ -15,6 +17,9 @@ from sglang_cpkv.overlay.wheels import pinned_wheel, read_wheel_files
 
 MANIFEST_FIELDS = ("patch", "description", "why", "touches", "origin", "forwarded", "retire_when", "last_refreshed")
 HISTORY_FIELDS = ("patch", "description", "retired_in", "reason")
+PROSE_FIELDS = ("description", "why", "retire_when")  # where the manifest names our code
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # python/sglang_cpkv: the names are resolved in its sources
+_OUR_NAME = re.compile(r"\bsglang_cpkv(?:\.\w+)+")
 
 
 def read_series(path: Path) -> list[str]:
@@ -71,6 +76,42 @@ def dump_manifest(manifest: dict) -> str:
     return json.dumps(manifest, indent=2, ensure_ascii=False) + "\n"
 
 
+def _defined_names(body: list[ast.stmt]) -> dict[str, list[ast.stmt] | None]:
+    """The names a module (or class) body binds at its top level; a class maps to its own body."""
+    names: dict[str, list[ast.stmt] | None] = {}
+    for node in body:
+        if isinstance(node, ast.ClassDef):
+            names[node.name] = node.body
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names[node.name] = None
+        elif isinstance(node, ast.Assign):
+            names.update({t.id: None for t in node.targets if isinstance(t, ast.Name)})
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names[node.target.id] = None
+        elif isinstance(node, ast.ImportFrom):
+            names.update({(a.asname or a.name): None for a in node.names})
+    return names
+
+
+def resolves(name: str, package_dir: Path = PACKAGE_DIR) -> bool:
+    """Whether ``sglang_cpkv.a.b.c`` names a module of ``package_dir``, or a name (or a class's member) defined in
+    one: read from the sources, so the check needs no import (and no torch)."""
+    parts = name.split(".")[1:]
+    for cut in range(len(parts), -1, -1):
+        base = package_dir.joinpath(*parts[:cut])
+        path = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+        if not path.is_file():
+            continue
+        body: list[ast.stmt] | None = ast.parse(path.read_text(encoding="utf-8")).body
+        for attr in parts[cut:]:
+            names = _defined_names(body or [])
+            if attr not in names:
+                return False
+            body = names[attr]
+        return True
+    return False
+
+
 def validate_queue(queue: Queue, pin: Pin) -> list[str]:
     """Static checks of series, manifest and patch files; returns one message per problem."""
     errors: list[str] = []
@@ -117,6 +158,11 @@ def validate_queue(queue: Queue, pin: Pin) -> list[str]:
                     errors.append(f"{name}: 'touches' must be a non-empty list of upstream paths")
             elif not isinstance(value, str) or not value.strip():
                 errors.append(f"{name}: missing or empty '{field}'")
+        for field in PROSE_FIELDS:
+            text = entry.get(field)
+            for our_name in sorted(set(_OUR_NAME.findall(text if isinstance(text, str) else ""))):
+                if not resolves(our_name):
+                    errors.append(f"{name}: '{field}' names {our_name}, which python/sglang_cpkv does not define")
         forwarded = entry.get("forwarded")
         if (
             isinstance(forwarded, str)

@@ -543,20 +543,24 @@ def test_cp2_each_rank_reads_the_same_kv_with_the_mode_on(gloo_results, name):
             _assert_same_reads(a, b, f"{name} rank {rank} forward {forward}")
 
 
-@pytest.mark.parametrize("name", list(SHARING_CP2_ROUTES))
-def test_cp2_sharing_patterns_read_what_each_request_reads_alone(gloo_results, name):
-    """The collision-class sharing batch at cp 2 (both ranks' query rows together) reads, at every position of every
-    request, what that request reads alone at cp 2: shared history slots gathered in place, CURRENT_REUSE and reused
-    pages in own slots."""
-    case = _sharing_case(CP)
-    route = SHARING_CP2_ROUTES[name]
-    for layer in range(route.num_layers):
+def _assert_cp2_reads_alone(gloo_results, name, case, num_layers):
+    """Scenario ``name``'s batch at cp 2 (both ranks' query rows together) reads, at every position of every request
+    and every layer, what that request reads alone at cp 2 (mode on)."""
+    for layer in range(num_layers):
         batch = _request_reads([(results[(name, True)][0][0], case) for results in gloo_results], layer)
         alone = {}
         for r in range(case.num_requests):
             runs = [results[("alone", name, r)] for results in gloo_results]
             alone.update({(r, p): v for (_, p), v in _request_reads(runs, layer).items()})
         _assert_reads_alone(batch, alone, f"{name} layer {layer}")
+
+
+@pytest.mark.parametrize("name", list(SHARING_CP2_ROUTES))
+def test_cp2_sharing_patterns_read_what_each_request_reads_alone(gloo_results, name):
+    """The collision-class sharing batch at cp 2 (both ranks' query rows together) reads, at every position of every
+    request, what that request reads alone at cp 2: shared history slots gathered in place, CURRENT_REUSE and reused
+    pages in own slots."""
+    _assert_cp2_reads_alone(gloo_results, name, _sharing_case(CP), SHARING_CP2_ROUTES[name].num_layers)
 
 
 def test_cp2_ragged_requests_read_what_they_read_alone(gloo_results):
@@ -566,13 +570,7 @@ def test_cp2_ragged_requests_read_what_they_read_alone(gloo_results):
     name = "shared-ragged"
     case = next(cases[0] for n, _, cases, _ in _cp2_scenarios() if n == name)
     assert case.prefix_lens[2] == 0 and case.prefix_lens[0] > 0
-    for layer in range(RAGGED_FP8.num_layers):
-        batch = _request_reads([(results[(name, True)][0][0], case) for results in gloo_results], layer)
-        alone = {}
-        for r in range(case.num_requests):
-            runs = [results[("alone", name, r)] for results in gloo_results]
-            alone.update({(r, p): v for (_, p), v in _request_reads(runs, layer).items()})
-        _assert_reads_alone(batch, alone, f"{name} layer {layer}")
+    _assert_cp2_reads_alone(gloo_results, name, case, RAGGED_FP8.num_layers)
 
 
 def test_cp2_allocator_page_tables_come_from_its_owner_classes(gloo_results):

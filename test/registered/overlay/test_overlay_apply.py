@@ -306,6 +306,16 @@ def _break_retire_when(root: Path) -> str:
     return "core/add-hook-one.patch: missing or empty 'retire_when'"
 
 
+def _break_our_name(root: Path) -> str:
+    manifest = json.loads((root / "patches" / "manifest.json").read_text())
+    manifest["patches"][0]["description"] += " Calls sglang_cpkv.hooks.dsa_extend.on_attn_cp_group_created."
+    (root / "patches" / "manifest.json").write_text(dump_manifest(manifest))
+    return (
+        "core/add-hook-one.patch: 'description' names sglang_cpkv.hooks.dsa_extend.on_attn_cp_group_created, "
+        "which python/sglang_cpkv does not define"
+    )
+
+
 def _break_touches(root: Path) -> str:
     manifest = json.loads((root / "patches" / "manifest.json").read_text())
     manifest["patches"][2]["touches"] = [SERVER_ARGS]
@@ -333,6 +343,7 @@ def _break_manifest_extra(root: Path) -> str:
         _break_unused_patch,
         _break_duplicate,
         _break_retire_when,
+        _break_our_name,
         _break_touches,
         _break_newline,
         _break_manifest_extra,
