@@ -17,8 +17,8 @@ DSA index-K pages), on one rank (the one packing the most pages), what ``runtime
 
 The floor is what any owner-sharded exchange must move: the all-gather of the batch's distinct history pages
 straight into the dense view plus packing this rank's owned pages (the current rows are counted on both sides);
-at cp 1 the history copy. Since the history region is gathered in place (issue 24), today's pipeline moves the
-floor's bytes plus the own pages' history rows.
+at cp 1 the history copy. The pipeline gathers the history region in place, so it moves the floor's bytes plus the
+own pages' history rows.
 
 Times are lower bounds: bytes over the vendor's peak (HBM; NVLink per direction), the serial chain's steps
 summed.

@@ -105,7 +105,7 @@ class PageInverse:
     tensors, run after run, and a key held twice keeps the slot of its lowest entry.
 
     Attributes:
-        keys: int64 ``[T]``, ``T`` a power of two. slots: int32 ``[T]`` (defined only in held cells).
+        keys: int64 ``[T]``, ``T`` a power of two. slots: int32 ``[T]``, -1 in an empty cell (key ``EMPTY_KEY``).
         num_requests: ``R``. capacity: ``C``, the page ids a lookup may name (a larger one is a bad id).
     """
 
