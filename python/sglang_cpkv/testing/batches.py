@@ -48,6 +48,7 @@ from sglang_cpkv.runtime import (
     rows_kind,
     split_applies,
 )
+from sglang_cpkv.runtime.reservation import Reservation
 from sglang_cpkv.testing.lockstep import run_lockstep
 
 REACHABLE = "reachable-0.5.23"
@@ -262,6 +263,22 @@ def assert_same_inverse(want: ops.PageInverse, have: ops.PageInverse) -> None:
     assert (have.capacity, have.num_requests) == (want.capacity, want.num_requests)
     assert torch.equal(have.keys.cpu(), want.keys.cpu()), (have.keys, want.keys)
     assert torch.equal(have.slots.cpu(), want.slots.cpu()), (have.slots, want.slots)
+
+
+# Issue 33's B300 batch: the reservation and the widened page ids upstream's sizing gives GLM-5.1-FP8 at TP 8 / CP 8,
+# chunk 65,536, flashmla_kv (budget 0.85 x HBM - the weights; a rank's pool of 38,438 pages, so C = 8 x 38,438).
+# capacity/test_capacity_planner.py derives both through upstream and checks them against these; the GPU peak test
+# (runtime/test_runtime_cuda.py) uses them where upstream's sizing does not run.
+B300_GLM51_RESERVATION = Reservation(
+    max_batch_tokens=332800,
+    chunk_tokens=65536,
+    page_size=64,
+    cp_size=8,
+    views_per_kind=2,
+    latent_token_bytes=656,
+    index_k_token_bytes=132,
+)
+B300_GLM51_CAPACITY = 8 * 38438
 
 
 def shared_prompt_batch(

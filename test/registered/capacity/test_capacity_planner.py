@@ -126,7 +126,7 @@ def test_every_per_batch_byte_of_the_glm51_b300_batch_is_inside_the_charge():
 
     from sglang_cpkv.ops import inverse_bytes
     from sglang_cpkv.runtime import build_plan
-    from sglang_cpkv.testing.batches import shared_prompt_batch
+    from sglang_cpkv.testing.batches import B300_GLM51_CAPACITY, B300_GLM51_RESERVATION, shared_prompt_batch
 
     gpu, model = GPUS["b300"], MODELS["glm-5.1-fp8"]
     server = prefill_cp_server(
@@ -144,6 +144,8 @@ def test_every_per_batch_byte_of_the_glm51_b300_batch_is_inside_the_charge():
     capacity = cp * -(-node.pool_tokens // page)
     requests, prompt_pages, new_tokens = 1024, 16, 16
     assert cp == 8 and capacity > 300_000
+    # The GPU peak test (runtime/test_runtime_cuda.py) runs this batch at these figures, without upstream's sizing.
+    assert (reserved, capacity) == (B300_GLM51_RESERVATION, B300_GLM51_CAPACITY)
     assert requests * capacity * 4 > 2**30 > reserved.total_bytes  # what the R x C table would have allocated
 
     table, prefix_lens, extend_lens, locs = shared_prompt_batch(requests, prompt_pages, new_tokens, cp, page)

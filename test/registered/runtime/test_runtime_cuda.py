@@ -13,8 +13,9 @@ import torch
 
 from sglang_cpkv import ops
 from sglang_cpkv.runtime import LayerPipeline, SingleRankGroup, build_plan, rows_kind
-from sglang_cpkv.runtime.reservation import Reservation
 from sglang_cpkv.testing.batches import (
+    B300_GLM51_CAPACITY,
+    B300_GLM51_RESERVATION,
     POISON_BYTE,
     BatchCase,
     RankResult,
@@ -100,21 +101,6 @@ def test_gpu_layers_equal_cpu_without_host_sync(index):
         assert not problems, f"layer {layer}: pool after persist: " + "; ".join(problems[:5])
 
 
-# Issue 33's B300 batch: the reservation upstream's sizing gives GLM-5.1-FP8 at TP 8 / CP 8, chunk 65,536,
-# flashmla_kv (test_capacity_planner's test_every_per_batch_byte_of_the_glm51_b300_batch_is_inside_the_charge
-# derives it through upstream: pool 2,459,904 tokens per rank, so C = 8 x 38,436 page ids).
-B300_RESERVATION = Reservation(
-    max_batch_tokens=332800,
-    chunk_tokens=65536,
-    page_size=64,
-    cp_size=8,
-    views_per_kind=2,
-    latent_token_bytes=656,
-    index_k_token_bytes=132,
-)
-B300_CAPACITY = 8 * 38436
-
-
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
 def test_the_plan_device_peak_of_the_b300_batch_is_inside_the_batch_plan_part(backend, monkeypatch):
     """What the allocator actually hands out while a batch's plan is built (the inverse's sort scratch, the
@@ -123,11 +109,11 @@ def test_the_plan_device_peak_of_the_b300_batch_is_inside_the_batch_plan_part(ba
     monkeypatch.setenv(ops.BACKEND_ENV, backend)
     device = torch.device("cuda")
     ops.warm_up(device)
-    reserved, cp, page = B300_RESERVATION, B300_RESERVATION.cp_size, B300_RESERVATION.page_size
+    reserved, cp, page = B300_GLM51_RESERVATION, B300_GLM51_RESERVATION.cp_size, B300_GLM51_RESERVATION.page_size
     requests, prompt_pages, new_tokens = 1024, 16, 16
     table, prefix_lens, extend_lens, locs = shared_prompt_batch(requests, prompt_pages, new_tokens, cp, page)
     out_cache_loc = torch.tensor(locs, dtype=torch.int64, device=device)
-    kwargs = dict(capacity=B300_CAPACITY, page_size=page, cp_size=cp, strategy="interleave", checked=False)
+    kwargs = dict(capacity=B300_GLM51_CAPACITY, page_size=page, cp_size=cp, strategy="interleave", checked=False)
     for rank in (0, cp - 1):
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sglang_cpkv.ops import reference
-from sglang_cpkv.ops.errors import CpSharedKvError
+from sglang_cpkv.ops.errors import CpSharedKvError, new_error_counter
 from sglang_cpkv.runtime import (
     CHECKED_ENV_VAR,
     MAX_ROUNDING,
@@ -332,7 +332,7 @@ def test_page_ids_past_int32_are_bad_ids_not_wrapped():
     table = torch.tensor([[1, 2**32 + 5]], dtype=torch.int64)
     pages = _entry_pages(table, torch.tensor([0, 0]), torch.tensor([0, 1]), capacity=16)
     assert pages.tolist() == [1, 16]  # 16 = C: counted as out of range by the inverse build
-    errors = torch.zeros(3, dtype=torch.int32)
+    errors = new_error_counter("cpu")
     inverse = reference.build_page_inverse(pages, torch.tensor([0, 0]), 1, 16, errors)
     assert errors.tolist() == [1, 0, 0, 0] and int(inverse_table(inverse)[5]) == -1
 

@@ -9,6 +9,7 @@ current tokens, batch order), and the write leaves every other row as it was."""
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 import torch
@@ -73,3 +74,7 @@ def test_lengths_that_disagree_are_refused():
         history_less_rows([10, 0], [5, 5], [0, 1], [15], "cpu")
     with pytest.raises(ValueError, match="widths do not add up"):
         write_history_less_rows(torch.zeros(2, 1, 8), torch.zeros(2, 5), torch.zeros(2, 2), torch.zeros(2, 1).long())
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
