@@ -272,10 +272,13 @@ def test_a_batch_past_the_reservation_is_refused_naming_the_setting():
         world.forward(case)
 
 
-def test_index_share_layers():
+@pytest.mark.parametrize("layer_ahead", ["0", "1"], ids=["synchronous", "layer-ahead"])
+def test_index_share_layers(layer_ahead, monkeypatch):
     """Regression a: layers that reuse another layer's top-k have a 0-row index-K pool; the mode must neither
-    prefetch nor materialize index K for them (it crashed at layer 0: 'pool has 0 rows'). The RAGGED route with
-    IndexShare layers runs at cp 2 below."""
+    prefetch nor materialize index K for them (it crashed at layer 0: 'pool has 0 rows'), with each layer's history
+    taken by the layer itself or one layer ahead (the prefetch of the next layer that has an indexer). The RAGGED
+    route with IndexShare layers runs at cp 2 below."""
+    monkeypatch.setenv("SGLANG_CPKV_LAYER_AHEAD", layer_ahead)
     route = KitRoute("flashmla_sparse", skip_topk_layers=INDEX_SHARE)
     case = _shared_prefix_case()
     off, on = _run_pair(route, case, SHARED_SHAPE)
