@@ -19,7 +19,7 @@ def _us(seconds: float) -> str:
 
 def budget_lines(rows: list[dict[str, Any]], hbm_bytes: float, weights_bytes: float) -> list[str]:
     """What the budget column is: the operator's setting, and what upstream's own default gives that server."""
-    lines: list[str] = []
+    described: list[tuple[int, str]] = []  # (cp, what its budget is)
     for row in rows:
         fraction, default = row["mem_fraction_static"], row["upstream_mem_fraction_static"]
         given = (
@@ -33,9 +33,10 @@ def budget_lines(rows: list[dict[str, Any]], hbm_bytes: float, weights_bytes: fl
             f"budget per GPU: {given}; upstream's default for this server resolves to --mem-fraction-static "
             f"{default:.3f} ({'no KV budget' if resolved <= 0 else f'{resolved / GIB:.1f} GiB'})"
         )
-        lines.append(f"cp {row['cp']}: {line}")
-    same = {line.split(": ", 1)[1] for line in lines}
-    return [f"every cp: {same.pop()}"] if len(same) == 1 else lines
+        described.append((row["cp"], line))
+    if len({line for _, line in described}) == 1:
+        return [f"every cp: {described[0][1]}"]
+    return [f"cp {cp}: {line}" for cp, line in described]
 
 
 def table(rows: list[dict[str, Any]], title: str, request_tokens: int, notes: list[str] = ()) -> str:
