@@ -16,6 +16,8 @@ returned ``AddReqResult``), against ``sglang_cpkv.hooks.reservation.defers_reque
 * with no reservation published (the mode off) the same three requests are all admitted (upstream's behaviour);
 * under a chunk budget smaller than a long prompt, the long request counts only its chunk (the batch's remaining
   chunk budget, page-rounded), not its whole prompt: it is admitted as the batch's chunked request;
+* with the radix cache off, a chunked request's continuation (upstream's checkpoint, ``add_chunked_req``) counts its
+  history as its own pages, which no radix node holds;
 * requests on one cached prompt (a radix hit) count the prompt once, as the plan's shared history slots hold it: the
   issue's 16 requests on a 60K-token prompt are admitted whole under the deployment's default limit;
 * the running tally of a pass follows a radix node that a later request's match splits, as a walk of the whole batch
@@ -108,7 +110,7 @@ class World:
             )
         self.tree_cache = UnifiedRadixCache(
             CacheInitParams(
-                disable=False,
+                disable=args.disable_radix_cache,  # as upstream's cache builder gives it
                 req_to_token_pool=self.req_to_token_pool,
                 token_to_kv_pool_allocator=self.allocator,
                 page_size=PAGE,
@@ -274,6 +276,36 @@ def test_a_chunked_request_counts_only_its_chunk(monkeypatch):
     assert rids(adder) == ["r0"]
     assert results == {"r0": AddReqResult.CONTINUE, "r1": AddReqResult.OTHER}
     assert adder.new_chunked_req is None
+
+
+@pytest.mark.parametrize("limit_pages, admitted", [(16, ["r0", "r1"]), (15, ["r0"])])
+def test_a_chunked_continuation_without_a_radix_cache_counts_its_history(monkeypatch, limit_pages, admitted):
+    """The radix cache off, a P/D prefill server's chunked request: pass 1 prefills r0's first 512 tokens (a chunk),
+    and upstream's checkpoint (``checkpoint_kv_cache``, which a disabled tree does not record) leaves r0 a history
+    no radix node holds. Pass 2 continues it as the scheduler does (``add_chunked_req``): its 8 history pages count as
+    its own, with its 7 pages of new tokens, so r1 (one page) fits a limit of 16 pages and waits at 15. Counting the
+    history from the (empty) radix path instead would admit r1 at 15 pages."""
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache
+
+    chunk = 512
+    world = World(monkeypatch, mode_on=True, chunked_prefill_size=chunk, disable_radix_cache=True)
+    assert world.tree_cache.disable
+    publish_limit(limit_pages * PAGE, chunk_tokens=chunk)
+    r0, r1 = make_req("r0", 960, 1000), make_req("r1", 50, 5000)
+    adder, _ = world.prefill_pass([r0])
+    assert adder.new_chunked_req is r0 and r0.extend_end == chunk
+    checkpoint_kv_cache(r0, world.tree_cache)
+    assert r0.prefix_len == chunk
+
+    adder = world.adder([r1])
+    r0.init_next_round_input()
+    assert adder.add_chunked_req(r0) is None  # its last chunk: 448 tokens, 64 of the chunk budget left
+    r1.init_next_round_input(world.tree_cache)
+    result = adder.add_one_req(r1, has_chunked_req=True, truncation_align_size=None)
+    assert rids(adder) == admitted, result
+    tally = reservation_hooks.admission_tally(adder)
+    assert tally.pages == walked_dense_pages(world.tree_cache, [(r, r.extend_end) for r in adder.can_run_list])
+    assert tally.pages == 8 + 7 + (len(admitted) - 1)
 
 
 def _cache_prompt(world: World, tokens: list[int]) -> None:
