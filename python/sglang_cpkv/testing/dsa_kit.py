@@ -224,18 +224,16 @@ def missing_kernel_library(route: KitRoute) -> str | None:
 
 
 class _Capture:
-    """Replaces the backend's kernels (and, on CPU, the RAGGED dequantization) with recorders."""
+    """Replaces the backend's kernels with recorders (upstream's RAGGED dequantization runs as it is: its Triton
+    kernel, on CPU in the interpreter)."""
 
-    def __init__(self, up: dict, backend: Any, run_kernels: bool) -> None:
+    def __init__(self, backend: Any, run_kernels: bool) -> None:
         self.calls: list[KernelReads] = []
-        self._up, self._backend = up, backend
-        self._saved_dequant = up["dsa_backend_module"].dequantize_k_cache_paged_dsa
+        self._backend = backend
         flash_mla = importlib.util.find_spec("flash_mla") is not None
         for name in KERNELS:
             run = run_kernels and ("triton" in name or flash_mla)
             setattr(backend, name, self._kernel(name, getattr(backend, name), run))
-        if not torch.cuda.is_available():
-            up["dsa_backend_module"].dequantize_k_cache_paged_dsa = _dequantize_rows
         if not flash_mla:
             # flashmla_kv's scheduling metadata comes from the flash_mla library, absent here with its kernel.
             backend._compute_flashmla_metadata = lambda cache_seqlens, seq_len_q: SimpleNamespace(
@@ -243,7 +241,6 @@ class _Capture:
             )
 
     def restore(self) -> None:
-        self._up["dsa_backend_module"].dequantize_k_cache_paged_dsa = self._saved_dequant
         for name in (*KERNELS, "_compute_flashmla_metadata"):
             self._backend.__dict__.pop(name, None)
 
@@ -257,18 +254,6 @@ class _Capture:
             return q.new_zeros(q.shape[0], q.shape[1], NOPE)
 
         return record
-
-
-def _dequantize_rows(quant_k_cache: torch.Tensor, page_table_1_flattened: torch.Tensor, group_size: int = 128):
-    """CPU stand-in for upstream's ``dequantize_k_cache_paged_dsa`` (a Triton kernel): the same arithmetic on the
-    656-byte rows, in order (NoPE fp8 x its tile's fp32 scale, in fp32, to bf16; RoPE bf16 as stored), so the keys a
-    kernel reads are the bf16 rows it reads on a GPU."""
-    rows = quant_k_cache.reshape(-1, quant_k_cache.shape[-1])[page_table_1_flattened.to(torch.int64)]
-    tiles = NOPE // group_size
-    scales = rows[:, NOPE : NOPE + 4 * tiles].contiguous().view(torch.float32)
-    nope = rows[:, :NOPE].to(torch.float32) * scales.repeat_interleave(group_size, dim=1)
-    rope = rows[:, NOPE + 4 * tiles :].contiguous().view(torch.bfloat16)
-    return torch.cat([nope.to(torch.bfloat16), rope], dim=-1).unsqueeze(1)
 
 
 def _reads(name: str, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, output) -> KernelReads:
@@ -552,7 +537,7 @@ class KitWorld:
         up, route, device, backend = self.up, self.route, self.device, self.backend
         forward_batch, cur_locs, local_tokens, metadata_cp = self._extend_batch(case)
         layers_batch = self._extend_batch(case)[0] if layers_see_another_forward_batch else forward_batch
-        capture = _Capture(up, backend, self.run_kernels)
+        capture = _Capture(backend, self.run_kernels)
         kernel_reads, index_reads = [], {}
         try:
             with torch.no_grad(), up["context"](backend):
