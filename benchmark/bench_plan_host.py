@@ -6,7 +6,7 @@ the mode's hook inside it: the plan, the batch's pipeline, the remapped tables).
 ``init_forward_metadata`` on a batch of ``--history`` + ``--extend`` tokens per request, with the mode off and on
 (layer-ahead and synchronous), and reports the median host time per call (``time.perf_counter`` around the call,
 the device synchronized before the clock starts) and, on a GPU, the CUDA-event time of the same window. ``--profile``
-adds, for the mode on, the functions of ``sglang_cpkv`` and the torch calls that take the most host time (cProfile).
+adds, for each configuration, the functions of ``sglang_cpkv`` and the torch calls that take the most host time (cProfile).
 
     python benchmark/bench_plan_host.py --device cuda [--requests 1,8,16,32,64 --history 8192 --extend 1024] \\
         [--backend flashmla_kv --fp8] [--profile] --out plan.json
@@ -62,6 +62,13 @@ def _profile(world: KitWorld, forward_batch, reps: int) -> str:
     stats = pstats.Stats(profiler, stream=out)
     stats.sort_stats("tottime").print_stats(r"sglang_cpkv|torch|built-in", 25)
     stats.sort_stats("cumulative").print_stats(r"sglang_cpkv", 25)
+    # The host time of each torch op (cProfile charges tensor indexing to its caller), and the ops per call.
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as trace:
+        for _ in range(reps):
+            world.backend.init_forward_metadata(forward_batch)
+    top = [e for e in trace.events() if e.cpu_parent is None and e.name.startswith(("aten::", "cuda", "sglang_cpkv"))]
+    out.write(f"\ntop-level torch ops per call: {len(top) / reps:.0f}\n")
+    out.write(trace.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
     return out.getvalue()
 
 
@@ -90,7 +97,7 @@ def main(argv=None) -> int:
             forward_batch = world._extend_batch(case)[0]
             with torch.no_grad(), world.up["context"](world.backend):
                 host_ms, device_ms = _time(world, forward_batch, args.reps)
-                if args.profile and mode_on:
+                if args.profile:
                     profiles[f"{requests} requests, {label}"] = _profile(world, forward_batch, args.reps)
             rows.append({"requests": requests, "config": label, "host_ms": host_ms, "device_ms": device_ms})
             del world

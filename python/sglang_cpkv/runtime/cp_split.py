@@ -115,10 +115,13 @@ class CpSplit:
                 None to copy it there.
 
         Returns:
-            ``[physical_rows, ...]``, same dtype/device as ``x``: real rows first, then padding.
+            ``[physical_rows, ...]``, same dtype/device as ``x``: real rows first, then padding. Un-split
+            (``"none"``) that is ``x[:N]`` itself, a view.
         """
         if x.shape[0] < self.num_tokens:
             raise CpSharedKvError(f"CP shard: tensor has {x.shape[0]} rows, the batch has {self.num_tokens} tokens")
+        if self.strategy == "none":
+            return x[: self.num_tokens]
         index = self.local_token_index.to(x.device) if local_index is None else local_index
         out = x.new_full((self.physical_rows, *x.shape[1:]), pad_value)
         out[: index.numel()] = x.index_select(0, index)

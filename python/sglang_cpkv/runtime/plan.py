@@ -43,7 +43,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
 
 from sglang_cpkv import ops
@@ -89,15 +91,14 @@ class CpSharedKvPlan:
             under CP the pages of this rank's block (at :func:`~.ownership.owner_pool_page`).
         view_copy_src_slots, view_copy_dst_slots: int32, under CP the copies from the gathered region into own
             slots that hold history rows (empty at cp 1).
-        local_req_id: int64 ``[physical_rows]``, request row of each local query row of this
-            rank (the companion of the split; padding rows -1).
-        local_out_cache_loc: ``[physical_rows]`` (dtype of ``out_cache_loc``), the split
-            ``out_cache_loc`` (padding rows -1).
-        local_token_index: int64 ``[per_rank_logical[cp_rank]]``, global token of each real local row.
-        current_gather_index: int64 ``[N]``, see :meth:`CpSplit.unshard`.
+        out_cache_loc: ``[N]``, the current tokens' pool locations as given.
         owned_cache_write_locs: int64 ``[N]``: the row of this rank's pool of each current token whose page
             it owns (:func:`~.ownership.page_owner`, :func:`~.ownership.owner_pool_loc`), else -1.
         errors: int32 ``[NUM_ERROR_KINDS]`` device error counter shared by every op of the batch.
+
+    This rank's side of the CP split (made on first use: the serving hooks take upstream's own split, the harness and
+    the tests ask for these): :attr:`local_req_id`, :attr:`local_out_cache_loc`, :attr:`local_token_index`,
+    :attr:`current_gather_index`.
     """
 
     num_requests: int
@@ -124,12 +125,29 @@ class CpSharedKvPlan:
     pool_copy_slots: torch.Tensor
     view_copy_src_slots: torch.Tensor
     view_copy_dst_slots: torch.Tensor
-    local_req_id: torch.Tensor
-    local_out_cache_loc: torch.Tensor
-    local_token_index: torch.Tensor
-    current_gather_index: torch.Tensor
+    out_cache_loc: torch.Tensor
     owned_cache_write_locs: torch.Tensor
     errors: torch.Tensor
+
+    @cached_property
+    def local_token_index(self) -> torch.Tensor:
+        """int64 ``[per_rank_logical[cp_rank]]``: the global token of each real local row of this rank."""
+        return _on_device(self.split.local_token_index, self.device)
+
+    @cached_property
+    def current_gather_index(self) -> torch.Tensor:
+        """int64 ``[N]``: see :meth:`~.cp_split.CpSplit.unshard`."""
+        return _on_device(self.split.gather_index, self.device)
+
+    @cached_property
+    def local_req_id(self) -> torch.Tensor:
+        """int64 ``[physical_rows]``: the request row of each local query row of this rank (padding rows -1)."""
+        return self.split.shard(self.token_req_id, PADDING_ID, self.local_token_index)
+
+    @cached_property
+    def local_out_cache_loc(self) -> torch.Tensor:
+        """``[physical_rows]`` (dtype of ``out_cache_loc``): this rank's rows of ``out_cache_loc`` (padding rows -1)."""
+        return self.split.shard(self.out_cache_loc, PADDING_ID, self.local_token_index)
 
     @property
     def cp_size(self) -> int:
@@ -153,9 +171,8 @@ class CpSharedKvPlan:
         """Bytes of every device tensor the plan holds for its batch, the inverse included (the reservation's
         batch-plan part charges them, with the staged entries)."""
         held = self.inverse.nbytes
-        for name in self.__dataclass_fields__:
-            value = getattr(self, name)
-            if isinstance(value, torch.Tensor) and name != "entry_slots_host":  # the one host tensor
+        for name, value in vars(self).items():  # the fields, and the split's tensors once made
+            if isinstance(value, torch.Tensor) and name not in ("entry_slots_host", "out_cache_loc"):
                 held += value.numel() * value.element_size()
         return held
 
@@ -205,13 +222,34 @@ class CpSharedKvPlan:
         ops.raise_if_errors(self.errors, where)
 
 
-def _stage(host: Sequence[torch.Tensor], device: torch.device, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Small 1-D host tensors on ``device`` as ``dtype``, without a host sync: one pinned buffer and one copy for
-    all of them (on a GPU each staging is a pinned allocation and a copy launch, the plan's main host cost)."""
-    packed = torch.cat([t.to(dtype) for t in host])
+def _stage(device: torch.device, int64s: Sequence[np.ndarray], int32s: Sequence[np.ndarray]):
+    """Host arrays on ``device`` as int64 and int32 tensors, without a host sync: packed into one byte buffer, pinned
+    and copied once (on a GPU each staging is a pinned allocation and a copy launch, a large part of the plan's host
+    cost). Returns the int64 tensors and the int32 tensors, in the order given."""
+    sizes64, sizes32 = [int(a.size) for a in int64s], [int(a.size) for a in int32s]
+    split = 8 * sum(sizes64)
+    packed = np.empty(split + 4 * sum(sizes32), dtype=np.uint8)
+    for arrays, dtype, out in ((int64s, np.int64, packed[:split]), (int32s, np.int32, packed[split:])):
+        if arrays:
+            np.concatenate(arrays, out=out.view(dtype), casting="same_kind")
+    host = torch.from_numpy(packed)
     if device.type == "cuda":
-        packed = packed.pin_memory()
-    return list(packed.to(device, non_blocking=True).split([t.numel() for t in host]))
+        host = host.pin_memory()
+    staged = host.to(device, non_blocking=True)
+    return (
+        list(staged[:split].view(torch.int64).split(sizes64)),
+        list(staged[split:].view(torch.int32).split(sizes32)),
+    )
+
+
+def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without a host sync (through pinned memory on a GPU)."""
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+def _host_array(host: torch.Tensor) -> np.ndarray:
+    """A host tensor's values as int64 numpy (``.numpy()`` refuses a device tensor: this never synchronizes)."""
+    return host.numpy().astype(np.int64, copy=False)
 
 
 def _host_page_table(page_table: torch.Tensor | Sequence[Sequence[int]], num_requests: int) -> torch.Tensor:
@@ -257,28 +295,40 @@ def _validate_host_locations(out_cache_loc: torch.Tensor, capacity: int, page_si
         )
 
 
-def _validate_host_ids(table: torch.Tensor, pages_needed: list[int], capacity: int) -> None:
-    """Page ids of used entries in ``[0, C)`` and distinct within each request (host table only)."""
-    for r, used in enumerate(pages_needed):
-        row = table[r, :used].to(torch.int64)
-        bad = ((row < 0) | (row >= capacity)).nonzero().flatten().tolist()
-        if bad:
-            raise CpSharedKvError(
-                f"request {r}: page ids outside [0, capacity={capacity}) at page index/value "
-                f"{[(j, int(row[j])) for j in bad]}"
-            )
-        uniq, counts = row.unique(return_counts=True)
-        if bool((counts > 1).any()):
-            raise CpSharedKvError(f"request {r}: page ids {uniq[counts > 1].tolist()} appear twice in its page table")
+def _validate_host_ids(ids: np.ndarray, entry_req: np.ndarray, entry_j: np.ndarray, capacity: int) -> None:
+    """Page ids ``ids`` of the entries in ``[0, C)`` and distinct within each request (host table only); the first
+    request (in batch order) with a bad id or a repeated one is named."""
+    outside = (ids < 0) | (ids >= capacity)
+    order = np.lexsort((ids, entry_req))  # by request, then page id: a repeat is next to its first
+    repeat = np.zeros(ids.size, dtype=bool)
+    repeat[order[1:]] = (entry_req[order[1:]] == entry_req[order[:-1]]) & (ids[order[1:]] == ids[order[:-1]])
+    bad = outside | repeat
+    if not bad.any():
+        return
+    r = int(entry_req[np.flatnonzero(bad)[0]])
+    mine = entry_req == r
+    if outside[mine].any():
+        raise CpSharedKvError(
+            f"request {r}: page ids outside [0, capacity={capacity}) at page index/value "
+            f"{[(int(j), int(p)) for j, p in zip(entry_j[mine & outside], ids[mine & outside])]}"
+        )
+    raise CpSharedKvError(
+        f"request {r}: page ids {sorted(set(ids[mine & repeat].tolist()))} appear twice in its page table"
+    )
 
 
-def _entry_pages(table: torch.Tensor, entry_req: torch.Tensor, entry_j: torch.Tensor, capacity: int) -> torch.Tensor:
-    """int32 page id of every entry, gathered on the table's device. An id outside ``[0, C)`` becomes ``C`` before
-    the int32 cast (so ``2**32 + 5`` cannot wrap to page 5): the inverse build counts it as bad."""
-    if table.device.type != "cpu":  # staged through pinned memory: no host sync
-        entry_req, entry_j = _stage((entry_req, entry_j), table.device, torch.int64)
-    pages = table.to(torch.int64)[entry_req, entry_j]
-    return torch.where((pages >= 0) & (pages < capacity), pages, capacity).to(torch.int32)
+def _in_range_or_capacity(ids, capacity: int):
+    """Page ids (numpy or torch int64) with every id outside ``[0, C)`` replaced by ``C`` before any int32 cast (so
+    ``2**32 + 5`` cannot wrap to page 5): the inverse build counts ``C`` as a bad id, the layout never shares it."""
+    where = np.where if isinstance(ids, np.ndarray) else torch.where
+    return where((ids >= 0) & (ids < capacity), ids, capacity)
+
+
+def _entry_pages(table: torch.Tensor, flat_entries: torch.Tensor, capacity: int) -> torch.Tensor:
+    """int32 page id of every entry, gathered on the table's device (``flat_entries``: ``r * W + j`` of the
+    ``[R, W]`` table)."""
+    pages = table.reshape(-1).index_select(0, flat_entries).to(torch.int64)
+    return _in_range_or_capacity(pages, capacity).to(torch.int32)
 
 
 def _own_slots_only(
@@ -296,24 +346,24 @@ def _own_slots_only(
 
 @dataclass(frozen=True)
 class _Layout:
-    """The dense layout of a batch (host int64; module docstring)."""
+    """The dense layout of a batch (host int64 numpy; module docstring)."""
 
-    entry_slots: torch.Tensor  # [E] the slot of every entry
-    own_entries: torch.Tensor  # [O] the entries with a slot of their own, in slot order (slots H .. H + O - 1)
-    slot_req: torch.Tensor  # [needed] the request of every own slot, -1 in the history region
-    region_pages: torch.Tensor  # [H] the page id of every history-region slot
+    entry_slots: np.ndarray  # [E] the slot of every entry
+    own_entries: np.ndarray  # [O] the entries with a slot of their own, in slot order (slots H .. H + O - 1)
+    slot_req: np.ndarray  # [needed] the request of every own slot, -1 in the history region
+    region_pages: np.ndarray  # [H] the page id of every history-region slot
     gather_blocks: tuple[tuple[int, int], ...]  # under CP (start, count) of each rank's block; () at cp 1
-    own_history_pages: torch.Tensor  # [M] page ids of the own entries that hold history rows (copied into their slot)
-    own_history_slots: torch.Tensor  # [M] their own slots
-    own_history_sources: torch.Tensor  # [M] under CP the region slot of each of those pages (at cp 1 -1: pool copies)
+    own_history_pages: np.ndarray  # [M] page ids of the own entries that hold history rows (copied into their slot)
+    own_history_slots: np.ndarray  # [M] their own slots
+    own_history_sources: np.ndarray  # [M] under CP the region slot of each of those pages (at cp 1 -1: pool copies)
 
 
 def _dense_layout(
-    pages: torch.Tensor,
-    entry_req: torch.Tensor,
-    entry_j: torch.Tensor,
-    prefix: tuple[int, ...],
-    extend: tuple[int, ...],
+    pages: np.ndarray,
+    entry_req: np.ndarray,
+    entry_j: np.ndarray,
+    prefix: np.ndarray,
+    extend: np.ndarray,
     *,
     page_size: int,
     cp_size: int,
@@ -321,53 +371,52 @@ def _dense_layout(
 ) -> _Layout:
     """Shared history slots for entries read only as history, own slots for every other entry (module docstring).
 
-    ``pages``: host int64 ``[E]`` page ids of the entries (``C`` for a bad id: never shared, never fetched). Sets of
+    ``pages``: int64 ``[E]`` page ids of the entries (``C`` for a bad id: never shared, never fetched). Sets of
     pages are flags over the page ids (``C + 1``: the last is the bad-id bucket), not sorts of the entries: every
-    step is linear in the entries and the page ids."""
+    step is linear in the entries and the page ids, in numpy (a few microseconds a step where torch's host ops take
+    tens)."""
     first_row = entry_j * page_size
-    prefix_of = torch.tensor(prefix, dtype=torch.int64)[entry_req]
-    tokens_of = prefix_of + torch.tensor(extend, dtype=torch.int64)[entry_req]
-    history_rows = (prefix_of - first_row).clamp(min=0, max=page_size)  # rows of history in the page
-    writes = (tokens_of - first_row).clamp(max=page_size) > history_rows  # the entry takes current tokens
+    prefix_of = prefix[entry_req]
+    history_rows = np.minimum(np.maximum(prefix_of - first_row, 0), page_size)  # rows of history in the page
+    writes = np.minimum(prefix_of + extend[entry_req] - first_row, page_size) > history_rows  # takes current tokens
     fetchable = pages < capacity
-    written = torch.zeros(capacity + 1, dtype=torch.bool)
+    written = np.zeros(capacity + 1, dtype=bool)
     written[pages[writes]] = True  # the page takes current tokens of some request
     shared = ~writes & fetchable & ~written[pages]  # history only (a zero-extend request's partial page included)
 
     # The region: every distinct page some view reads from it, ordered by (owner rank, page id): under CP each rank's
-    # block is contiguous (at cp 1 every owner is 0, so it is page-id order). Page p = q * cp + k is owned by rank k
-    # (ownership.page_owner), so the flags seen as [k, q] list the region in that order. At cp 1 an own slot's
-    # history comes straight from the pool, so the region holds the shared entries' pages only; under CP it comes
-    # from the gathered region, so the region holds every page read as history.
-    in_region = torch.zeros(capacity + 1, dtype=torch.bool)
+    # block is contiguous (at cp 1 every owner is 0, so it is page-id order). At cp 1 an own slot's history comes
+    # straight from the pool, so the region holds the shared entries' pages only; under CP it comes from the gathered
+    # region, so the region holds every page read as history.
+    in_region = np.zeros(capacity + 1, dtype=bool)
     in_region[pages[shared if cp_size == 1 else history_rows > 0]] = True
-    by_owner = in_region[:capacity].view(capacity // cp_size, cp_size).t()
-    owner_page = by_owner.nonzero()
-    region = owner_page[:, 1] * cp_size + owner_page[:, 0]
+    region = np.flatnonzero(in_region[:capacity])
     blocks: tuple[tuple[int, int], ...] = ()
-    if cp_size > 1 and region.numel():
-        counts = by_owner.sum(dim=1).tolist()
-        blocks = tuple(zip([sum(counts[:k]) for k in range(cp_size)], counts))
-    region_slot = torch.full((capacity + 1,), PADDING_ID, dtype=torch.int64)
-    region_slot[region] = torch.arange(region.numel())
+    if cp_size > 1 and region.size:
+        owner = page_owner(region, cp_size)
+        region = region[np.argsort(owner, kind="stable")]
+        counts = np.bincount(owner, minlength=cp_size)
+        blocks = tuple(zip((np.cumsum(counts) - counts).tolist(), counts.tolist()))
+    region_slot = np.empty(capacity + 1, dtype=np.int64)  # read at region pages only
+    region_slot[region] = np.arange(region.size)
 
-    own = ~shared
-    num_own = int(own.sum())
-    entry_slots = torch.empty_like(pages)
+    own_entries = np.flatnonzero(~shared)
+    entry_slots = np.empty_like(pages)
     entry_slots[shared] = region_slot[pages[shared]]
-    entry_slots[own] = region.numel() + torch.arange(num_own)
-    slot_req = torch.cat([torch.full((region.numel(),), PADDING_ID, dtype=torch.int64), entry_req[own]])
-    own_history = own & (history_rows > 0) & fetchable
+    entry_slots[own_entries] = region.size + np.arange(own_entries.size)
+    slot_req = np.concatenate([np.full(region.size, PADDING_ID, dtype=np.int64), entry_req[own_entries]])
+    own_history = ~shared & (history_rows > 0) & fetchable
     own_history_pages = pages[own_history]
+    sources = region_slot[own_history_pages] if cp_size > 1 else np.full(own_history_pages.size, PADDING_ID)
     return _Layout(
         entry_slots,
-        own.nonzero().flatten(),
+        own_entries,
         slot_req,
         region,
         blocks,
         own_history_pages,
         entry_slots[own_history],
-        region_slot[own_history_pages],
+        sources,
     )
 
 
@@ -423,24 +472,27 @@ def build_plan(
         # Every per-layer op fills or persists current rows; upstream never runs an extend without them.
         raise CpSharedKvError(f"the batch has no current tokens (extend_lens {list(extend)}): nothing to extend")
 
-    pages_needed = [-(-(p + e) // page_size) for p, e in zip(prefix, extend)]
-    entry_starts = [0]
-    for n in pages_needed[:-1]:
-        entry_starts.append(entry_starts[-1] + n)
-    longest = max(pages_needed)
+    prefix_np, extend_np = np.array(prefix, dtype=np.int64), np.array(extend, dtype=np.int64)
+    pages_needed = -(-(prefix_np + extend_np) // page_size)
+    entry_starts = np.cumsum(pages_needed) - pages_needed
+    longest = int(pages_needed.max())
     if longest * page_size > INT32_MAX:
         raise CpSharedKvError(
             f"a request's dense view needs {longest} slots x page_size {page_size} = {longest * page_size} locations, "
             f"more than int32 holds ({INT32_MAX}): split the batch"
         )
     table = _host_page_table(page_table, num_requests)
-    too_long = [(r, n) for r, n in enumerate(pages_needed) if n > table.shape[1]]
+    too_long = [(r, n) for r, n in enumerate(pages_needed.tolist()) if n > table.shape[1]]
     if too_long:
         raise CpSharedKvError(
             f"page_table has {table.shape[1]} columns but (request, pages needed) {too_long} do not fit"
         )
-    if table.device.type == "cpu":
-        _validate_host_ids(table, pages_needed, capacity)
+    # Every entry's (request, page index), in (r, j) order.
+    entry_req = np.repeat(np.arange(num_requests, dtype=np.int64), pages_needed)
+    entry_j = np.arange(entry_req.size, dtype=np.int64) - entry_starts[entry_req]
+    host_table = table.device.type == "cpu"
+    if host_table:
+        _validate_host_ids(_host_array(table)[entry_req, entry_j], entry_req, entry_j, capacity)
 
     if not isinstance(out_cache_loc, torch.Tensor) or out_cache_loc.dim() != 1:
         raise CpSharedKvError("out_cache_loc must be a 1-D tensor of pool token locations")
@@ -454,61 +506,57 @@ def build_plan(
     device = out_cache_loc.device
     errors = ops.new_error_counter(device)
 
-    # Every entry's (request, page index) on the host; its page id on the table's device.
-    entry_counts = torch.tensor(pages_needed)
-    entry_req = torch.repeat_interleave(torch.arange(num_requests), entry_counts)
-    entry_j = torch.arange(entry_req.numel()) - torch.tensor(entry_starts).repeat_interleave(entry_counts)
-    entry_pages = _entry_pages(table, entry_req, entry_j, capacity)
-    if any(prefix):
-        # The one host copy of a device page table (module docstring): the layout is a function of its page ids.
-        layout_pages = entry_pages.to(torch.int64).cpu()
-    else:  # no history anywhere: every entry is its own, whatever its page id
-        layout_pages = torch.full((entry_req.numel(),), capacity, dtype=torch.int64)
+    # The page ids on the host: a host table's, or the one host copy of a device table when some request has history
+    # (module docstring: the layout is a function of them). Without history every entry is its own slot whatever its
+    # page id, so a device table's ids stay on the device.
+    pages_on_host = host_table or any(prefix)
+    if pages_on_host:
+        host = table.cpu() if any(prefix) else table
+        pages = _in_range_or_capacity(_host_array(host)[entry_req, entry_j], capacity)
+    else:
+        pages = np.full(entry_req.size, capacity, dtype=np.int64)
     layout = _dense_layout(
-        layout_pages, entry_req, entry_j, prefix, extend, page_size=page_size, cp_size=cp_size, capacity=capacity
+        pages, entry_req, entry_j, prefix_np, extend_np, page_size=page_size, cp_size=cp_size, capacity=capacity
     )
     region = layout.region_pages
-    needed = region.numel() + layout.own_entries.numel()
+    needed = region.size + layout.own_entries.size
     num_slots = round_dense_slots(needed)
     if num_slots * page_size > INT32_MAX:
         raise CpSharedKvError(
             f"the batch's dense view needs {num_slots} slots x page_size {page_size} = {num_slots * page_size} "
             f"locations, more than int32 holds ({INT32_MAX}): split the batch"
         )
-    rounding = num_slots - needed
+    rounding = np.full(num_slots - needed, PADDING_ID, dtype=np.int64)
     # History: this rank's pool pages into the view, then (under CP) the gather and the copies into own slots.
-    empty = torch.empty(0, dtype=torch.int64)
+    empty = np.empty(0, dtype=np.int64)
     if cp_size == 1:
-        pool_pages = torch.cat([region, layout.own_history_pages])
-        pool_slots = torch.cat([torch.arange(region.numel()), layout.own_history_slots])
+        pool_pages = np.concatenate([region, layout.own_history_pages])
+        pool_slots = np.concatenate([np.arange(region.size), layout.own_history_slots])
         view_src, view_dst = empty, empty
     else:
         start, count = layout.gather_blocks[cp_rank] if layout.gather_blocks else (0, 0)
         pool_pages = owner_pool_page(region[start : start + count], cp_size)
-        pool_slots = torch.arange(start, start + count)
+        pool_slots = np.arange(start, start + count)
         view_src, view_dst = layout.own_history_sources, layout.own_history_slots
-    token_req_id = torch.repeat_interleave(torch.arange(num_requests), torch.tensor(extend))
-    slot_req = torch.cat([layout.slot_req, torch.full((rounding,), PADDING_ID, dtype=torch.int64)])
+    token_req = np.repeat(np.arange(num_requests, dtype=np.int64), extend_np)
 
-    # Every host value the device work needs, in two stagings (int32, int64).
-    region_dev, entry_slots, pool_copy_pages, pool_copy_slots, view_src, view_dst = _stage(
-        (region, layout.entry_slots, pool_pages, pool_slots, view_src, view_dst), device, torch.int32
-    )
-    own_entries, slot_req, entry_req_dev, token_req_id, local_token_index, current_gather_index = _stage(
-        (layout.own_entries, slot_req, entry_req, token_req_id, split.local_token_index, split.gather_index),
-        device,
-        torch.int64,
-    )
-    if entry_pages.device != device:
-        (entry_pages,) = _stage((entry_pages,), device, torch.int32)
-    # The region's pages (host ids), then each own slot's page as the entries hold it, then the rounding.
-    slot_pages = torch.cat(
-        [
-            region_dev,
-            entry_pages.index_select(0, own_entries),
-            torch.full((rounding,), PADDING_ID, dtype=torch.int32, device=device),
-        ]
-    )
+    # Every host value the device work needs, in one staging; each slot's page (the region's, then each own slot's
+    # entry's, then the rounding) from the host ids, or from the entries gathered on the device.
+    int64s = [np.concatenate([layout.slot_req, rounding]), entry_req, token_req]
+    int32s = [layout.entry_slots, pool_pages, pool_slots, view_src, view_dst]
+    if pages_on_host:
+        int32s += [pages, np.concatenate([region, pages[layout.own_entries], rounding])]
+    else:
+        int64s.append(entry_req * table.shape[1] + entry_j)
+    (slot_req, entry_req_dev, token_req_id, *flat_entries), (entry_slots, *int32_dev) = _stage(device, int64s, int32s)
+    pool_copy_pages, pool_copy_slots, view_src_dev, view_dst_dev, *host_pages = int32_dev
+    if pages_on_host:
+        entry_pages, slot_pages = host_pages
+    else:  # no history: every entry is its own slot, in entry order
+        entry_pages = _entry_pages(table, *flat_entries, capacity)
+        slot_pages = torch.cat(
+            [entry_pages, torch.full((rounding.size,), PADDING_ID, dtype=torch.int32, device=device)]
+        )
     inverse = ops.build_page_inverse(
         entry_pages, entry_req_dev, num_requests, capacity, errors, entry_slots=entry_slots
     )
@@ -519,9 +567,6 @@ def build_plan(
         page_size,
         errors,
     )
-
-    local_req_id = split.shard(token_req_id, PADDING_ID, local_token_index)
-    local_out_cache_loc = split.shard(out_cache_loc, PADDING_ID, local_token_index)
     if cp_size == 1:
         owned_cache_write_locs = out_cache_loc.to(torch.int64)
     else:
@@ -535,10 +580,10 @@ def build_plan(
         page_size=page_size,
         prefix_lens=prefix,
         extend_lens=extend,
-        request_pages=tuple(pages_needed),
-        entry_starts=tuple(entry_starts),
-        entry_slots_host=layout.entry_slots,
-        history_region_slots=int(region.numel()),
+        request_pages=tuple(pages_needed.tolist()),
+        entry_starts=tuple(entry_starts.tolist()),
+        entry_slots_host=torch.from_numpy(layout.entry_slots),
+        history_region_slots=int(region.size),
         gather_blocks=layout.gather_blocks,
         needed_slots=needed,
         num_slots=num_slots,
@@ -552,12 +597,9 @@ def build_plan(
         current_dense_locs=current_dense_locs,
         pool_copy_pages=pool_copy_pages,
         pool_copy_slots=pool_copy_slots,
-        view_copy_src_slots=view_src,
-        view_copy_dst_slots=view_dst,
-        local_req_id=local_req_id,
-        local_out_cache_loc=local_out_cache_loc,
-        local_token_index=local_token_index,
-        current_gather_index=current_gather_index,
+        view_copy_src_slots=view_src_dev,
+        view_copy_dst_slots=view_dst_dev,
+        out_cache_loc=out_cache_loc,
         owned_cache_write_locs=owned_cache_write_locs,
         errors=errors,
     )

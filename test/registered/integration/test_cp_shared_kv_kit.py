@@ -631,7 +631,7 @@ def test_cp2_the_dropped_request_is_on_one_rank_only(gloo_results):
 HOST_MEMORY_READS = {
     "runtime.plan:_validate_host_ids",
     "runtime.plan:_validate_host_locations",
-    "runtime.plan:_dense_layout",  # the layout of the one host copy of the page ids (build_plan's read)
+    "runtime.plan:_host_array",  # numpy of a host tensor (``.numpy()`` refuses a device tensor)
     "ops.errors:describe_errors",
 }
 

@@ -330,7 +330,7 @@ def test_page_ids_past_int32_are_bad_ids_not_wrapped():
     from sglang_cpkv.runtime.plan import _entry_pages
 
     table = torch.tensor([[1, 2**32 + 5]], dtype=torch.int64)
-    pages = _entry_pages(table, torch.tensor([0, 0]), torch.tensor([0, 1]), capacity=16)
+    pages = _entry_pages(table, torch.tensor([0, 1]), capacity=16)
     assert pages.tolist() == [1, 16]  # 16 = C: counted as out of range by the inverse build
     errors = new_error_counter("cpu")
     inverse = reference.build_page_inverse(pages, torch.tensor([0, 0]), 1, 16, errors)
