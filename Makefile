@@ -4,7 +4,7 @@
 VENV ?= $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup lint test demo test-cuda clean
+.PHONY: setup lint test demo test-cuda mutation clean
 
 setup:
 	VENV=$(VENV) scripts/setup_env.sh
@@ -34,6 +34,12 @@ GPU_PY ?= python3
 GPU_SITE ?= /tmp/cpkv-site
 test-cuda:
 	scripts/gpu_env/run_cuda_suites.sh --python $(GPU_PY) --target $(GPU_SITE)
+
+# Do the compatibility table's named tests catch a broken feature? Each one-line change of
+# docs/design/cp-shared-kv-mutations.toml in a scratch copy, the row's tests run there (long: not part of `make test`);
+# writes docs/design/cp-shared-kv-mutations-report.md.
+mutation: setup
+	TRITON_INTERPRET=1 $(PY) scripts/mutation.py
 
 clean:
 	rm -rf $(VENV) .cache

@@ -1,0 +1,191 @@
+#!/usr/bin/env python3
+"""Do the compatibility table's named tests catch a broken feature? A mutation check of its proven rows.
+
+``docs/design/cp-shared-kv-mutations.toml`` gives, for every row of ``docs/design/cp-shared-kv-compatibility.md``
+that says *proven*, one-line changes to our code that break that feature. For each change this script makes a
+scratch copy of the working tree, replaces the one line there, and runs the row's named tests (its evidence column)
+against the copy (its ``python/`` first on ``PYTHONPATH``, ahead of the editable install): **caught** when they
+fail, **missed** when they pass. The unchanged copy runs them first and must pass (else nothing can be judged).
+CUDA test files (``*_cuda.py``) run only with ``--cuda`` (a GPU host); a row whose tests are all CUDA ones is
+reported as not run on a CPU host.
+
+    make mutation                                        # every mutation; writes the report below
+    .venv/bin/python scripts/mutation.py --row IndexShare --no-report   # one row, report on stdout only
+
+Report: ``docs/design/cp-shared-kv-mutations-report.md``. Not part of ``make test`` (it runs the kit tests once per
+mutation); ``test/registered/integration/test_cp_shared_kv_mutations.py`` checks the record itself in CI: every
+proven row has a mutation, every mutation's line is in its file exactly once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TABLE = REPO / "docs" / "design" / "cp-shared-kv-compatibility.md"
+RECORD = REPO / "docs" / "design" / "cp-shared-kv-mutations.toml"
+REPORT = REPO / "docs" / "design" / "cp-shared-kv-mutations-report.md"
+TESTS = Path("test") / "registered"
+TEST_REF = re.compile(r"`([\w/]+\.py)::(\w+)`")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    row: str
+    file: str
+    find: str
+    replace: str
+    breaks: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.file}: `{self.find.strip()}` -> `{self.replace.strip()}`"
+
+
+def proven_rows(table: str | None = None) -> dict[str, list[str]]:
+    """Each proven row's feature name -> the tests its evidence column names (``path::test`` under test/registered)."""
+    text = TABLE.read_text() if table is None else table
+    body = text.split("## The table", 1)[1].split("## Outside the KV path", 1)[0]
+    rows = {}
+    for line in body.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split(" | ")]
+        if len(cells) == 4 and cells[2] == "proven":
+            rows[cells[0]] = [f"{path}::{name}" for path, name in TEST_REF.findall(cells[3])]
+    return rows
+
+
+def mutations(record: str | None = None) -> list[Mutation]:
+    data = tomllib.loads(RECORD.read_text() if record is None else record)
+    return [Mutation(**entry) for entry in data["mutation"]]
+
+
+def record_problems(rows: dict[str, list[str]], muts: list[Mutation], root: Path = REPO) -> list[str]:
+    """What is wrong with the record: a proven row without a mutation, a mutation of no proven row, a line that is
+    not in its file exactly once, a change that is no change or spans lines."""
+    problems = [f"proven row {row!r} has no mutation" for row in rows if row not in {m.row for m in muts}]
+    for m in muts:
+        if m.row not in rows:
+            problems.append(f"{m.label}: row {m.row!r} is not a proven row of the table")
+        path = root / m.file
+        count = path.read_text().count(m.find) if path.is_file() else 0
+        if count != 1:
+            problems.append(f"{m.label}: the line occurs {count} times in {m.file}, not once")
+        if m.find == m.replace or "\n" in m.find.strip("\n") or "\n" in m.replace.strip("\n"):
+            problems.append(f"{m.label}: not a one-line change")
+    return problems
+
+
+def _scratch_copy() -> Path:
+    """The working tree's tracked files (as they are now, edits included) in a fresh directory."""
+    dest = Path(tempfile.mkdtemp(prefix="cpkv-mutation-"))
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, check=True, capture_output=True).stdout
+    for name in files.decode().split("\0"):
+        if name and (REPO / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dest / name, follow_symlinks=False)
+    return dest
+
+
+def _run_tests(root: Path, refs: list[str], timeout: int) -> tuple[int, float, str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root / "python"), os.environ.get("PYTHONPATH")])))
+    env.setdefault("TRITON_INTERPRET", "1")
+    start = time.monotonic()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *refs],
+            cwd=root / TESTS,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        rc, out = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired:
+        rc, out = -1, f"timed out after {timeout} s"
+    lines = [line for line in out.splitlines() if line.strip()]
+    summary = next((line for line in reversed(lines) if " passed" in line or " failed" in line or "error" in line), "")
+    return rc, time.monotonic() - start, summary or (lines[-1] if lines else "")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--row", action="append", help="only this row's mutations (repeatable)")
+    parser.add_argument("--cuda", action="store_true", help="also run the rows' CUDA test files (a GPU host)")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per run of a row's tests")
+    parser.add_argument("--no-report", action="store_true", help="print only; leave the committed report alone")
+    args = parser.parse_args(argv)
+
+    rows, muts = proven_rows(), mutations()
+    problems = record_problems(rows, muts)
+    if problems:
+        print("the mutation record is broken:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 2
+    if args.row:
+        muts = [m for m in muts if m.row in args.row]
+    runnable = {row: [r for r in refs if args.cuda or not r.split("::")[0].endswith("_cuda.py")] for row, refs in rows.items()}
+
+    results = []
+    root = _scratch_copy()
+    try:
+        baseline = sorted({ref for m in muts for ref in runnable[m.row]})
+        print(f"[mutation] the unchanged tree: {len(baseline)} tests", flush=True)
+        rc, seconds, summary = _run_tests(root, baseline, args.timeout)
+        print(f"[mutation]   {summary} ({seconds:.0f} s)", flush=True)
+        if rc != 0:
+            print("[mutation] the named tests fail on the unchanged tree: nothing can be judged", file=sys.stderr)
+            return 1
+        for i, m in enumerate(muts, 1):
+            refs = runnable[m.row]
+            print(f"[mutation] {i}/{len(muts)} {m.row}: {m.label}", flush=True)
+            if not refs:
+                results.append((m, "not run (CUDA tests only)", 0.0, ""))
+                continue
+            path = root / m.file
+            original = path.read_text()
+            path.write_text(original.replace(m.find, m.replace, 1))
+            try:
+                rc, seconds, summary = _run_tests(root, refs, args.timeout)
+            finally:
+                path.write_text(original)
+            verdict = "missed" if rc == 0 else "caught"
+            results.append((m, verdict, seconds, summary))
+            print(f"[mutation]   {verdict}: {summary} ({seconds:.0f} s)", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    caught = sum(1 for r in results if r[1] == "caught")
+    missed = [r for r in results if r[1] == "missed"]
+    lines = [
+        "# Mutation report of the compatibility table's proven rows",
+        "",
+        f"Written by `make mutation` ({'with' if args.cuda else 'without'} the CUDA test files) on "
+        f"{time.strftime('%Y-%m-%d')}: {caught} caught, {len(missed)} missed, "
+        f"{len(results) - caught - len(missed)} not run, of {len(results)} mutations "
+        "(`docs/design/cp-shared-kv-mutations.toml`). Each ran the row's named tests against a scratch copy of the "
+        "tree with the one line changed.",
+        "",
+        "| row | change | breaks | result | tests (seconds) |",
+        "|---|---|---|---|---|",
+    ]
+    for m, verdict, seconds, summary in results:
+        change = f"`{m.file}`: `{m.find.strip()}` -> `{m.replace.strip()}`".replace("|", "\\|")
+        lines.append(f"| {m.row} | {change} | {m.breaks} | **{verdict}** | {summary} ({seconds:.0f} s) |")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if not args.no_report and not args.row:
+        REPORT.write_text(report)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
