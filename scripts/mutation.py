@@ -27,9 +27,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = REPO / "docs" / "design" / "cp-shared-kv-compatibility.md"
@@ -97,7 +101,9 @@ def _scratch_copy() -> Path:
 
 
 def _run_tests(root: Path, refs: list[str], timeout: int) -> tuple[int, float, str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root / "python"), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root / "python"), os.environ.get("PYTHONPATH")]))
+    )
     env.setdefault("TRITON_INTERPRET", "1")
     start = time.monotonic()
     try:
@@ -132,7 +138,9 @@ def main(argv=None) -> int:
         return 2
     if args.row:
         muts = [m for m in muts if m.row in args.row]
-    runnable = {row: [r for r in refs if args.cuda or not r.split("::")[0].endswith("_cuda.py")] for row, refs in rows.items()}
+    runnable = {
+        row: [r for r in refs if args.cuda or not r.split("::")[0].endswith("_cuda.py")] for row, refs in rows.items()
+    }
 
     results = []
     root = _scratch_copy()
