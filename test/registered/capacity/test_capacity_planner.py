@@ -350,6 +350,45 @@ def test_each_columns_pool_is_sized_from_the_one_budget(planned):
     assert "its ratio's bound is cp x 61,464 / 55,224 (8 x: 8.90x)" in stdout and "mode @ks cell" in stdout
 
 
+# The vendors' data sheet figures, written here rather than read from the planner: HBM bytes, HBM bytes/s, NVLink
+# bytes/s one way (half the bidirectional figure), compute capability. NVIDIA H200 SXM: 141 GB HBM3e, 4.8 TB/s, NVLink
+# 900 GB/s; B200: 180 GB each (DGX B200: 1,440 GB over 8 GPUs), 8 TB/s, NVLink 5 1.8 TB/s; B300: 288 GB, 8 TB/s, 1.8 TB/s.
+DATASHEETS = {
+    "h200": (141e9, 4.8e12, 900e9 / 2, (9, 0)),
+    "b200": (180e9, 8e12, 1.8e12 / 2, (10, 0)),
+    "b300": (288e9, 8e12, 1.8e12 / 2, (10, 3)),
+}
+
+
+def test_the_gpu_presets_are_the_vendors_figures():
+    assert set(GPUS) == set(DATASHEETS)
+    for name, figures in DATASHEETS.items():
+        gpu = GPUS[name]
+        assert (gpu.hbm_bytes, gpu.hbm_bandwidth, gpu.link_bandwidth, gpu.capability) == figures, name
+
+
+@pytest.mark.parametrize("preset, layers", [("glm-5.1-fp8", 78), ("deepseek-v3.2", 61)])
+def test_each_presets_figures_are_its_config_worked_out_by_hand(preset, layers, tmp_path):
+    """Per token per layer, from the preset's config.json and the layouts' definitions (not from upstream's sizing):
+    the packed FP8 row of the flashmla routes (kv_lora_rank FP8 values, an fp32 scale per 128 of them, the rope in
+    bf16), trtllm's raw FP8 row (kv_lora_rank + rope FP8 values) and the indexer's K row (FP8 values, an fp32 scale
+    per 128); each server's cell is the model's layers (its card's attention layers: the MTP layer has a pool of its
+    own) of them. kv-sharding's fixed overhead is its assembly scratch: two slots of eight contexts rounded to the
+    gather span (cp x page), the chunk and a trash page, in its rows."""
+    config = json.loads(Path(MODELS[preset].model_dir, "config.json").read_text())
+    assert config["num_hidden_layers"] == layers
+    rank, rope, index = config["kv_lora_rank"], config["qk_rope_head_dim"], config["index_head_dim"]
+    packed, raw, index_k = rank + rank // 128 * 4 + 2 * rope, rank + rope, index + index // 128 * 4
+    out = tmp_path / "c.json"
+    assert cli.main(["--preset", preset, "--gpu", "h200", "--tp", "8", "--cp", "8", "--json", str(out)]) == 0
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["cell_bytes"] == row["replicated"]["cell_bytes"] == layers * (packed + index_k)
+    assert row["kv_sharding"]["cell_bytes"] == layers * (raw + index_k)
+    span, chunk = 8 * 64, 65536
+    scratch_rows = 8 * -(-config["max_position_embeddings"] // span) * span + chunk + 64
+    assert row["kv_sharding"]["overhead_gib"] * GIB == 2 * scratch_rows * (raw + index_k)
+
+
 def test_layer_ahead_off_halves_the_views_and_holds_more(planned, tmp_path, monkeypatch):
     """``--layer-ahead off`` sizes the server as SGLANG_CPKV_LAYER_AHEAD=0 runs it: one dense view per kind instead of
     two, so the node holds more KV (the README's two headline figures)."""
