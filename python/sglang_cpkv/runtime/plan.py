@@ -26,12 +26,13 @@ No slot is written by two requests: the region is written by the history step on
 only. The view has :func:`~.buckets.round_dense_slots` ``(H + own)`` slots (under 3.2% more, so shapes repeat); the
 rounding slots hold no page. Every dense location is checked to fit int32 here.
 
-Synchronization: the plan's device work is a handful of ops with no host sync; every host value it needs goes to
-the device in two pinned stagings. Host-side lengths are validated always (free). Page ids and ``out_cache_loc``
-are validated on the host when they are host tensors; on a GPU a bad or repeated page id is counted in the plan's
-device error counter instead (the surfacing is the caller's: checked mode raises at once). One host sync per batch that has
-history, before the first layer: the history region is a function of the page ids (which pages are shared, who
-owns them), so the entries of a device page table are copied to the host once; a host page table needs none.
+Synchronization: the layout is host work (numpy); the plan's device work is a handful of ops with no host sync, and
+every host value it needs goes to the device in one pinned staging. Host-side lengths are validated always (free).
+Page ids and ``out_cache_loc`` are validated on the host when they are host tensors; on a GPU a bad or repeated page
+id is counted in the plan's device error counter instead (the surfacing is the caller's: checked mode raises at
+once). One host sync per batch that has history, before the first layer: the history region is a function of the
+page ids (which pages are shared, who owns them), so a device page table is copied to the host once; a host page
+table needs none, and without history its ids stay on the device.
 
 Pools under CP: page ids are global (upstream's page-interleave allocator numbers ``C = cp_size x`` one rank's
 pool pages); a rank's pool holds the pages it owns, page ``p`` at its pool page ``p // cp_size``
