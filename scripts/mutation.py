@@ -90,13 +90,20 @@ def record_problems(rows: dict[str, list[str]], muts: list[Mutation], root: Path
 
 
 def _scratch_copy() -> Path:
-    """The working tree's tracked files (as they are now, edits included) in a fresh directory."""
-    dest = Path(tempfile.mkdtemp(prefix="cpkv-mutation-"))
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, check=True, capture_output=True).stdout
-    for name in files.decode().split("\0"):
-        if name and (REPO / name).is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, dest / name, follow_symlinks=False)
+    """The working tree as it is now (edits included), without what git ignores at the top (virtual environments,
+    caches, wheels) and without bytecode, in a fresh directory."""
+    dest = Path(tempfile.mkdtemp(prefix="cpkv-mutation-")) / "tree"
+    skip = {".git", ".venv", ".cache", ".whl", ".ab", "build"}
+    shutil.copytree(
+        REPO,
+        dest,
+        symlinks=True,
+        ignore=lambda where, names: [
+            n
+            for n in names
+            if n in ("__pycache__", ".hypothesis", ".pytest_cache") or (where == str(REPO) and n in skip)
+        ],
+    )
     return dest
 
 
@@ -169,7 +176,7 @@ def main(argv=None) -> int:
             results.append((m, verdict, seconds, summary))
             print(f"[mutation]   {verdict}: {summary} ({seconds:.0f} s)", flush=True)
     finally:
-        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root.parent, ignore_errors=True)
 
     caught = sum(1 for r in results if r[1] == "caught")
     missed = [r for r in results if r[1] == "missed"]

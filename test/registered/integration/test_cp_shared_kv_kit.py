@@ -44,7 +44,7 @@ from sglang_cpkv.testing.dsa_kit import (
 )
 from sglang_cpkv.testing.host_reads import HostReadCounter
 
-register_cpu_ci(est_time=320, suite="cpkv-cpu")
+register_cpu_ci(est_time=600, suite="cpkv-cpu")
 from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E402, F401 (autouse: upstream's context per test)
 
 PAGED_BF16 = KitRoute("flashmla_sparse")
@@ -123,9 +123,9 @@ def test_kit_sparse_prefill_cases_read_the_same_kv_with_the_mode_on(route_name, 
 SHARED_SHAPE = (3, 300)
 
 
-def _shared_prefix_case():
-    capacity = kit_capacity(*SHARED_SHAPE)
-    return BatchCase(PAGE, capacity, ((4, 9, 2, 7), (4, 9, 5), (11, 3)), (170, 128, 0), (50, 40, 100))
+def _shared_prefix_case(cp_size=1):
+    capacity = kit_capacity(*SHARED_SHAPE, cp_size)
+    return BatchCase(PAGE, capacity, ((4, 9, 2, 7), (4, 9, 5), (11, 3)), (170, 128, 0), (50, 40, 100), cp_size)
 
 
 def _alone(case, r):
@@ -229,6 +229,61 @@ def test_sharing_patterns_read_what_each_request_reads_alone(route_name):
         _assert_reads_alone(_request_reads([(batch, case)], layer), alone, f"{route_name} layer {layer}")
     for layer in batch.index_k:  # the indexer read each request's own history too (dense index-K pages)
         assert batch.index_k[layer]
+
+
+def _target_and_draft(route, shape, mode_on, **kw):
+    """The two DSA backends of an EAGLE/NextN prefill server: the target's, and its MTP draft's with a pool of its
+    own (one layer at start layer 0, as upstream builds a NextN draft's pool) over the same page ids, other weights.
+    Upstream's draft extend on a prefill server (``_draft_extend_for_prefill``) is an EXTEND batch of the target's
+    requests, lengths and cache locations on the draft's backend, split like the target's under CP; the target's
+    pool sizing charges the mode's buffers for both backends (``backends=2``)."""
+    import dataclasses
+
+    from sglang_cpkv.hooks.reservation import publish, published
+
+    target = _world(route, shape, mode_on, **kw)
+    draft = _world(dataclasses.replace(route, skip_topk_layers=(False,)), shape, mode_on, seed=1, **kw)
+    if mode_on:
+        publish(dataclasses.replace(published(), backends=2))
+    return target, draft
+
+
+def _draft_extend(target, draft, case):
+    """The target's extend, then the draft's of the same batch: ``(target run, draft run)``."""
+    for world in (target, draft):
+        world.write_history(case)
+    return target.forward(case), draft.forward(case)
+
+
+@pytest.mark.parametrize("route_name", ["flashmla_sparse-bf16-paged", "flashmla_sparse-fp8-ragged"])
+def test_an_mtp_draft_extends_through_the_mode_beside_its_target(route_name):
+    """The draft's extend runs through the mode as a second backend of its own (its plan, views and owned writes,
+    its own set of the reserved buffers): it reads what it reads with the mode off, its pool holds what the mode off
+    writes, and each request of the batch reads what it reads alone; the target's batch is unchanged beside it. A
+    P/D prefill server runs no verify (upstream's prefill loop builds prefill batches only), so what the extends
+    wrote is what the decode server gets."""
+    from sglang_cpkv.hooks import dsa_extend
+    from sglang_cpkv.hooks.reservation import published
+
+    route = ROUTES[route_name]
+    case = _shared_prefix_case()
+    runs = {mode_on: _draft_extend(*_target_and_draft(route, SHARED_SHAPE, mode_on), case) for mode_on in (False, True)}
+    for world, what in ((0, "target"), (1, "draft")):
+        _assert_same_reads(runs[False][world], runs[True][world], f"{route_name} {what}")
+    assert same_bytes(runs[False][1].pool_after[0], runs[True][1].pool_after[0]), "the draft's pool differs"
+    target, draft = _target_and_draft(route, SHARED_SHAPE, True)
+    _draft_extend(target, draft, case)
+    reserved = published()
+    per_backend = (reserved.total_bytes - reserved.backends * reserved.parts()["batch plan"]) // reserved.backends
+    states = [getattr(world.backend, dsa_extend.STATE_ATTR) for world in (target, draft)]
+    assert states[0] is not states[1] and states[1].batch.plan.num_requests == case.num_requests
+    assert [state.buffers.held_bytes("") for state in states] == [per_backend, per_backend]
+    for r in range(case.num_requests):
+        solo_target, solo_draft = _target_and_draft(route, SHARED_SHAPE, True)
+        solo = _draft_extend(solo_target, solo_draft, _alone(case, r))[1]
+        rows, valid = _rows_of_request(runs[True][1], case, r)
+        assert torch.equal(valid, solo.kernel[0].valid)
+        assert same_bytes(rows, solo.kernel[0].rows), f"draft request {r} reads other rows in the batch than alone"
 
 
 @pytest.mark.parametrize("mode_on", [False, True], ids=["mode off", "mode on"])
@@ -421,6 +476,15 @@ def _gloo_rank(rank, model_dir, init_method, out_dir):
                     )
                     solo.write_history(solo_case)
                     results[("alone", name, r)] = (solo.forward(solo_case), solo_case)
+    # An MTP draft's extend beside its target's: two backends, one exchange group.
+    for mode_on in (False, True):
+        publish_prefill_cp_server_args(model_dir, CP, mode_on=mode_on)
+        worlds = _target_and_draft(RAGGED_FP8, SHARED_SHAPE, mode_on, cp_size=CP, cp_rank=rank)
+        results[("mtp-draft", mode_on)] = _draft_extend(*worlds, _shared_prefix_case(CP))
+    sharing = _sharing_case(CP)
+    for r, case in [(None, sharing), *((r, _alone(sharing, r)) for r in range(sharing.num_requests))]:
+        worlds = _target_and_draft(RAGGED_FP8, SHARED_SHAPE, True, cp_size=CP, cp_rank=rank)
+        results[("mtp-draft sharing", r)] = _draft_extend(*worlds, case)[1]
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -478,17 +542,14 @@ def _allocator_case(allocator=None):
 
 
 def _cp2_scenarios():
-    shared = _shared_prefix_case()
-    shared2 = BatchCase(
-        shared.page_size, shared.capacity, shared.page_tables, shared.prefix_lens, shared.extend_lens, CP
-    )
+    shared2 = _shared_prefix_case(CP)
     # A request with one token: one rank holds none of it and drops it from its metadata (bs_idx).
-    dropped = BatchCase(PAGE, shared.capacity, ((4, 9, 2, 7), (6,), (4, 9, 5)), (170, 0, 128), (50, 1, 40), CP)
+    dropped = BatchCase(PAGE, shared2.capacity, ((4, 9, 2, 7), (6,), (4, 9, 5)), (170, 0, 128), (50, 1, 40), CP)
     # Chunked continuation: chunk 1 prefills 200 tokens of two requests; chunk 2 reads them as history (persisted
     # by chunk 1, owner-sharded under the mode) and continues mid-page.
-    chunk1 = BatchCase(PAGE, shared.capacity, ((4, 9, 2, 7), (11, 3, 8)), (0, 0), (200, 150), CP)
-    chunk2 = BatchCase(PAGE, shared.capacity, ((4, 9, 2, 7), (11, 3, 8)), (200, 150), (50, 30), CP)
-    no_prefix = BatchCase(PAGE, shared.capacity, ((4, 9), (6,), (11,)), (0, 0, 0), (100, 1, 40), CP)
+    chunk1 = BatchCase(PAGE, shared2.capacity, ((4, 9, 2, 7), (11, 3, 8)), (0, 0), (200, 150), CP)
+    chunk2 = BatchCase(PAGE, shared2.capacity, ((4, 9, 2, 7), (11, 3, 8)), (200, 150), (50, 30), CP)
+    no_prefix = BatchCase(PAGE, shared2.capacity, ((4, 9), (6,), (11,)), (0, 0, 0), (100, 1, 40), CP)
     index_share = KitRoute("flashmla_sparse", skip_topk_layers=INDEX_SHARE)
     return [
         ("shared-ragged", RAGGED_FP8, [shared2], SHARED_SHAPE),
@@ -564,6 +625,26 @@ def test_cp2_sharing_patterns_read_what_each_request_reads_alone(gloo_results, n
     request, what that request reads alone at cp 2: shared history slots gathered in place, CURRENT_REUSE and reused
     pages in own slots."""
     _assert_cp2_reads_alone(gloo_results, name, _sharing_case(CP), SHARING_CP2_ROUTES[name].num_layers)
+
+
+def test_cp2_an_mtp_draft_extends_through_the_mode_beside_its_target(gloo_results):
+    """At cp 2 over gloo the draft's extend (RAGGED FP8) runs after its target's on each rank through the one exchange
+    group: both read what they read with the mode off, each rank's draft pool holds the replica's owned pages, and
+    on the sharing batch (collision class) each request's draft reads what it reads alone at cp 2."""
+    capacity = _shared_prefix_case(CP).capacity
+    for rank, results in enumerate(gloo_results):
+        off, on = results[("mtp-draft", False)], results[("mtp-draft", True)]
+        for world, what in ((0, "target"), (1, "draft")):
+            _assert_same_reads(off[world], on[world], f"rank {rank} {what}")
+        mine, replica = on[1].pool_after[0].reshape(capacity // CP, -1), off[1].pool_after[0].reshape(capacity, -1)
+        assert same_bytes(mine, replica[torch.arange(capacity // CP) * CP + rank]), f"rank {rank}: the draft's pool"
+    sharing = _sharing_case(CP)
+    batch = _request_reads([(results[("mtp-draft sharing", None)], sharing) for results in gloo_results])
+    alone = {}
+    for r in range(sharing.num_requests):
+        runs = [(results[("mtp-draft sharing", r)], _alone(sharing, r)) for results in gloo_results]
+        alone.update({(r, p): v for (_, p), v in _request_reads(runs).items()})
+    _assert_reads_alone(batch, alone, "the draft at cp 2")
 
 
 def test_cp2_ragged_requests_read_what_they_read_alone(gloo_results):

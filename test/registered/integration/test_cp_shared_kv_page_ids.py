@@ -124,5 +124,43 @@ def test_page_id_capacity_refuses_a_cp_pool_without_the_allocator(monkeypatch):
         assert page_id_hooks.page_id_capacity(pool) == 16  # cp 1: the pool's own pages, no allocator needed
 
 
+def test_an_eagle_draft_builds_its_own_pool_over_the_targets_page_ids(monkeypatch):
+    """The MTP draft worker shares the target's token allocator and builds a KV pool of its own (upstream's
+    ``_build_token_to_kv_pool`` of a draft configurator, after the target's pool and allocator): under the mode a
+    plain DSA pool of the target's rows, owner-sharded by the same page ids, so the plan's ``C`` is the target's.
+    Upstream's kv-sharding branch for drafts (``get_shared_kv_shard_pool``) must not take the mode's allocator for
+    kv-sharding's: it refused it ("A sharded MTP draft requires the target's sharded KV pool"), so no server of the
+    mode with a draft started."""
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
+    from sglang.srt.runtime_context import get_schedule
+
+    monkeypatch.setattr(page_id_hooks, "_built_for_cp", None)
+    monkeypatch.setenv("SGLANG_CP_DRAFT_SHARED_KV", "1")
+    server = prefill_cp_server(str(MODEL_DIR), tp_size=CP, enable_cp_shared_kv=True, speculative_algorithm="EAGLE")
+    with playing_gpu((9, 0)):
+        args = resolve_and_publish(server)
+        page_size = get_schedule().page_size
+        target = kv_cache_configurator(args, layers=LAYERS, page_size=page_size)
+        sizes = target._derive_pool_sizes(config=target.config_from_budget(2**30))
+        target.device = "cpu"
+        requests = ReqToTokenPool(size=4, max_context_len=1024, device="cpu", enable_memory_saver=False)
+        target_pool = target._build_token_to_kv_pool(
+            sizes=sizes, is_dsa_model=True, is_dsv4_model=False, req_to_token_pool=requests
+        )
+        allocator = token_allocator(target, sizes, target_pool)
+        draft = kv_cache_configurator(args, layers=1, page_size=page_size, draft_worker=True)
+        draft.device, draft.token_to_kv_pool_allocator = "cpu", allocator
+        draft_pool = draft._build_token_to_kv_pool(
+            sizes=sizes, is_dsa_model=True, is_dsv4_model=False, req_to_token_pool=requests
+        )
+    assert type(target_pool) is type(draft_pool) is DSATokenToKVPool
+    assert draft_pool.size == target_pool.size and draft_pool.layer_num == 1 and draft_pool.start_layer == 0
+    assert (
+        page_id_hooks.page_id_capacity(draft_pool)
+        == page_id_hooks.page_id_capacity(target_pool)
+        == (CP * (target_pool.size + page_size) // page_size)
+    )
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
