@@ -9,8 +9,9 @@ fail, **missed** when they pass. The unchanged copy runs them first and must pas
 CUDA test files (``*_cuda.py``) run only with ``--cuda`` (a GPU host); a row whose tests are all CUDA ones is
 reported as not run on a CPU host.
 
-    make mutation                                        # every mutation; writes the report below
-    .venv/bin/python scripts/mutation.py --row IndexShare --no-report   # one row, report on stdout only
+    make mutation                                                   # every mutation; writes the report below
+    .venv/bin/python scripts/mutation.py --row IndexShare            # one row again, the others' lines kept
+    .venv/bin/python scripts/mutation.py --row device --cuda --no-report   # on a GPU host, printed only
 
 Report: ``docs/design/cp-shared-kv-mutations-report.md``. Not part of ``make test`` (it runs the kit tests once per
 mutation); ``test/registered/integration/test_cp_shared_kv_mutations.py`` checks the record itself in CI: every
@@ -178,28 +179,55 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(root.parent, ignore_errors=True)
 
-    caught = sum(1 for r in results if r[1] == "caught")
-    missed = [r for r in results if r[1] == "missed"]
-    lines = [
-        "# Mutation report of the compatibility table's proven rows",
-        "",
-        f"Written by `make mutation` ({'with' if args.cuda else 'without'} the CUDA test files) on "
-        f"{time.strftime('%Y-%m-%d')}: {caught} caught, {len(missed)} missed, "
-        f"{len(results) - caught - len(missed)} not run, of {len(results)} mutations "
-        "(`docs/design/cp-shared-kv-mutations.toml`). Each ran the row's named tests against a scratch copy of the "
-        "tree with the one line changed.",
-        "",
-        "| row | change | breaks | result | tests (seconds) |",
-        "|---|---|---|---|---|",
-    ]
-    for m, verdict, seconds, summary in results:
-        change = f"`{m.file}`: `{m.find.strip()}` -> `{m.replace.strip()}`".replace("|", "\\|")
-        lines.append(f"| {m.row} | {change} | {m.breaks} | **{verdict}** | {summary} ({seconds:.0f} s) |")
-    report = "\n".join(lines) + "\n"
+    lines = {m.label: _report_line(m, verdict, seconds, summary) for m, verdict, seconds, summary in results}
+    report = _report(lines, args.cuda, args.row)
     print(report)
-    if not args.no_report and not args.row:
+    if not args.no_report:
         REPORT.write_text(report)
-    return 1 if missed else 0
+    return 1 if any(r[1] == "missed" for r in results) else 0
+
+
+def _report_line(m: Mutation, verdict: str, seconds: float, summary: str) -> str:
+    change = f"`{m.file}`: `{m.find.strip()}` -> `{m.replace.strip()}`".replace("|", "\\|")
+    return f"| {m.row} | {change} | {m.breaks} | **{verdict}** | {summary} ({seconds:.0f} s) |"
+
+
+def _report(lines: dict[str, str], cuda: bool, rows: list[str] | None) -> str:
+    """The report of every mutation of the record, in its order: the lines of this run, and (when only some rows
+    ran) the committed report's lines of the others, matched by their change."""
+    kept = {}
+    if rows and REPORT.is_file():
+        for m in mutations():
+            old = next((line for line in REPORT.read_text().splitlines() if line == _report_line_prefix(m, line)), None)
+            if old is not None:
+                kept[m.label] = old
+    table = [lines.get(m.label) or kept.get(m.label) or _report_line(m, "not run", 0, "") for m in mutations()]
+    verdicts = [line.split(" | ")[3].strip("*") for line in table]
+    ran = "rows " + ", ".join(rows) + " re-run" if rows else "every row"
+    return (
+        "\n".join(
+            [
+                "# Mutation report of the compatibility table's proven rows",
+                "",
+                f"Written by `make mutation` ({ran}, {'with' if cuda else 'without'} the CUDA test files) on "
+                f"{time.strftime('%Y-%m-%d')}: {verdicts.count('caught')} caught, {verdicts.count('missed')} missed, "
+                f"{len(verdicts) - verdicts.count('caught') - verdicts.count('missed')} not run, of {len(verdicts)} "
+                "mutations (`docs/design/cp-shared-kv-mutations.toml`). Each ran the row's named tests against a scratch "
+                "copy of the tree with the one line changed.",
+                "",
+                "| row | change | breaks | result | tests (seconds) |",
+                "|---|---|---|---|---|",
+                *table,
+            ]
+        )
+        + "\n"
+    )
+
+
+def _report_line_prefix(m: Mutation, line: str) -> str:
+    """``line`` when it is the committed report's line of ``m`` (same row, change and effect), else ""."""
+    head = _report_line(m, "", 0, "").split(" | **")[0]
+    return line if line.startswith(head + " | **") else ""
 
 
 if __name__ == "__main__":
