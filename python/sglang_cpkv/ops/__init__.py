@@ -10,7 +10,7 @@ device of its tensors:
 * CPU tensors: Triton when its kernels were defined under the interpreter (``TRITON_INTERPRET=1``
   before ``sglang_cpkv.ops.triton`` was first imported), else the torch reference.
 
-The setting ``SGLANG_CPKV_OPS_BACKEND`` (environment, read at each call) forces one backend:
+The setting ``SGLANG_CPKV_OPS_BACKEND`` (environment) forces one backend:
 
 * ``auto`` (default): the order above;
 * ``cuda`` / ``triton`` / ``torch``: that backend, or a :class:`RuntimeError` naming why it cannot
@@ -96,27 +96,31 @@ def select_backend(device: torch.device | str) -> str:
     """The backend (``cuda``, ``triton`` or ``torch``) that runs the ops for tensors on ``device``.
 
     Follows ``SGLANG_CPKV_OPS_BACKEND`` (see the module docstring); raises :class:`RuntimeError`
-    if it forces a backend that cannot run there, or holds a value outside :data:`BACKENDS`.
+    if it forces a backend that cannot run there, or holds a value outside :data:`BACKENDS`. What a value means on a
+    device type is decided once (:func:`_resolve`): a call costs a dictionary lookup, not the probe.
     """
-    device = torch.device(device)
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
     requested = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
-    if requested not in BACKENDS:
-        raise RuntimeError(f"{BACKEND_ENV} must be one of {', '.join(BACKENDS)}, got {requested!r}")
-    if requested == "auto":
-        name = next(n for n in ("cuda", "triton", "torch") if not _why_not(n, device))
-    else:
-        why = _why_not(requested, device)
-        if why:
-            raise RuntimeError(
-                f"{BACKEND_ENV}={requested} cannot run the CP shared-KV ops on {device.type} tensors: {why}"
-            )
-        name = requested
+    name = _resolve(requested, device_type)
     if name not in _logged_backends:
         _logged_backends.add(name)
         logger.info(
-            "CP shared-KV ops run on the %s backend (%s=%s, %s tensors)", name, BACKEND_ENV, requested, device.type
+            "CP shared-KV ops run on the %s backend (%s=%s, %s tensors)", name, BACKEND_ENV, requested, device_type
         )
     return name
+
+
+@functools.cache
+def _resolve(requested: str, device_type: str) -> str:
+    if requested not in BACKENDS:
+        raise RuntimeError(f"{BACKEND_ENV} must be one of {', '.join(BACKENDS)}, got {requested!r}")
+    device = torch.device(device_type)
+    if requested == "auto":
+        return next(n for n in ("cuda", "triton", "torch") if not _why_not(n, device))
+    why = _why_not(requested, device)
+    if why:
+        raise RuntimeError(f"{BACKEND_ENV}={requested} cannot run the CP shared-KV ops on {device_type} tensors: {why}")
+    return requested
 
 
 def warm_up(device: torch.device | str) -> str:
