@@ -24,7 +24,7 @@ test: setup lint
 # The seed's scenario: a bs>1 batch sharing a prefix page with current reuse, per request
 # compared with bs=1, on CPU (cp=1 and cp=2 over gloo) or on a GPU when present.
 demo: setup
-	$(PY) -m sglang_cpkv.demo
+	$(PY) -m sglang_cpkv.testing.demo
 
 # On a GPU host, with its own python3 (no .venv: that one is the CPU build): the registered CUDA suites, the
 # 2-GPU suite only where two GPUs exist. With .whl/ from scripts/gpu_env/prepare_wheels.sh (run on a CPU

@@ -37,7 +37,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"] = "1"
     os.environ["SGLANG_CP_DRAFT_SHARED_KV"] = "1"
-    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+    from sglang_cpkv.upstream_import import install_torchvision_stub
 
     install_torchvision_stub()
     torch.cuda.get_device_capability = lambda *a, **k: (10, 0)  # the B300-class prefill GPU the deployment plays

@@ -21,7 +21,8 @@ import sys
 import pytest
 import torch
 
-from sglang_cpkv.testing.upstream_env import install_torchvision_stub, kit_testcase, skip_or_fail
+from sglang_cpkv.testing.upstream_env import kit_testcase, skip_or_fail
+from sglang_cpkv.upstream_import import install_torchvision_stub
 
 install_torchvision_stub()
 try:

@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[LAYER_AHEAD_ENV] = "1" if args.layer_ahead == "on" else "0"
     from sglang_cpkv.capacity.planner import plan, stderr_progress
     from sglang_cpkv.capacity.report import budget_lines, plot, table, write_json
-    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+    from sglang_cpkv.upstream_import import install_torchvision_stub
 
     stderr_progress("importing upstream sglang (the first server's resolution takes ~10 s on a CPU)")
     install_torchvision_stub()

@@ -100,7 +100,7 @@ def _pin_capability(requested: str) -> str:
 
 
 def _check_server(argv: list[str], env: dict, gpu_capability: str) -> tuple[str, str]:
-    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+    from sglang_cpkv.upstream_import import install_torchvision_stub
 
     install_torchvision_stub()  # no-op where torchvision is installed (the image); CPU dev environments lack it
     try:

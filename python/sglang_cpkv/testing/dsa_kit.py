@@ -179,7 +179,7 @@ def _upstream():
         torch.cuda.get_device_capability = lambda *a, **k: (9, 0)  # build the backend as on Hopper
         # The top-k v2 plan is a CUDA JIT kernel of the top-k step, which these runs replace by its transform.
         os.environ.setdefault("SGLANG_OPT_USE_TOPK_V2", "0")
-    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+    from sglang_cpkv.upstream_import import install_torchvision_stub
 
     install_torchvision_stub()
     import sglang.srt.layers.attention.dsa_backend as dsa_backend_module

@@ -128,7 +128,7 @@ def _run_decode(case: dict) -> tuple[dict, dict]:
 
 
 def main() -> int:
-    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+    from sglang_cpkv.upstream_import import install_torchvision_stub
 
     install_torchvision_stub()
     import torch

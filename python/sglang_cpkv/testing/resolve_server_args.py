@@ -48,7 +48,7 @@ def main() -> int:
     args = parser.parse_args()
     major, minor = (int(x) for x in args.capability.split("."))
 
-    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+    from sglang_cpkv.upstream_import import install_torchvision_stub
 
     install_torchvision_stub()
     import torch

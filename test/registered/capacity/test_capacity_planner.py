@@ -37,7 +37,7 @@ register_cpu_ci(est_time=240, suite="cpkv-cpu")
 
 pytest.importorskip("sglang", reason="needs upstream sglang 0.5.23 installed (make setup)")
 
-from sglang_cpkv.testing.upstream_env import install_torchvision_stub  # noqa: E402
+from sglang_cpkv.upstream_import import install_torchvision_stub  # noqa: E402
 
 install_torchvision_stub()
 

@@ -1,8 +1,9 @@
-"""The hook modules import each other without a circle (issue 21, item 5).
+"""The package's imports point one way.
 
-``dsa_extend`` <-> ``exchange_group`` <-> ``reservation`` once imported each other for the mode's settings
-(``enabled``, ``layer_ahead``): every import of another hook module, at module level or inside a function, is an
-edge here, and the graph must have no cycle. The settings live in ``hooks/settings.py``.
+* The hook modules import each other without a circle: ``dsa_extend`` <-> ``exchange_group`` <-> ``reservation`` once
+  imported each other for the mode's settings; every import of another hook module, at module level or inside a
+  function, is an edge here, and the graph must have no cycle. The settings live in ``hooks/settings.py``.
+* No product module imports test support (``sglang_cpkv.testing``, ``sglang_cpkv.harness``: not in the wheel).
 """
 
 import ast
@@ -15,8 +16,10 @@ from sglang_cpkv.testing.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=5, suite="cpkv-cpu")
 
-HOOKS = Path(__file__).resolve().parents[3] / "python" / "sglang_cpkv" / "hooks"
+SOURCES = Path(__file__).resolve().parents[3] / "python" / "sglang_cpkv"
+HOOKS = SOURCES / "hooks"
 PACKAGE = "sglang_cpkv.hooks"
+TEST_SUPPORT = ("sglang_cpkv.testing", "sglang_cpkv.harness")
 
 
 def _module_name(path: Path) -> str:
@@ -79,6 +82,37 @@ def test_no_hook_module_imports_itself_back():
 
 def test_a_circle_is_found():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def _test_support_imports(source: str) -> set[str]:
+    """The test-support modules ``source`` imports anywhere in its body."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found |= {n for n in names if n.split(".")[:2] in (t.split(".") for t in TEST_SUPPORT)}
+    return found
+
+
+def test_no_product_module_imports_test_support():
+    product = [p for p in SOURCES.rglob("*.py") if p.relative_to(SOURCES).parts[0] not in ("testing", "harness")]
+    assert len(product) > 50
+    offenders = {str(p.relative_to(SOURCES)): sorted(_test_support_imports(p.read_text())) for p in product}
+    assert {path: names for path, names in offenders.items() if names} == {}
+
+
+def test_a_test_support_import_is_found():
+    source = "def f():\n    from sglang_cpkv.testing.batches import BatchCase\nimport sglang_cpkv.harness.engine\n"
+    assert _test_support_imports(source) == {
+        "sglang_cpkv.testing.batches",
+        "sglang_cpkv.testing.batches.BatchCase",
+        "sglang_cpkv.harness.engine",
+    }
+    assert _test_support_imports("from sglang_cpkv.runtime import plan\n") == set()
 
 
 if __name__ == "__main__":

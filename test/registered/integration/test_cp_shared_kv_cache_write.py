@@ -44,7 +44,7 @@ KV_LORA, ROPE = 8, 4
 
 @pytest.fixture(scope="module")
 def up():
-    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+    from sglang_cpkv.upstream_import import install_torchvision_stub
 
     install_torchvision_stub()
     from sglang.srt.layers.cp.base import get_cp_strategy, init_cp_strategy

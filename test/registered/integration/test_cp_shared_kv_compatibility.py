@@ -90,7 +90,7 @@ def test_every_refusal_is_in_the_table():
 
 
 def test_every_server_args_field_is_placed_once():
-    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+    from sglang_cpkv.upstream_import import install_torchvision_stub
 
     install_torchvision_stub()
     from sglang.srt.arg_groups.arg_utils import record_fields

@@ -45,7 +45,7 @@ CHUNKS = [4, 3, 3]
 
 @pytest.fixture(scope="module")
 def up():
-    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+    from sglang_cpkv.upstream_import import install_torchvision_stub
 
     install_torchvision_stub()
     from sglang.srt.disaggregation.common.conn import CommonKVSender

@@ -502,7 +502,7 @@ GLM5NEXT_ONLY = {
 
 @pytest.mark.parametrize("flag", list(GLM5NEXT_ONLY))
 def test_refusals_only_a_glm5next_server_reaches(models, flag, monkeypatch):
-    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+    from sglang_cpkv.upstream_import import install_torchvision_stub
 
     install_torchvision_stub()
     import torch
@@ -530,7 +530,7 @@ def test_refusals_only_a_glm5next_server_reaches(models, flag, monkeypatch):
 def test_the_mode_takes_the_rotation_aware_tree_core(models, monkeypatch, core, extra, left):
     """The radix tree core the page-interleave allocator needs: chosen when the operator did not choose (as upstream's
     kv-sharding does), kept when it is upstream's Python core, and any core with the radix cache off (no tree)."""
-    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+    from sglang_cpkv.upstream_import import install_torchvision_stub
 
     install_torchvision_stub()
     import torch
@@ -556,7 +556,7 @@ def test_the_mode_takes_the_rotation_aware_tree_core(models, monkeypatch, core, 
 def test_a_refused_start_up_leaves_the_tree_core_setting_as_it_was(models, monkeypatch):
     """The tree core the mode chooses is written only once every check has passed: a resolution refused by the last
     check (no all-CP-ranks transfer) leaves the variable unset."""
-    from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+    from sglang_cpkv.upstream_import import install_torchvision_stub
 
     install_torchvision_stub()
     import torch

@@ -122,7 +122,7 @@ def test_split_errors_name_the_bad_value():
 def _upstream():
     """Upstream 0.5.23's CP strategy modules, or skip saying why they do not import here."""
     try:
-        from sglang_cpkv.testing.upstream_env import install_torchvision_stub
+        from sglang_cpkv.upstream_import import install_torchvision_stub
 
         install_torchvision_stub()
         import sglang.srt.layers.cp.base as base

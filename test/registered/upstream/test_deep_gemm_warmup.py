@@ -28,7 +28,7 @@ from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E40
 
 pytest.importorskip("sglang", reason="needs upstream sglang 0.5.23 installed (make setup)")
 
-from sglang_cpkv.testing.upstream_env import install_torchvision_stub  # noqa: E402
+from sglang_cpkv.upstream_import import install_torchvision_stub  # noqa: E402
 
 install_torchvision_stub()
 

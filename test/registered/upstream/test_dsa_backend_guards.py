@@ -42,7 +42,7 @@ pytest.importorskip("sglang", reason="needs upstream sglang 0.5.23 installed (ma
 
 from sglang_cpkv.overlay.patches import Patch, apply_patch  # noqa: E402
 from sglang_cpkv.overlay.queue import load_queue  # noqa: E402
-from sglang_cpkv.testing.upstream_env import install_torchvision_stub  # noqa: E402
+from sglang_cpkv.upstream_import import install_torchvision_stub  # noqa: E402
 
 install_torchvision_stub()
 

@@ -14,7 +14,7 @@ runs the same batch and the demo reports, per request, which rows it read instea
 (whose KV it got). Exit status 1 if the per-request path mismatches anywhere; the 1-D inverse's
 failure on the collision batch is expected and only reported.
 
-    python -m sglang_cpkv.demo [--no-cp2]
+    python -m sglang_cpkv.testing.demo [--no-cp2]
 """
 
 from __future__ import annotations
