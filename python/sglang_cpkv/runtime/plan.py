@@ -421,6 +421,83 @@ def _dense_layout(
     )
 
 
+def _check_page_ids(capacity: int, page_size: int, cp_size: int) -> None:
+    if capacity < 1 or page_size < 1:
+        raise CpSharedKvError(f"capacity and page_size must be >= 1, got capacity={capacity}, page_size={page_size}")
+    if capacity > INT32_MAX:
+        raise CpSharedKvError(f"capacity {capacity} page ids do not fit int32")
+    if cp_size > 1 and capacity % cp_size:
+        raise CpSharedKvError(
+            f"capacity {capacity} is not a multiple of cp_size {cp_size}: under CP the page ids number cp_size x "
+            "one rank's pool pages (upstream's page-interleave allocator)"
+        )
+
+
+@dataclass(frozen=True)
+class _Entries:
+    """The batch's page-table entries ``(r, j)``, in that order (host int64)."""
+
+    pages_needed: np.ndarray  # [R] n_r, the entries of each request
+    starts: np.ndarray  # [R] the index of each request's first entry
+    req: np.ndarray  # [E] r of every entry
+    j: np.ndarray  # [E] j of every entry
+
+
+def _entries(table: torch.Tensor, prefix: np.ndarray, extend: np.ndarray, page_size: int, capacity: int) -> _Entries:
+    """Every entry of the batch, after checking that each request's view fits int32 locations and the table's
+    columns; a host table's page ids are validated here."""
+    pages_needed = -(-(prefix + extend) // page_size)
+    longest = int(pages_needed.max())
+    if longest * page_size > INT32_MAX:
+        raise CpSharedKvError(
+            f"a request's dense view needs {longest} slots x page_size {page_size} = {longest * page_size} locations, "
+            f"more than int32 holds ({INT32_MAX}): split the batch"
+        )
+    too_long = [(r, n) for r, n in enumerate(pages_needed.tolist()) if n > table.shape[1]]
+    if too_long:
+        raise CpSharedKvError(
+            f"page_table has {table.shape[1]} columns but (request, pages needed) {too_long} do not fit"
+        )
+    starts = np.cumsum(pages_needed) - pages_needed
+    req = np.repeat(np.arange(pages_needed.size, dtype=np.int64), pages_needed)
+    j = np.arange(req.size, dtype=np.int64) - starts[req]
+    if table.device.type == "cpu":
+        _validate_host_ids(_host_array(table)[req, j], req, j, capacity)
+    return _Entries(pages_needed, starts, req, j)
+
+
+def _check_current_locations(out_cache_loc: torch.Tensor, num_tokens: int, capacity: int, page_size: int) -> None:
+    if not isinstance(out_cache_loc, torch.Tensor) or out_cache_loc.dim() != 1:
+        raise CpSharedKvError("out_cache_loc must be a 1-D tensor of pool token locations")
+    if out_cache_loc.numel() != num_tokens:
+        raise CpSharedKvError(f"out_cache_loc has {out_cache_loc.numel()} entries, sum(extend_lens) = {num_tokens}")
+    if out_cache_loc.dtype not in (torch.int32, torch.int64):
+        raise CpSharedKvError(f"out_cache_loc must be int32 or int64, got {out_cache_loc.dtype}")
+    if out_cache_loc.device.type == "cpu":
+        _validate_host_locations(out_cache_loc, capacity, page_size)
+
+
+def _history_copies(layout: _Layout, cp_size: int, cp_rank: int) -> tuple[np.ndarray, ...]:
+    """``(pool pages, their slots, view source slots, view destination slots)``: this rank's pool pages into the view,
+    then (under CP, after the gather) the copies from the region into own slots."""
+    region, empty = layout.region_pages, np.empty(0, dtype=np.int64)
+    if cp_size == 1:
+        pool_pages = np.concatenate([region, layout.own_history_pages])
+        return pool_pages, np.concatenate([np.arange(region.size), layout.own_history_slots]), empty, empty
+    start, count = layout.gather_blocks[cp_rank] if layout.gather_blocks else (0, 0)
+    pool_pages = owner_pool_page(region[start : start + count], cp_size)
+    return pool_pages, np.arange(start, start + count), layout.own_history_sources, layout.own_history_slots
+
+
+def _owned_cache_write_locs(out_cache_loc: torch.Tensor, page_size: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """int64 ``[N]``: the row of this rank's pool of each current token whose page it owns, else -1."""
+    locs = out_cache_loc.to(torch.int64)
+    if cp_size == 1:
+        return locs
+    owned = page_owner(torch.div(locs, page_size, rounding_mode="floor"), cp_size) == cp_rank
+    return torch.where(owned, owner_pool_loc(locs, page_size, cp_size), PADDING_ID)
+
+
 def build_plan(
     page_table: torch.Tensor | Sequence[Sequence[int]],
     prefix_lens: Sequence[int],
@@ -456,15 +533,7 @@ def build_plan(
             ``out_cache_loc`` length != ``sum(extend_lens)``, a CP split that does not apply, a rank
             outside ``[0, cp_size)``; in checked mode also every device-side error and broken invariant.
     """
-    if capacity < 1 or page_size < 1:
-        raise CpSharedKvError(f"capacity and page_size must be >= 1, got capacity={capacity}, page_size={page_size}")
-    if capacity > INT32_MAX:
-        raise CpSharedKvError(f"capacity {capacity} page ids do not fit int32")
-    if cp_size > 1 and capacity % cp_size:
-        raise CpSharedKvError(
-            f"capacity {capacity} is not a multiple of cp_size {cp_size}: under CP the page ids number cp_size x "
-            "one rank's pool pages (upstream's page-interleave allocator)"
-        )
+    _check_page_ids(capacity, page_size, cp_size)
     prefix, extend = _validate_lengths(prefix_lens, extend_lens)
     num_requests = len(prefix)
     split = build_cp_split(strategy, extend, cp_size, cp_rank)
@@ -472,52 +541,24 @@ def build_plan(
     if num_tokens == 0:
         # Every per-layer op fills or persists current rows; upstream never runs an extend without them.
         raise CpSharedKvError(f"the batch has no current tokens (extend_lens {list(extend)}): nothing to extend")
-
     prefix_np, extend_np = np.array(prefix, dtype=np.int64), np.array(extend, dtype=np.int64)
-    pages_needed = -(-(prefix_np + extend_np) // page_size)
-    entry_starts = np.cumsum(pages_needed) - pages_needed
-    longest = int(pages_needed.max())
-    if longest * page_size > INT32_MAX:
-        raise CpSharedKvError(
-            f"a request's dense view needs {longest} slots x page_size {page_size} = {longest * page_size} locations, "
-            f"more than int32 holds ({INT32_MAX}): split the batch"
-        )
     table = _host_page_table(page_table, num_requests)
-    too_long = [(r, n) for r, n in enumerate(pages_needed.tolist()) if n > table.shape[1]]
-    if too_long:
-        raise CpSharedKvError(
-            f"page_table has {table.shape[1]} columns but (request, pages needed) {too_long} do not fit"
-        )
-    # Every entry's (request, page index), in (r, j) order.
-    entry_req = np.repeat(np.arange(num_requests, dtype=np.int64), pages_needed)
-    entry_j = np.arange(entry_req.size, dtype=np.int64) - entry_starts[entry_req]
-    host_table = table.device.type == "cpu"
-    if host_table:
-        _validate_host_ids(_host_array(table)[entry_req, entry_j], entry_req, entry_j, capacity)
-
-    if not isinstance(out_cache_loc, torch.Tensor) or out_cache_loc.dim() != 1:
-        raise CpSharedKvError("out_cache_loc must be a 1-D tensor of pool token locations")
-    if out_cache_loc.numel() != num_tokens:
-        raise CpSharedKvError(f"out_cache_loc has {out_cache_loc.numel()} entries, sum(extend_lens) = {num_tokens}")
-    if out_cache_loc.dtype not in (torch.int32, torch.int64):
-        raise CpSharedKvError(f"out_cache_loc must be int32 or int64, got {out_cache_loc.dtype}")
-    if out_cache_loc.device.type == "cpu":
-        _validate_host_locations(out_cache_loc, capacity, page_size)
-
+    entries = _entries(table, prefix_np, extend_np, page_size, capacity)
+    _check_current_locations(out_cache_loc, num_tokens, capacity, page_size)
     device = out_cache_loc.device
     errors = ops.new_error_counter(device)
 
     # The page ids on the host: a host table's, or the one host copy of a device table when some request has history
     # (module docstring: the layout is a function of them). Without history every entry is its own slot whatever its
     # page id, so a device table's ids stay on the device.
-    pages_on_host = host_table or any(prefix)
+    pages_on_host = table.device.type == "cpu" or any(prefix)
     if pages_on_host:
         host = table.cpu() if any(prefix) else table
-        pages = _in_range_or_capacity(_host_array(host)[entry_req, entry_j], capacity)
+        pages = _in_range_or_capacity(_host_array(host)[entries.req, entries.j], capacity)
     else:
-        pages = np.full(entry_req.size, capacity, dtype=np.int64)
+        pages = np.full(entries.req.size, capacity, dtype=np.int64)
     layout = _dense_layout(
-        pages, entry_req, entry_j, prefix_np, extend_np, page_size=page_size, cp_size=cp_size, capacity=capacity
+        pages, entries.req, entries.j, prefix_np, extend_np, page_size=page_size, cp_size=cp_size, capacity=capacity
     )
     region = layout.region_pages
     needed = region.size + layout.own_entries.size
@@ -528,29 +569,18 @@ def build_plan(
             f"locations, more than int32 holds ({INT32_MAX}): split the batch"
         )
     rounding = np.full(num_slots - needed, PADDING_ID, dtype=np.int64)
-    # History: this rank's pool pages into the view, then (under CP) the gather and the copies into own slots.
-    empty = np.empty(0, dtype=np.int64)
-    if cp_size == 1:
-        pool_pages = np.concatenate([region, layout.own_history_pages])
-        pool_slots = np.concatenate([np.arange(region.size), layout.own_history_slots])
-        view_src, view_dst = empty, empty
-    else:
-        start, count = layout.gather_blocks[cp_rank] if layout.gather_blocks else (0, 0)
-        pool_pages = owner_pool_page(region[start : start + count], cp_size)
-        pool_slots = np.arange(start, start + count)
-        view_src, view_dst = layout.own_history_sources, layout.own_history_slots
     token_req = np.repeat(np.arange(num_requests, dtype=np.int64), extend_np)
 
     # Every host value the device work needs, in one staging; each slot's page (the region's, then each own slot's
     # entry's, then the rounding) from the host ids, or from the entries gathered on the device.
-    int64s = [np.concatenate([layout.slot_req, rounding]), entry_req, token_req]
-    int32s = [layout.entry_slots, pool_pages, pool_slots, view_src, view_dst]
+    int64s = [np.concatenate([layout.slot_req, rounding]), entries.req, token_req]
+    int32s = [layout.entry_slots, *_history_copies(layout, cp_size, cp_rank)]
     if pages_on_host:
         int32s += [pages, np.concatenate([region, pages[layout.own_entries], rounding])]
     else:
-        int64s.append(entry_req * table.shape[1] + entry_j)
-    (slot_req, entry_req_dev, token_req_id, *flat_entries), (entry_slots, *int32_dev) = _stage(device, int64s, int32s)
-    pool_copy_pages, pool_copy_slots, view_src_dev, view_dst_dev, *host_pages = int32_dev
+        int64s.append(entries.req * table.shape[1] + entries.j)
+    (slot_req, entry_req, token_req_id, *flat_entries), (entry_slots, *int32_dev) = _stage(device, int64s, int32s)
+    pool_copy_pages, pool_copy_slots, view_src, view_dst, *host_pages = int32_dev
     if pages_on_host:
         entry_pages, slot_pages = host_pages
     else:  # no history: every entry is its own slot, in entry order
@@ -558,9 +588,7 @@ def build_plan(
         slot_pages = torch.cat(
             [entry_pages, torch.full((rounding.size,), PADDING_ID, dtype=torch.int32, device=device)]
         )
-    inverse = ops.build_page_inverse(
-        entry_pages, entry_req_dev, num_requests, capacity, errors, entry_slots=entry_slots
-    )
+    inverse = ops.build_page_inverse(entry_pages, entry_req, num_requests, capacity, errors, entry_slots=entry_slots)
     current_dense_locs = _own_slots_only(
         ops.remap_locs(out_cache_loc, token_req_id, inverse, page_size, errors).to(torch.int64),
         token_req_id,
@@ -568,12 +596,6 @@ def build_plan(
         page_size,
         errors,
     )
-    if cp_size == 1:
-        owned_cache_write_locs = out_cache_loc.to(torch.int64)
-    else:
-        locs = out_cache_loc.to(torch.int64)
-        owned = page_owner(torch.div(locs, page_size, rounding_mode="floor"), cp_size) == cp_rank
-        owned_cache_write_locs = torch.where(owned, owner_pool_loc(locs, page_size, cp_size), PADDING_ID)
 
     plan = CpSharedKvPlan(
         num_requests=num_requests,
@@ -581,8 +603,8 @@ def build_plan(
         page_size=page_size,
         prefix_lens=prefix,
         extend_lens=extend,
-        request_pages=tuple(pages_needed.tolist()),
-        entry_starts=tuple(entry_starts.tolist()),
+        request_pages=tuple(entries.pages_needed.tolist()),
+        entry_starts=tuple(entries.starts.tolist()),
         entry_slots_host=torch.from_numpy(layout.entry_slots),
         history_region_slots=int(region.size),
         gather_blocks=layout.gather_blocks,
@@ -598,10 +620,10 @@ def build_plan(
         current_dense_locs=current_dense_locs,
         pool_copy_pages=pool_copy_pages,
         pool_copy_slots=pool_copy_slots,
-        view_copy_src_slots=view_src_dev,
-        view_copy_dst_slots=view_dst_dev,
+        view_copy_src_slots=view_src,
+        view_copy_dst_slots=view_dst,
         out_cache_loc=out_cache_loc,
-        owned_cache_write_locs=owned_cache_write_locs,
+        owned_cache_write_locs=_owned_cache_write_locs(out_cache_loc, page_size, cp_size, cp_rank),
         errors=errors,
     )
     if plan.checked:
