@@ -27,24 +27,22 @@ def _module_name(path: Path) -> str:
     return ".".join((PACKAGE, *parts)).removesuffix(".__init__")
 
 
-def _imported_hook_modules(path: Path, names: set[str]) -> set[str]:
-    """Hook modules ``path`` imports anywhere in its body (``from pkg import mod`` counts ``pkg.mod``)."""
+def _imports(source: str) -> set[str]:
+    """Every module name ``source`` imports anywhere in its body (``from pkg import mod`` counts ``pkg`` and
+    ``pkg.mod``)."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            candidates = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
         elif isinstance(node, ast.Import):
-            candidates = [alias.name for alias in node.names]
-        else:
-            continue
-        found |= {c for c in candidates if c in names}
+            found |= {alias.name for alias in node.names}
     return found
 
 
 def _graph() -> dict[str, set[str]]:
     files = {_module_name(p): p for p in HOOKS.rglob("*.py")}
     names = set(files)
-    return {name: _imported_hook_modules(path, names) - {name} for name, path in files.items()}
+    return {name: (_imports(path.read_text()) & names) - {name} for name, path in files.items()}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -86,16 +84,7 @@ def test_a_circle_is_found():
 
 def _test_support_imports(source: str) -> set[str]:
     """The test-support modules ``source`` imports anywhere in its body."""
-    found = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
-        elif isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        else:
-            continue
-        found |= {n for n in names if n.split(".")[:2] in (t.split(".") for t in TEST_SUPPORT)}
-    return found
+    return {name for name in _imports(source) if name.split(".")[:2] in (t.split(".") for t in TEST_SUPPORT)}
 
 
 def test_no_product_module_imports_test_support():
