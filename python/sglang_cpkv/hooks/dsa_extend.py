@@ -179,8 +179,9 @@ class BackendState:
         index_k = self._index_k_kind(pool, plan, reservation)
         if index_k is not None:
             kinds.append(index_k)
-        ahead = reservation.views_per_kind == 2
-        pipeline = LayerPipeline(plan, group, kinds, layer_ahead=ahead, stream=_side_stream(plan.device))
+        pipeline = LayerPipeline(
+            plan, group, kinds, layer_ahead=reservation.layer_ahead, stream=_side_stream(plan.device)
+        )
         scratch = scratch_locs = None
         if latent:
             first = pool.kv_buffer[0]

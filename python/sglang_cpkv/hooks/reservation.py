@@ -80,7 +80,7 @@ def pool_overhead_bytes(kvc: Any) -> int:
         chunk_tokens=chunk_tokens,
         page_size=kvc.page_size,
         cp_size=cp_size,
-        views_per_kind=2 if layer_ahead(cp_size) else 1,
+        layer_ahead=layer_ahead(cp_size),
         latent_token_bytes=latent_dim * torch._utils._element_size(kvc.kv_cache_dtype),
         index_k_token_bytes=index_k_token_bytes(model_config.hf_config),
         backends=2 if kvc.spec_algorithm.is_eagle() else 1,

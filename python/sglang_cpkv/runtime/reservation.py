@@ -71,7 +71,7 @@ class Reservation:
         max_batch_tokens: the limit (tokens of KV one batch's dense view may hold).
         chunk_tokens: the most current tokens of one batch (the chunked-prefill size).
         page_size, cp_size: the pool's page size and the attention-CP size.
-        views_per_kind: dense buffers per kind (2: layer-ahead history, 1: synchronous).
+        layer_ahead: histories are taken one layer ahead (two dense buffers per kind), else synchronously (one).
         latent_token_bytes: bytes of one token of the latent KV pool (656 packed FP8, 1152 bf16, ...).
         index_k_token_bytes: bytes of one token of the DSA index-K pool (keys and scales); 0: none.
         backends: attention backends that run the mode (1, or 2 with a speculative draft).
@@ -81,13 +81,13 @@ class Reservation:
     chunk_tokens: int
     page_size: int
     cp_size: int
-    views_per_kind: int
+    layer_ahead: bool
     latent_token_bytes: int
     index_k_token_bytes: int
     backends: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_tokens", "chunk_tokens", "page_size", "cp_size", "views_per_kind", "backends"):
+        for name in ("max_batch_tokens", "chunk_tokens", "page_size", "cp_size", "backends"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.latent_token_bytes < 1 or self.index_k_token_bytes < 0:
@@ -95,6 +95,11 @@ class Reservation:
                 f"token bytes must be positive, got latent {self.latent_token_bytes}, "
                 f"index K {self.index_k_token_bytes}"
             )
+
+    @property
+    def views_per_kind(self) -> int:
+        """Dense buffers per kind: two with the layer-ahead history (one read while the next is filled), else one."""
+        return 2 if self.layer_ahead else 1
 
     @property
     def max_batch_entries(self) -> int:

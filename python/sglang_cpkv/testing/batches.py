@@ -274,7 +274,7 @@ B300_GLM51_RESERVATION = Reservation(
     chunk_tokens=65536,
     page_size=64,
     cp_size=8,
-    views_per_kind=2,
+    layer_ahead=True,
     latent_token_bytes=656,
     index_k_token_bytes=132,
 )

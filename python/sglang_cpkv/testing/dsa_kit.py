@@ -120,7 +120,7 @@ def kit_reservation(
         chunk_tokens=max_requests * longest,
         page_size=PAGE,
         cp_size=cp_size,
-        views_per_kind=2 if layer_ahead(cp_size) else 1,
+        layer_ahead=layer_ahead(cp_size),
         latent_token_bytes=latent_token_bytes,
         index_k_token_bytes=index_k_token_bytes,
     )

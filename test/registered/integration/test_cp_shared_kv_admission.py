@@ -175,7 +175,7 @@ def publish_limit(max_batch_tokens: int, chunk_tokens: int = CHUNK) -> Reservati
             chunk_tokens=chunk_tokens,
             page_size=PAGE,
             cp_size=8,
-            views_per_kind=2,
+            layer_ahead=True,
             latent_token_bytes=656,
             index_k_token_bytes=132,
         )

@@ -195,7 +195,7 @@ def test_the_default_limit_holds_one_full_context_request_and_a_chunk_of_others_
         "worst rounding": ([context - 1] + [0] * 127, [1] + [PAGE + 1] * 126 + [1]),
     }
     limit = default_max_batch_tokens(context, chunk, PAGE)
-    reservation = Reservation(limit, chunk, PAGE, 1, 1, 656, 132)
+    reservation = Reservation(limit, chunk, PAGE, 1, False, 656, 132)
     for name, (prefix, extend) in batches.items():
         assert sum(extend) <= chunk, name
         pages = [-(-(p + e) // PAGE) for p, e in zip(prefix, extend)]
