@@ -308,15 +308,15 @@ def on_extend_metadata(
     if not enabled():
         return page_table
     from sglang.srt.layers.attention.dsa.utils import can_dsa_prefill_cp_interleave
-    from sglang.srt.runtime_context import get_parallel
 
-    parallel = get_parallel()
     split = can_dsa_prefill_cp_interleave(forward_batch)
     pool = backend.token_to_kv_pool
     page_size = pool.page_size
     prefix_lens, extend_lens = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
     seq_lens = [int(p) + int(e) for p, e in zip(prefix_lens, extend_lens)]
     reservation = reserved_buffers()
+    # The CP group the reservation was made for: its exchange group under CP (made at start-up), else this rank alone.
+    group = exchange_group() if reservation.cp_size > 1 else SingleRankGroup()
     plan = build_plan(
         pool_page_table(backend.req_to_token, forward_batch.req_pool_indices, seq_lens, page_size),
         prefix_lens,
@@ -325,15 +325,14 @@ def on_extend_metadata(
         forward_batch.out_cache_loc[: sum(extend_lens)],
         capacity=page_id_capacity(pool),
         page_size=page_size,
-        cp_size=parallel.attn_cp_size,
-        cp_rank=parallel.attn_cp_rank,
+        cp_size=group.cp_size,
+        cp_rank=group.cp_rank,
         strategy="interleave" if split else "none",
     )
     if split:
         metadata = forward_batch.attn_cp_metadata
         check_split_matches_upstream(plan, metadata.per_rank_logical_token, metadata.per_rank_actual_token)
     reservation.check_batch(plan.needed_slots * page_size, plan.num_slots, plan.num_tokens, plan.entries)
-    group = exchange_group() if parallel.attn_cp_size > 1 else SingleRankGroup()
     batch = backend_state(backend).begin(backend, forward_batch, plan, group, reservation)
     return remap_page_table(batch, page_table, bs_idx)
 
