@@ -6,8 +6,8 @@ that says *proven*, one-line changes to our code that break that feature. For ea
 scratch copy of the working tree, replaces the one line there, and runs the row's named tests (its evidence column)
 against the copy (its ``python/`` first on ``PYTHONPATH``, ahead of the editable install): **caught** when they
 fail, **missed** when they pass. The unchanged copy runs them first and must pass (else nothing can be judged).
-CUDA test files (``*_cuda.py``) run only with ``--cuda`` (a GPU host); a row whose tests are all CUDA ones is
-reported as not run on a CPU host.
+CUDA test files (``*_cuda.py``) run only with ``--cuda`` (a GPU host); a mutation only they can see (``gpu = true``:
+a CUDA launcher's line) is reported as not run on a CPU host.
 
     make mutation                                                   # every mutation; writes the report below
     .venv/bin/python scripts/mutation.py --row IndexShare            # one row again, the others' lines kept
@@ -51,6 +51,7 @@ class Mutation:
     find: str
     replace: str
     breaks: str
+    gpu: bool = False  # only the row's CUDA test files can see it: judged with --cuda only
 
     @property
     def label(self) -> str:
@@ -163,8 +164,8 @@ def main(argv=None) -> int:
         for i, m in enumerate(muts, 1):
             refs = runnable[m.row]
             print(f"[mutation] {i}/{len(muts)} {m.row}: {m.label}", flush=True)
-            if not refs:
-                results.append((m, "not run (CUDA tests only)", 0.0, ""))
+            if not refs or (m.gpu and not args.cuda):
+                results.append((m, "not run (needs a GPU)", 0.0, ""))
                 continue
             path = root / m.file
             original = path.read_text()
