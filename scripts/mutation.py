@@ -198,8 +198,9 @@ def _report(lines: dict[str, str], cuda: bool, rows: list[str] | None) -> str:
     ran) the committed report's lines of the others, matched by their change."""
     kept = {}
     if rows and REPORT.is_file():
+        committed = REPORT.read_text().splitlines()
         for m in mutations():
-            old = next((line for line in REPORT.read_text().splitlines() if line == _report_line_prefix(m, line)), None)
+            old = next((line for line in committed if _is_line_of(m, line)), None)
             if old is not None:
                 kept[m.label] = old
     table = [lines.get(m.label) or kept.get(m.label) or _report_line(m, "not run", 0, "") for m in mutations()]
@@ -225,10 +226,10 @@ def _report(lines: dict[str, str], cuda: bool, rows: list[str] | None) -> str:
     )
 
 
-def _report_line_prefix(m: Mutation, line: str) -> str:
-    """``line`` when it is the committed report's line of ``m`` (same row, change and effect), else ""."""
+def _is_line_of(m: Mutation, line: str) -> bool:
+    """Whether ``line`` is a report's line of ``m`` (same row, change and effect)."""
     head = _report_line(m, "", 0, "").split(" | **")[0]
-    return line if line.startswith(head + " | **") else ""
+    return line.startswith(head + " | **")
 
 
 if __name__ == "__main__":
