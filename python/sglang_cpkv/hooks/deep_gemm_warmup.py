@@ -26,9 +26,9 @@ non-grouped GEMM of this server ever runs a larger M. From reading 0.5.23 that n
    for target-layout drafts (DSA NextN / EAGLE, STANDALONE, ...), but SINGLE_GROUP drafts (EAGLE3,
    DFLASH, non-MoE DSpark: ``speculative/draft_parallel.py``) run it without CP; and on a server that
    decodes, the decode-time draft extend (DRAFT_EXTEND_V2) is never CP in 0.5.23. Either is a
-   full-M draft extend. ``SGLANG_CP_DRAFT_SHARED_KV=1`` declares that this distribution runs the
-   decode-time draft extend under CP (the seed's meaning); it cannot change a SINGLE_GROUP draft,
-   whose CP upstream switches off.
+   full-M draft extend. ``SGLANG_CP_DRAFT_SHARED_KV=1`` declares that the draft's extends run under
+   CP (:func:`~.settings.draft_extends_under_cp`; the seed's meaning, here for the decode-time one); it
+   cannot change a SINGLE_GROUP draft, whose CP upstream switches off.
 4. **Non-CP batches stay small.** On a server that decodes, decode and target-verify batches run
    un-split with up to ``max_running_requests * speculative_num_draft_tokens`` rows; that bound
    joins the shrunk list's top, and an unbounded ``max_running_requests`` (unset) keeps the full list.
@@ -45,11 +45,10 @@ import logging
 import math
 from collections.abc import Sequence
 
-from sglang_cpkv.env import env_flag
+from sglang_cpkv.hooks.settings import DRAFT_SHARED_KV_ENV, draft_extends_under_cp
 
 logger = logging.getLogger(__name__)
 
-DRAFT_SHARED_KV_ENV = "SGLANG_CP_DRAFT_SHARED_KV"
 DENSE_M_FLOOR = 2048  # the smallest top of the shrunk list, whatever m_max / cp gives
 # Drafts that run their prefill-time extend on their own TP group without CP (0.5.23
 # legacy_draft_parallel_spec: EAGLE3, DFLASH and non-MoE DSpark; DSpark counted here whatever its MoE).
@@ -170,7 +169,7 @@ def configure_from_runtime() -> DenseWarmupPlan:
         max_running_requests=value("max_running_requests"),
         speculative_algorithm=value("speculative_algorithm"),
         speculative_num_draft_tokens=value("speculative_num_draft_tokens"),
-        draft_extend_under_cp=env_flag(DRAFT_SHARED_KV_ENV),
+        draft_extend_under_cp=draft_extends_under_cp(),
     )
     configure(plan)
     return plan

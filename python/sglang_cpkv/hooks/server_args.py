@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_cpkv.hooks.settings import FLAG
+from sglang_cpkv.hooks.settings import DRAFT_SHARED_KV_ENV, FLAG, draft_extends_under_cp
 
 REQUIRED_PAGE_SIZE = 64
 REQUIRED_CP_STRATEGY = "interleave"
@@ -258,14 +258,11 @@ def _validate_draft(algorithm_name: str) -> None:
     runs on the decode server), an EXTEND batch that follows the target's CP split for drafts of
     the target's layout (EAGLE / NextN / MTP), so it gets its own per-request plan and dense view.
     ``SGLANG_CP_DRAFT_SHARED_KV=1`` is required as the explicit declaration that the draft's KV is
-    CP-shared and its extend runs under CP (the DeepGEMM warmup gating reads the same variable).
+    CP-shared and its extend runs under CP (:func:`~.settings.draft_extends_under_cp`).
     Drafts that run their extend without CP (EAGLE3, DFLASH, DSpark: SINGLE_GROUP layouts) or
     whose draft path is not the DSA NextN one are refused.
     """
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    from sglang_cpkv.env import env_flag
-    from sglang_cpkv.hooks.deep_gemm_warmup import DRAFT_SHARED_KV_ENV
 
     algorithm = SpeculativeAlgorithm.from_string(algorithm_name)
     if algorithm is not SpeculativeAlgorithm.EAGLE:
@@ -273,7 +270,7 @@ def _validate_draft(algorithm_name: str) -> None:
             f"supports speculative decoding with --speculative-algorithm EAGLE (or NEXTN: the DSA NextN/MTP "
             f"draft, which extends under the target's CP split) only, got {algorithm_name!r}"
         )
-    if not env_flag(DRAFT_SHARED_KV_ENV):
+    if not draft_extends_under_cp():
         _refuse(
             f"with --speculative-algorithm {algorithm_name} requires {DRAFT_SHARED_KV_ENV}=1: the draft's pool is "
             "owner-sharded like the target's, so its extend must run under the CP split with its own "

@@ -7,6 +7,8 @@ hook module for a setting (so the hooks form no import circle).
 * :func:`layer_ahead` - ``SGLANG_CPKV_LAYER_AHEAD``: whether each layer's history is prefetched one
   layer ahead on a side stream, or materialized by its own layer.
 * :func:`max_batch_tokens` - ``--cp-shared-kv-max-batch-tokens``, or its default.
+* :func:`draft_extends_under_cp` - ``SGLANG_CP_DRAFT_SHARED_KV``: the operator's declaration that the speculative
+  draft's extends run under the target's CP split.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from sglang_cpkv.runtime.reservation import default_max_batch_tokens
 FLAG = "--enable-cp-shared-kv"
 # The layer-ahead history prefetch is on unless this is set to 0 (then each layer materializes its own).
 LAYER_AHEAD_ENV = "SGLANG_CPKV_LAYER_AHEAD"
+DRAFT_SHARED_KV_ENV = "SGLANG_CP_DRAFT_SHARED_KV"
 
 
 def enabled() -> bool:
@@ -43,3 +46,11 @@ def layer_ahead(cp_size: int) -> bool:
 def max_batch_tokens(limit: int | None, context_len: int, chunk_tokens: int, page_size: int) -> int:
     """The limit: ``--cp-shared-kv-max-batch-tokens`` when set, else the default of the context length and chunk."""
     return int(limit) if limit is not None else default_max_batch_tokens(context_len, chunk_tokens, page_size)
+
+
+def draft_extends_under_cp() -> bool:
+    """Whether ``SGLANG_CP_DRAFT_SHARED_KV=1`` declares that the speculative draft's extends run under the target's CP
+    split. A prefill server of the mode needs it for an EAGLE/NextN draft (the draft's pool is owner-sharded like the
+    target's: start-up refuses the draft without it); on a server that decodes it tells the DeepGEMM warm-up that no
+    draft extend runs at full M (``hooks/deep_gemm_warmup.py``)."""
+    return env_flag(DRAFT_SHARED_KV_ENV)
