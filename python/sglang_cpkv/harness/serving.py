@@ -157,7 +157,7 @@ def _dense_views(world: Any) -> dict[str, torch.Tensor]:
     """The last layer's dense views the mode left on the backend: the bytes of every token position of every
     request's slots (history and current; a last page's positions past the request's end are never written or
     read, and are left out)."""
-    from sglang_cpkv.hooks.dsa_extend import INDEX_K, LATENT, STATE_ATTR
+    from sglang_cpkv.hooks.dsa_batch import INDEX_K, LATENT, STATE_ATTR
 
     state = getattr(world.backend, STATE_ATTR, None)
     if state is None or state.batch is None:

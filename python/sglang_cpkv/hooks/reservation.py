@@ -15,7 +15,7 @@ Called from ``patches/core/reserve-cp-shared-kv-buffers.patch``:
   its own radix path). The first request of a batch is never deferred (that would never end); start-up
   validation makes the limit hold one request of the full context length.
 
-The batch hooks (:mod:`.dsa_extend`) size every buffer from :func:`published` and refuse a batch that does
+The batch hooks (:mod:`.dsa_batch`) size every buffer from :func:`published` and refuse a batch that does
 not fit (:meth:`Reservation.check_batch`).
 """
 

@@ -710,14 +710,14 @@ def _fused_topk(
 def _index_k_store_and_read(up: dict, backend: Any, forward_batch: Any, layer: int, keys: torch.Tensor, act_quant):
     """The indexer's index-K store (upstream's ``Indexer._store_index_k_cache``, patched) of the chunk's keys,
     then its read with the metadata's block table (the patched call of ``_get_topk_ragged``)."""
-    from sglang_cpkv.hooks import dsa_extend
+    from sglang_cpkv.hooks import dsa_index_k
 
     indexer = SimpleNamespace(block_size=128, scale_fmt=None)  # the attributes the store reads of its Indexer
     up["indexer_cls"]._store_index_k_cache(indexer, forward_batch, layer, keys, act_quant=act_quant)
     metadata = backend.get_indexer_metadata(layer, forward_batch)
     seq_lens = metadata.get_indexer_seq_len_cpu()
     block_tables = metadata.get_logical_page_table()
-    k, s = dsa_extend.index_k_and_scale(
+    k, s = dsa_index_k.index_k_and_scale(
         backend.token_to_kv_pool,
         forward_batch,
         layer,

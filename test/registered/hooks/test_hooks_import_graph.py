@@ -1,6 +1,6 @@
 """The package's imports point one way.
 
-* The hook modules import each other without a circle: ``dsa_extend`` <-> ``exchange_group`` <-> ``reservation`` once
+* The hook modules import each other without a circle: the DSA hooks <-> ``exchange_group`` <-> ``reservation`` once
   imported each other for the mode's settings; every import of another hook module, at module level or inside a
   function, is an edge here, and the graph must have no cycle. The settings live in ``hooks/settings.py``.
 * No product module imports test support (``sglang_cpkv.testing``, ``sglang_cpkv.harness``: not in the wheel).
@@ -69,8 +69,9 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_sees_the_imports():
     graph = _graph()
-    assert f"{PACKAGE}.settings" in graph[f"{PACKAGE}.dsa_extend"]
-    assert f"{PACKAGE}.reservation" in graph[f"{PACKAGE}.dsa_extend"]
+    assert f"{PACKAGE}.settings" in graph[f"{PACKAGE}.dsa_metadata"]
+    assert f"{PACKAGE}.reservation" in graph[f"{PACKAGE}.dsa_metadata"]
+    assert f"{PACKAGE}.dsa_batch" in graph[f"{PACKAGE}.dsa_latent"] & graph[f"{PACKAGE}.dsa_index_k"]
 
 
 def test_no_hook_module_imports_itself_back():

@@ -262,7 +262,7 @@ def test_an_mtp_draft_extends_through_the_mode_beside_its_target(route_name):
     writes, and each request of the batch reads what it reads alone; the target's batch is unchanged beside it. A
     P/D prefill server runs no verify (upstream's prefill loop builds prefill batches only), so what the extends
     wrote is what the decode server gets."""
-    from sglang_cpkv.hooks import dsa_extend
+    from sglang_cpkv.hooks import dsa_batch
     from sglang_cpkv.hooks.reservation import published
 
     route = ROUTES[route_name]
@@ -275,7 +275,7 @@ def test_an_mtp_draft_extends_through_the_mode_beside_its_target(route_name):
     _draft_extend(target, draft, case)
     reserved = published()
     per_backend = (reserved.total_bytes - reserved.backends * reserved.parts()["batch plan"]) // reserved.backends
-    states = [getattr(world.backend, dsa_extend.STATE_ATTR) for world in (target, draft)]
+    states = [getattr(world.backend, dsa_batch.STATE_ATTR) for world in (target, draft)]
     assert states[0] is not states[1] and states[1].batch.plan.num_requests == case.num_requests
     assert [state.buffers.held_bytes("") for state in states] == [per_backend, per_backend]
     for r in range(case.num_requests):
@@ -366,7 +366,7 @@ def test_fused_indexer_store_goes_through_the_mode(monkeypatch):
     import sglang.srt.layers.attention.dsa.dsa_indexer as indexer_module
     from sglang.kernels.ops.kvcache import dsa_index_k_cache
 
-    from sglang_cpkv.hooks import dsa_extend
+    from sglang_cpkv.hooks import dsa_batch, dsa_index_k
 
     case = _shared_prefix_case()
     reads = []
@@ -389,14 +389,14 @@ def test_fused_indexer_store_goes_through_the_mode(monkeypatch):
         keys = world._keys(torch.tensor(case.out_cache_loc()), 0)
         positions = torch.zeros(case.num_tokens, dtype=torch.int64)
         with world.up["context"](world.backend):
-            batch = dsa_extend.extend_batch(world.backend, forward_batch)
+            batch = dsa_batch.extend_batch(world.backend, forward_batch)
             if batch is not None:
                 batch.index_k_stored_layer = None  # the read below needs this store's keys
             indexer_module.Indexer._fused_k_prepare_and_store(indexer, keys, positions, forward_batch, 0, act_quant)
             metadata = world.backend.get_indexer_metadata(0, forward_batch)
             seq_lens = metadata.get_indexer_seq_len_cpu()
             reads.append(
-                dsa_extend.index_k_and_scale(
+                dsa_index_k.index_k_and_scale(
                     pool,
                     forward_batch,
                     0,
@@ -424,7 +424,7 @@ def _gloo_rank(rank, model_dir, init_method, out_dir):
     torch.set_num_threads(1)
     from sglang.srt.distributed import parallel_state
 
-    from sglang_cpkv.hooks import dsa_extend, exchange_group
+    from sglang_cpkv.hooks import dsa_batch, exchange_group
     from sglang_cpkv.hooks.reservation import published
 
     results = {}
@@ -449,7 +449,7 @@ def _gloo_rank(rank, model_dir, init_method, out_dir):
                 with HostReadCounter() as reads:
                     runs.append(world.forward(case))
                 results[("host reads", name, mode_on, i)] = dict(reads.counts)
-                state = getattr(world.backend, dsa_extend.STATE_ATTR, None)
+                state = getattr(world.backend, dsa_batch.STATE_ATTR, None)
                 results[("latent bytes", name, mode_on, i)] = 0 if state is None else state.buffers.held_bytes("latent")
                 if mode_on:
                     reserved = published()

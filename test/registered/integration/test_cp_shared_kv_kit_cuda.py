@@ -224,7 +224,7 @@ def test_index_share_and_ragged_radix_hit_beyond_the_pool():
 def test_ragged_no_prefix_chunk_and_its_continuation(route_name):
     """RAGGED chunk 1 has no cached prefix: the mode makes no dense latent view and writes the owned rows
     straight to the pool with upstream's FP8 writer; chunk 2 reads them back as history through the view."""
-    from sglang_cpkv.hooks import dsa_extend
+    from sglang_cpkv.hooks import dsa_batch
 
     capacity = kit_capacity(*SHARED_SHAPE)
     tables = ((4, 9, 2, 7), (11, 3, 8))
@@ -239,8 +239,8 @@ def test_ragged_no_prefix_chunk_and_its_continuation(route_name):
         forwards = []
         for chunk in chunks:
             forwards.append(world.forward(chunk))
-            state = getattr(world.backend, dsa_extend.STATE_ATTR, None)
-            latent_bytes.append(0 if state is None else state.buffers.held_bytes(dsa_extend.LATENT))
+            state = getattr(world.backend, dsa_batch.STATE_ATTR, None)
+            latent_bytes.append(0 if state is None else state.buffers.held_bytes(dsa_batch.LATENT))
         runs.append(forwards)
     assert latent_bytes[2] == 0 < latent_bytes[3], latent_bytes
     for i, (off, on) in enumerate(zip(*runs)):

@@ -1,0 +1,123 @@
+"""The plan hook of the DSA backend's ``init_forward_metadata`` and the tables that follow the dense layout.
+
+Called from ``patches/core/hook-cp-shared-kv-into-dsa-extend.patch`` (:func:`on_extend_metadata`, in the EXTEND branch
+after upstream's CP cut), ``patches/core/follow-the-dense-layout-in-dsa-checks.patch`` (:func:`page_table_capacity`,
+:func:`current_chunk_locations`) and ``patches/core/remap-mtp-seed-under-cp-shared-kv.patch``
+(:func:`mtp_seed_pool_locations`); design: ``docs/design/cp-shared-kv.md`` sections 3 and 7. Every hook returns
+upstream's own value when the flag is off.
+
+* :func:`on_extend_metadata` begins the batch (plan, pipeline) on the backend's
+  :class:`~.dsa_batch.BackendState` and returns the selected-request page table remapped to dense locations, so that
+  every table upstream derives from it (``real_page_table``, ``page_table_1_flattened``, the fused top-k transform's
+  output) addresses the per-request dense view.
+* :func:`page_table_capacity` / :func:`current_chunk_locations`: the metadata's capacity check and the no-prefix
+  RAGGED chunk table follow the dense layout.
+* :func:`mtp_seed_pool_locations`: a fused top-k seed addresses the dense view; the draft decode needs pool locations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from sglang_cpkv.hooks.cache_write import check_split_matches_upstream
+from sglang_cpkv.hooks.dsa_batch import STATE_ATTR, BackendState, ExtendBatch, backend_state, extend_batch
+from sglang_cpkv.hooks.exchange_group import exchange_group
+from sglang_cpkv.hooks.page_ids import page_id_capacity
+from sglang_cpkv.hooks.reservation import published as reserved_buffers
+from sglang_cpkv.hooks.settings import enabled
+from sglang_cpkv.runtime import SingleRankGroup, build_plan
+from sglang_cpkv.runtime.plan import dense_to_pool_locs
+
+
+def pool_page_table(
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: Sequence[int], page_size: int
+) -> torch.Tensor:
+    """``[R, W]`` page ids of each request (``W = ceil(max seq_len / page_size)``) from upstream's
+    token-level ``req_to_token`` (the location of a page's first token, divided by the page size)."""
+    width = -(-max(int(n) for n in seq_lens) // page_size)
+    first_locs = req_to_token[req_pool_indices.to(req_to_token.device), : width * page_size : page_size]
+    return torch.div(first_locs.to(torch.int64), page_size, rounding_mode="floor")
+
+
+def on_extend_metadata(
+    backend: Any, forward_batch: Any, page_table: torch.Tensor, bs_idx: torch.Tensor | None
+) -> torch.Tensor:
+    """Begin the batch; return ``page_table`` (the selected requests' token locations) remapped.
+
+    Args:
+        page_table: upstream's ``[rows, max_seqlen_k]`` token-location table after the CP cut.
+        bs_idx: the batch row of each of its rows (upstream's ``bs_idx``), None when not cut.
+    """
+    if not enabled():
+        return page_table
+    from sglang.srt.layers.attention.dsa.utils import can_dsa_prefill_cp_interleave
+
+    split = can_dsa_prefill_cp_interleave(forward_batch)
+    pool = backend.token_to_kv_pool
+    page_size = pool.page_size
+    prefix_lens, extend_lens = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
+    seq_lens = [int(p) + int(e) for p, e in zip(prefix_lens, extend_lens)]
+    reservation = reserved_buffers()
+    # The CP group the reservation was made for: its exchange group under CP (made at start-up), else this rank alone.
+    group = exchange_group() if reservation.cp_size > 1 else SingleRankGroup()
+    plan = build_plan(
+        pool_page_table(backend.req_to_token, forward_batch.req_pool_indices, seq_lens, page_size),
+        prefix_lens,
+        extend_lens,
+        # Upstream cuts it to the real tokens under CP; an un-split batch may carry MLP-sync padding.
+        forward_batch.out_cache_loc[: sum(extend_lens)],
+        capacity=page_id_capacity(pool),
+        page_size=page_size,
+        cp_size=group.cp_size,
+        cp_rank=group.cp_rank,
+        strategy="interleave" if split else "none",
+    )
+    if split:
+        metadata = forward_batch.attn_cp_metadata
+        check_split_matches_upstream(plan, metadata.per_rank_logical_token, metadata.per_rank_actual_token)
+    reservation.check_batch(plan.needed_slots * page_size, plan.num_slots, plan.num_tokens, plan.entries)
+    batch = backend_state(backend).begin(backend, forward_batch, plan, group, reservation)
+    return remap_page_table(batch, page_table, bs_idx)
+
+
+def remap_page_table(batch: ExtendBatch, page_table: torch.Tensor, bs_idx: torch.Tensor | None) -> torch.Tensor:
+    """Token locations of each row's request -> dense locations (row ``i`` is request ``bs_idx[i]``)."""
+    rows = page_table.shape[0]
+    if bs_idx is None:
+        row_req = torch.arange(rows, dtype=torch.int64, device=page_table.device)
+    else:
+        row_req = bs_idx.to(device=page_table.device, dtype=torch.int64)
+    return batch.pipeline.remap(page_table, row_req).to(page_table.dtype)
+
+
+def page_table_capacity(backend: Any, forward_batch: Any, pool_capacity: int) -> int:
+    """The rows ``page_table_1_flattened`` indexes: the dense view's under the mode (its tables hold dense
+    locations), the pool's (``pool_capacity``) otherwise."""
+    batch = extend_batch(backend, forward_batch)
+    return pool_capacity if batch is None else batch.plan.dense_rows
+
+
+def current_chunk_locations(backend: Any, forward_batch: Any, out_cache_loc: torch.Tensor) -> torch.Tensor:
+    """Where the current chunk's tokens live for readers of the batch's tables: ``out_cache_loc`` (pool locations)
+    when off, their dense-view locations under the mode (the layout every other table of the batch uses)."""
+    batch = extend_batch(backend, forward_batch)
+    return out_cache_loc if batch is None else batch.plan.current_dense_locs
+
+
+def mtp_seed_pool_locations(backend: Any, seed: torch.Tensor, forward_mode: Any) -> torch.Tensor:
+    """``prepare_mtp_seed_indices``'s result with dense locations turned back into pool locations.
+
+    In the mode the fused top-k of an extend batch addresses the per-request dense view (PAGED: the
+    top-k itself; RAGGED: upstream's lookup through ``page_table_1_flattened``, which holds dense
+    locations), while the draft decode that consumes the seed reads the pool. Unfused seeds are
+    request-local positions (upstream exports them as they are) and stay untouched, as does every seed
+    with the mode off or of a forward the plan hook did not begin.
+    """
+    state: BackendState | None = getattr(backend, STATE_ATTR, None)
+    batch = None if state is None else state.batch
+    if batch is None or not backend.use_fused_topk or not forward_mode.is_extend_without_speculative():
+        return seed
+    return dense_to_pool_locs(batch.plan, seed)
