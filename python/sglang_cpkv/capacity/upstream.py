@@ -263,55 +263,48 @@ class NodeCapacity:
 def size_node(server: dict[str, Any], *, layers: int, budget_bytes: int) -> NodeCapacity:
     """Upstream's pool and allocator for ``ServerArgs(**server)`` given ``budget_bytes`` of KV budget per rank.
 
-    Runs inside :func:`scoped_runtime_context` (and with the mode's published reservation and allocator record put
-    back afterwards).
+    Runs inside :func:`scoped_runtime_context` and a process state of its own (``hooks/state.py``): the mode's
+    configuration and allocator record the sizing publishes are put back afterwards.
     A kv-sharding server (``enable_kv_cache_sharding``) sizes as rank 0 of its attention-CP group.
     """
     from sglang.srt.mem_cache.allocator.page_interleave import page_interleave_shard_size
     from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
     from sglang.srt.runtime_context import get_parallel, get_schedule
 
-    from sglang_cpkv.hooks import page_ids as page_id_hooks
     from sglang_cpkv.hooks import reservation as reservation_hooks
+    from sglang_cpkv.hooks import state
 
-    saved_reservation, saved_allocator = reservation_hooks._published, page_id_hooks._built_for_cp
-    reservation_hooks._published = None
-    try:
-        with scoped_runtime_context(), contextlib.ExitStack() as stack:
-            args = resolve_and_publish(server)
-            parallel = get_parallel()
-            if server.get("enable_kv_cache_sharding"):
-                stack.enter_context(
-                    parallel.override(attn_cp_group=_StandInGroup(parallel.attn_cp_size), attn_cp_rank=0)
-                )
-            page_size = get_schedule().page_size
-            kvc = kv_cache_configurator(args, layers=layers, page_size=page_size)
-            config = kvc.config_from_budget(budget_bytes)
-            # The configurator the budget went through (the patched one charges the reservation when it is made).
-            from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
+    with scoped_runtime_context(), state.scoped() as process, contextlib.ExitStack() as stack:
+        args = resolve_and_publish(server)
+        parallel = get_parallel()
+        if server.get("enable_kv_cache_sharding"):
+            stack.enter_context(parallel.override(attn_cp_group=_StandInGroup(parallel.attn_cp_size), attn_cp_rank=0))
+        page_size = get_schedule().page_size
+        kvc = kv_cache_configurator(args, layers=layers, page_size=page_size)
+        config = kvc.config_from_budget(budget_bytes)
+        # The configurator the budget went through (the patched one charges the reservation when it is made).
+        from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
 
-            configurator = create_memory_pool_configurator(kvc)
-            sizes = kvc._derive_pool_sizes(config=config)
-            allocator = token_allocator(kvc, sizes)
-            widening = page_interleave_shard_size(allocator)
-            return NodeCapacity(
-                pool_tokens=sizes.max_total_num_tokens,
-                node_tokens=kvc.logical_token_capacity(max_total_num_tokens=sizes.max_total_num_tokens) * widening,
-                allocator=type(allocator).__name__,
-                widening=widening,
-                cell_bytes=configurator._cell_size,
-                fixed_overhead_bytes=configurator._fixed_overhead_bytes,
-                reservation=reservation_hooks._published,
-                latent_token_bytes=calculate_mla_kv_cache_dim(
-                    model_config=kvc.model_config, kv_cache_dtype=kvc.kv_cache_dtype
-                )
-                * torch._utils._element_size(kvc.kv_cache_dtype),
-                index_k_token_bytes=reservation_hooks.index_k_token_bytes(kvc.model_config.hf_config),
-                attn_cp_size=parallel.attn_cp_size,
-                attn_tp_size=parallel.attn_tp_size,
-                chunk_tokens=get_schedule().chunked_prefill_size,
-                context_len=kvc.model_config.context_len,
-                page_size=page_size,
+        configurator = create_memory_pool_configurator(kvc)
+        sizes = kvc._derive_pool_sizes(config=config)
+        allocator = token_allocator(kvc, sizes)
+        widening = page_interleave_shard_size(allocator)
+        return NodeCapacity(
+            pool_tokens=sizes.max_total_num_tokens,
+            node_tokens=kvc.logical_token_capacity(max_total_num_tokens=sizes.max_total_num_tokens) * widening,
+            allocator=type(allocator).__name__,
+            widening=widening,
+            cell_bytes=configurator._cell_size,
+            fixed_overhead_bytes=configurator._fixed_overhead_bytes,
+            reservation=None if process.config is None else process.config.reservation,
+            latent_token_bytes=calculate_mla_kv_cache_dim(
+                model_config=kvc.model_config, kv_cache_dtype=kvc.kv_cache_dtype
             )
-    finally:
-        reservation_hooks._published, page_id_hooks._built_for_cp = saved_reservation, saved_allocator
+            * torch._utils._element_size(kvc.kv_cache_dtype),
+            index_k_token_bytes=reservation_hooks.index_k_token_bytes(kvc.model_config.hf_config),
+            attn_cp_size=parallel.attn_cp_size,
+            attn_tp_size=parallel.attn_tp_size,
+            chunk_tokens=get_schedule().chunked_prefill_size,
+            context_len=kvc.model_config.context_len,
+            page_size=page_size,
+        )

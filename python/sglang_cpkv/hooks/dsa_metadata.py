@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
+from sglang_cpkv.hooks import state
 from sglang_cpkv.hooks.cache_write import check_split_matches_upstream
 from sglang_cpkv.hooks.dsa_batch import STATE_ATTR, BackendState, ExtendBatch, backend_state, extend_batch
 from sglang_cpkv.hooks.exchange_group import exchange_group
 from sglang_cpkv.hooks.page_ids import page_id_capacity
-from sglang_cpkv.hooks.reservation import published as reserved_buffers
 from sglang_cpkv.hooks.settings import enabled
 from sglang_cpkv.runtime import SingleRankGroup, build_plan
 from sglang_cpkv.runtime.plan import dense_to_pool_locs
@@ -60,7 +60,8 @@ def on_extend_metadata(
     page_size = pool.page_size
     prefix_lens, extend_lens = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
     seq_lens = [int(p) + int(e) for p, e in zip(prefix_lens, extend_lens)]
-    reservation = reserved_buffers()
+    config = state.config()
+    reservation = config.reservation
     # The CP group the reservation was made for: its exchange group under CP (made at start-up), else this rank alone.
     group = exchange_group() if reservation.cp_size > 1 else SingleRankGroup()
     plan = build_plan(
@@ -74,6 +75,7 @@ def on_extend_metadata(
         cp_size=group.cp_size,
         cp_rank=group.cp_rank,
         strategy="interleave" if split else "none",
+        checked=config.checked,
     )
     if split:
         metadata = forward_batch.attn_cp_metadata

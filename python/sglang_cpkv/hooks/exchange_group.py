@@ -13,18 +13,17 @@ Called from ``patches/core/create-cp-shared-kv-exchange-group.patch``: right aft
   library is loaded and probed here, a synchronizing step that must never happen inside a forward).
 
 The group is a process-wide resource (one per process, shared by the target's and the draft's
-backends), not batch state.
+backends), not batch state: it is kept in the mode's process state (:mod:`.state`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from sglang_cpkv.hooks import state
 from sglang_cpkv.hooks.settings import enabled
 from sglang_cpkv.ops.errors import CpSharedKvError
 from sglang_cpkv.runtime.group import TorchDistCpGroup
-
-_exchange_group: TorchDistCpGroup | None = None
 
 
 def create_exchange_group(ranks: list[int], backend: str) -> TorchDistCpGroup:
@@ -33,25 +32,26 @@ def create_exchange_group(ranks: list[int], backend: str) -> TorchDistCpGroup:
     Only the members call it (``use_local_synchronization``), each at the same point of its start-up,
     so no other rank has to take part; every member of every CP group makes its own.
     """
-    global _exchange_group
     import torch.distributed as dist
 
-    if _exchange_group is not None:
+    process = state.current()
+    if process.exchange_group is not None:
         raise CpSharedKvError("the CP shared-KV exchange group was already created in this process")
     group = dist.new_group(ranks=sorted(ranks), backend=backend, use_local_synchronization=True)
-    _exchange_group = TorchDistCpGroup(group)
-    return _exchange_group
+    process.exchange_group = TorchDistCpGroup(group)
+    return process.exchange_group
 
 
 def exchange_group() -> TorchDistCpGroup:
     """The group :func:`create_exchange_group` made at start-up."""
-    if _exchange_group is None:
+    group = state.current().exchange_group
+    if group is None:
         raise CpSharedKvError(
             "--enable-cp-shared-kv: no CP shared-KV exchange group in this process; it is made right after "
             "upstream's attention-CP group (initialize_model_parallel hook of "
             "patches/core/create-cp-shared-kv-exchange-group.patch)"
         )
-    return _exchange_group
+    return group
 
 
 def on_attn_cp_group_created(attn_cp_group: Any) -> None:

@@ -22,11 +22,9 @@ from typing import Any
 
 import torch
 
+from sglang_cpkv.hooks import state
 from sglang_cpkv.hooks.settings import FLAG, enabled
 from sglang_cpkv.ops.errors import CpSharedKvError
-
-# The CP size of the page-interleave allocator this process built for the mode (None: none built).
-_built_for_cp: int | None = None
 
 
 def _attn_cp_size() -> int:
@@ -47,7 +45,6 @@ def page_interleave_allocator(
     (a pool of ``pool_tokens`` rows, plus its reserved page, on each rank)."""
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
 
-    global _built_for_cp
     cp_size = _attn_cp_size()
     allocator = PageInterleavePoolAllocator(
         pool_tokens,
@@ -59,7 +56,7 @@ def page_interleave_allocator(
         need_sort=need_sort,
         shard_spec=None,
     )
-    _built_for_cp = cp_size
+    state.current().allocator_cp = cp_size  # the CP size of the allocator the mode built in this process
     return allocator
 
 
@@ -74,8 +71,9 @@ def page_id_capacity(pool: Any) -> int:
     cp_size = _attn_cp_size()
     if cp_size == 1:
         return pages
-    if _built_for_cp != cp_size:
-        built = "none was built" if _built_for_cp is None else f"one was built for cp {_built_for_cp}"
+    built_for = state.current().allocator_cp
+    if built_for != cp_size:
+        built = "none was built" if built_for is None else f"one was built for cp {built_for}"
         raise CpSharedKvError(
             f"{FLAG} at cp {cp_size} needs the token allocator that numbers cp x the pool's pages "
             f"(patches/core/widen-page-ids-under-cp-shared-kv.patch), and {built}"

@@ -15,8 +15,9 @@ Called from ``patches/core/reserve-cp-shared-kv-buffers.patch``:
   its own radix path). The first request of a batch is never deferred (that would never end); start-up
   validation makes the limit hold one request of the full context length.
 
-The batch hooks (:mod:`.dsa_batch`) size every buffer from :func:`published` and refuse a batch that does
-not fit (:meth:`Reservation.check_batch`).
+The reservation is published with the settings read at start-up as the mode's one configuration
+(:class:`~.state.ModeConfig`); the batch hooks (:mod:`.dsa_batch`, :mod:`.dsa_metadata`) size every buffer from it
+and refuse a batch that does not fit (:meth:`Reservation.check_batch`).
 """
 
 from __future__ import annotations
@@ -24,31 +25,25 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from sglang_cpkv.hooks import state
 from sglang_cpkv.hooks.settings import layer_ahead, max_batch_tokens
-from sglang_cpkv.ops.errors import CpSharedKvError
+from sglang_cpkv.runtime import checked as checked_mode
 from sglang_cpkv.runtime.reservation import SETTING, Reservation
 
 logger = logging.getLogger(__name__)
 
-_published: Reservation | None = None
-
 
 def publish(reservation: Reservation) -> Reservation:
-    """Make ``reservation`` this process's (start-up; test worlds that build upstream's objects themselves)."""
-    global _published
-    _published = reservation
+    """Make ``reservation`` this process's, with the settings read at start-up (:class:`~.state.ModeConfig`; test
+    worlds that build upstream's objects themselves call it too)."""
+    state.current().config = state.ModeConfig(reservation, checked=checked_mode.enabled())
     logger.info(reservation.describe())
     return reservation
 
 
 def published() -> Reservation:
     """This process's reservation; a batch of the mode without one is refused (the pool sizing hook did not run)."""
-    if _published is None:
-        raise CpSharedKvError(
-            "the CP shared-KV buffers were not reserved at start-up (the pool configurator hook of "
-            "patches/core/reserve-cp-shared-kv-buffers.patch did not run)"
-        )
-    return _published
+    return state.config().reservation
 
 
 def index_k_token_bytes(hf_config: Any) -> int:
@@ -172,9 +167,10 @@ def defers_request(adder: Any, req: Any) -> bool:
     tokens up to the end of what the chunk budget leaves it; an upper bound, so a request may wait that would just
     have fit) would hold more than the limit, or its page tables more entries than the reservation's plan bound
     (``Reservation.max_batch_entries``)."""
-    reservation = _published
-    if reservation is None or not adder.can_run_list:
+    config = state.current().config
+    if config is None or not adder.can_run_list:
         return False
+    reservation = config.reservation
     end = len(req.full_untruncated_fill_ids)
     if adder.rem_chunk_tokens is not None:
         # An upper bound: upstream may round the chunk end down to a page. (No HiCache host hit extends the prefix:

@@ -70,7 +70,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_graph_sees_the_imports():
     graph = _graph()
     assert f"{PACKAGE}.settings" in graph[f"{PACKAGE}.dsa_metadata"]
-    assert f"{PACKAGE}.reservation" in graph[f"{PACKAGE}.dsa_metadata"]
+    assert f"{PACKAGE}.state" in graph[f"{PACKAGE}.dsa_metadata"]
     assert f"{PACKAGE}.dsa_batch" in graph[f"{PACKAGE}.dsa_latent"] & graph[f"{PACKAGE}.dsa_index_k"]
 
 

@@ -61,6 +61,7 @@ from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang_cpkv.capacity.upstream import prefill_cp_server  # noqa: E402
 from sglang_cpkv.hooks import page_ids as page_id_hooks  # noqa: E402
 from sglang_cpkv.hooks import reservation as reservation_hooks  # noqa: E402
+from sglang_cpkv.hooks import state  # noqa: E402
 from sglang_cpkv.runtime.reservation import Reservation, default_max_batch_tokens  # noqa: E402
 from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E402, F401 (autouse: context per test)
 
@@ -207,8 +208,9 @@ def rids(adder: PrefillAdder) -> list[str]:
 
 
 @pytest.fixture(autouse=True)
-def no_reservation(monkeypatch):
-    monkeypatch.setattr(reservation_hooks, "_published", None)
+def no_reservation():
+    with state.scoped():
+        yield
 
 
 def test_limit_of_two_page_rounded_requests_admits_two_of_three(monkeypatch):
@@ -243,7 +245,7 @@ def test_first_request_is_admitted_past_the_limit(monkeypatch):
 
 def test_without_a_reservation_upstream_admits_all_three(monkeypatch):
     world = World(monkeypatch, mode_on=False)
-    assert reservation_hooks._published is None
+    assert state.current().config is None
     adder, results = world.prefill_pass(three_requests())
     assert rids(adder) == ["r0", "r1", "r2"]
     assert set(results.values()) == {AddReqResult.CONTINUE}
@@ -268,7 +270,7 @@ def test_a_chunked_request_counts_only_its_chunk(monkeypatch):
     assert "r2" not in results
 
     # one token less: the chunk part alone no longer fits next to r0, so the long request waits
-    reservation_hooks._published = None
+    state.reset()
     world = World(monkeypatch, mode_on=True, chunked_prefill_size=chunk)
     publish_limit(128 + 128 - 1, chunk_tokens=chunk)
     waiting = three_requests(lengths=(100, 1000, 100))
@@ -426,7 +428,7 @@ def test_the_tally_follows_a_node_split_mid_pass_as_a_walk_of_the_batch_does(mon
 
     batch_pages = 4 + 3  # the prompt's 4 pages once, and one page of its own for each of the three
     for limit, admitted in ((batch_pages * PAGE, 3), (batch_pages * PAGE - 1, 2)):
-        monkeypatch.setattr(reservation_hooks, "_published", None)
+        state.reset()
         world = World(monkeypatch, mode_on=True)
         _cache_prompt(world, prompt)
         publish_limit(limit)
@@ -460,7 +462,7 @@ def test_admission_hook_time_per_request_is_flat_in_the_batch(monkeypatch, share
 
     per_request = {}
     for n in (256, 1024):
-        monkeypatch.setattr(reservation_hooks, "_published", None)
+        state.reset()
         own_prompt = 0 if shared else 2 * PAGE
         world = World(
             monkeypatch,

@@ -41,6 +41,7 @@ from sglang_cpkv.capacity.upstream import (  # noqa: E402
     token_allocator,
 )
 from sglang_cpkv.hooks import page_ids as page_id_hooks  # noqa: E402
+from sglang_cpkv.hooks import state  # noqa: E402
 from sglang_cpkv.ops.errors import CpSharedKvError  # noqa: E402
 from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E402, F401 (autouse: context per test)
 
@@ -72,14 +73,14 @@ def test_mode_on_builds_upstreams_page_interleave_allocator_over_the_cp_ranks(mo
         page_interleave_shard_size,
     )
 
-    monkeypatch.setattr(page_id_hooks, "_built_for_cp", None)
+    state.current().allocator_cp = None
     allocator, pool, cp = _allocator(True)
     assert cp == CP
     assert type(allocator) is PageInterleavePoolAllocator
     assert allocator.shard_size == cp and page_interleave_shard_size(allocator) == cp  # what the scheduler reads
     assert allocator.get_kvcache() is pool and allocator.shard_spec is None  # the mode's buffers are its reservation
     assert allocator.page_size == pool.page_size == 64  # the physical page: every scheduler seam's quantum
-    assert page_id_hooks._built_for_cp == cp
+    assert state.current().allocator_cp == cp
 
     # The plan's C is the allocator's page-id space: its free ids are [cp, C), the first cp reserved.
     capacity = page_id_hooks.page_id_capacity(pool)
@@ -97,13 +98,13 @@ def test_mode_off_keeps_upstreams_paged_allocator(monkeypatch):
     from sglang.srt.mem_cache.allocator.page_interleave import page_interleave_shard_size
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
 
-    monkeypatch.setattr(page_id_hooks, "_built_for_cp", None)
+    state.current().allocator_cp = None
     allocator, pool, cp = _allocator(False)
     assert cp == CP
     assert type(allocator) is PagedTokenToKVPoolAllocator
     assert page_interleave_shard_size(allocator) == 1
     assert allocator.num_pages == pool.size // pool.page_size
-    assert page_id_hooks._built_for_cp is None
+    assert state.current().allocator_cp is None
 
 
 def test_page_id_capacity_refuses_a_cp_pool_without_the_allocator(monkeypatch):
@@ -111,16 +112,16 @@ def test_page_id_capacity_refuses_a_cp_pool_without_the_allocator(monkeypatch):
 
     pool = SimpleNamespace(size=15 * 64, page_size=64)
     with get_parallel().override(attn_cp_size=CP):
-        monkeypatch.setattr(page_id_hooks, "_built_for_cp", None)
+        state.current().allocator_cp = None
         with pytest.raises(CpSharedKvError, match=f"at cp {CP} needs the token allocator .* and none was built"):
             page_id_hooks.page_id_capacity(pool)
-        monkeypatch.setattr(page_id_hooks, "_built_for_cp", 4)
+        state.current().allocator_cp = 4
         with pytest.raises(CpSharedKvError, match="one was built for cp 4"):
             page_id_hooks.page_id_capacity(pool)
-        monkeypatch.setattr(page_id_hooks, "_built_for_cp", CP)
+        state.current().allocator_cp = CP
         assert page_id_hooks.page_id_capacity(pool) == CP * 16
     with get_parallel().override(attn_cp_size=1):
-        monkeypatch.setattr(page_id_hooks, "_built_for_cp", None)
+        state.current().allocator_cp = None
         assert page_id_hooks.page_id_capacity(pool) == 16  # cp 1: the pool's own pages, no allocator needed
 
 
@@ -134,7 +135,7 @@ def test_an_eagle_draft_builds_its_own_pool_over_the_targets_page_ids(monkeypatc
     from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool, ReqToTokenPool
     from sglang.srt.runtime_context import get_schedule
 
-    monkeypatch.setattr(page_id_hooks, "_built_for_cp", None)
+    state.current().allocator_cp = None
     monkeypatch.setenv("SGLANG_CP_DRAFT_SHARED_KV", "1")
     server = prefill_cp_server(str(MODEL_DIR), tp_size=CP, enable_cp_shared_kv=True, speculative_algorithm="EAGLE")
     with playing_gpu((9, 0)):

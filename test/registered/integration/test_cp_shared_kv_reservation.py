@@ -32,6 +32,7 @@ install_torchvision_stub()
 
 from sglang_cpkv.capacity.upstream import pool_configurator, prefill_cp_server  # noqa: E402
 from sglang_cpkv.hooks import reservation as reservation_hooks  # noqa: E402
+from sglang_cpkv.hooks import state  # noqa: E402
 from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E402, F401 (autouse: context per test)
 
 GLM5_DIR = Path(__file__).parents[1] / "upstream" / "fixtures" / "glm5_dsa"
@@ -48,7 +49,7 @@ def _pool_sizing(monkeypatch, mode_on, *, draft_worker=False, **server):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
     monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
     monkeypatch.setenv("SGLANG_CP_DRAFT_SHARED_KV", "1")
-    monkeypatch.setattr(reservation_hooks, "_published", None)
+    state.reset()  # inside the test's own process state (scoped_upstream_context)
     _, configurator = pool_configurator(
         {**SERVER, "enable_cp_shared_kv": mode_on, **server}, layers=LAYERS, page_size=PAGE, draft_worker=draft_worker
     )
@@ -58,7 +59,7 @@ def _pool_sizing(monkeypatch, mode_on, *, draft_worker=False, **server):
 def test_mode_off_charges_nothing(monkeypatch):
     configurator, _ = _pool_sizing(monkeypatch, False)
     assert configurator._fixed_overhead_bytes == 0
-    assert reservation_hooks._published is None
+    assert state.current().config is None
 
 
 def test_mode_on_charges_its_reservation_before_the_pool_is_sized(monkeypatch, caplog):
