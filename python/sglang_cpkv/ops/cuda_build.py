@@ -48,7 +48,7 @@ SOURCES = (
     "torch_bindings.cc",
 )
 BUILD_INPUT_SUFFIXES = (".cu", ".cuh", ".h", ".cc")
-# The image's targets (issue #8): Hopper (H100/H200) and Blackwell (B200/B300).
+# The image's targets: Hopper (H100/H200) and Blackwell (B200/B300).
 DEFAULT_AOT_ARCHS = ("90a", "100a", "103a")
 CUDA_CFLAGS = ("-O3", "-lineinfo")
 CXX_CFLAGS = ("-O3",)
