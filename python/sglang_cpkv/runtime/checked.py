@@ -1,7 +1,7 @@
 """Checked mode: per-request invariants asserted at runtime.
 
-Enable with the environment variable ``SGLANG_CPKV_CHECKED=1`` (read once per batch, when
-:func:`~sglang_cpkv.runtime.plan.build_plan` runs; ``build_plan(..., checked=True)`` forces it).
+Enable with the environment variable ``SGLANG_CPKV_CHECKED=1`` (a server reads it once, at start-up, with its
+reservation: ``hooks/state.py``; :func:`~sglang_cpkv.runtime.plan.build_plan` called without ``checked`` reads it).
 Then the plan and every layer op synchronize and raise :class:`~sglang_cpkv.ops.CpSharedKvError`
 naming the bad values:
 
