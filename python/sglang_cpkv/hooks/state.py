@@ -35,14 +35,6 @@ class ModeConfig:
     reservation: Reservation
     checked: bool
 
-    @property
-    def cp_size(self) -> int:
-        return self.reservation.cp_size
-
-    @property
-    def layer_ahead(self) -> bool:
-        return self.reservation.layer_ahead
-
 
 @dataclass
 class ProcessState:
