@@ -81,7 +81,7 @@ if want harness && [ "$(python3 -c 'import torch; print(torch.cuda.device_count(
   step "CUDA suite, 2 GPUs"
   python3 test/run_suite.py --hw cuda --suite cpkv-test-2-gpu > "$OUT/suite_2gpu.log" 2>&1 || status=1
   grep -E '^(=== |files:|FAILED)|passed|failed|skipped' "$OUT/suite_2gpu.log"
-  # (the suite above runs the serving-path harness at cp 1,2 over NCCL: test_cp_harness_cuda.py)
+  # (the suite above runs the serving-path harness at cp 1,2 over NCCL: test_serving_harness_nccl.py)
   step "kit layer at cp 2 over NCCL: layer-ahead prefetch beside upstream's all-gather vs synchronous vs mode off"
   for pool in bf16 fp8; do
     python3 benchmark/bench_kit_layer.py --cp 2 --requests 8 --history 8192,16384,32768 --extend 4096 --layers 4 \
@@ -90,8 +90,8 @@ if want harness && [ "$(python3 -c 'import torch; print(torch.cuda.device_count(
     grep -vE '^\[20|[Ww]arn' "$OUT/kit_layer_cp2_$pool.log" | tail -n 12
   done
   for backend in cuda triton; do
-    step "multi-GPU toy-model harness, ops backend $backend"
-    python3 scripts/run_cp_harness.py --stack toy --cp 1,2 --bs-list 2,4,8 --scenarios all --device cuda \
+    step "serving-path harness at cp 1,2 over NCCL, ops backend $backend"
+    python3 scripts/run_cp_harness.py --cp 1,2 --bs-list 2,4,8 --device cuda \
       --backend "$backend" --out "$OUT/harness_$backend.json" > "$OUT/harness_$backend.log" 2>&1 || status=1
     tail -n 3 "$OUT/harness_$backend.log"
   done

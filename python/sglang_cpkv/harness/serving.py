@@ -46,7 +46,6 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from sglang_cpkv.harness.report import device_line, summarize
 from sglang_cpkv.testing.batches import BatchCase, same_bytes
 from sglang_cpkv.testing.dsa_kit import INDEX_HEAD_DIM, PAGE, KitRoute, KitRun, kit_capacity, write_dsa_model_dir
 
@@ -378,6 +377,28 @@ def judge(job: HarnessJob, cp: int, ranks: list[dict]) -> list[dict]:
     return checks
 
 
+def summarize(checks: list[dict]) -> dict:
+    """Counts of the check rows, overall and per kind of check."""
+    failed = sum(not c["passed"] for c in checks)
+    kinds = sorted({c["check"] for c in checks})
+    return {
+        "checks": len(checks),
+        "passed": len(checks) - failed,
+        "failed": failed,
+        "by_kind": {
+            k: {
+                "passed": sum(c["passed"] for c in checks if c["check"] == k),
+                "total": sum(c["check"] == k for c in checks),
+            }
+            for k in kinds
+        },
+    }
+
+
+def device_line(device: str) -> str:
+    return device if device == "cpu" else f"cuda ({torch.cuda.get_device_name(0)} x{torch.cuda.device_count()})"
+
+
 def run_serving_harness(
     cp_list: list[int],
     bs_list: list[int],
@@ -409,7 +430,6 @@ def run_serving_harness(
         log(f"cp={cp}: {timings[f'cp{cp}_seconds']} s, {sum(c['passed'] for c in cp_checks)}/{len(cp_checks)} passed")
     failed = [c for c in checks if not c["passed"]]
     return {
-        "stack": "serving",
         "device": device_line(device),
         "dist_backend": dist_backend or ("nccl" if device == "cuda" else "gloo"),
         "cp_list": cp_list,
@@ -417,7 +437,7 @@ def run_serving_harness(
         "scenarios": scenario_names,
         "routes": route_names,
         "timings": timings,
-        "summary": summarize(checks, sorted({c["check"] for c in checks})),
+        "summary": summarize(checks),
         "failures": failed,
         "checks": checks,
     }

@@ -5,12 +5,16 @@ scenario (radix hits with CURRENT_REUSE, a chunked continuation whose history th
 owner-sharded, the dense layout's three sharing patterns); the PAGED bf16 route of ``triton_sparse_mla`` (captured: the interpreter cannot run its bf16
 products). Every check of the report must pass: the kernel reads the same KV bytes with the mode on
 as off, each request of the batch reads what it reads alone, and the ranks' dense views are byte-equal. The
-judge is shown to fail on a planted fault of each kind.
+judge is shown to fail on a planted fault of each kind. The command line an operator runs
+(``scripts/run_cp_harness.py``) writes the report and exits by its checks.
 """
 
 import copy
+import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -20,7 +24,7 @@ from sglang_cpkv.harness import serving
 from sglang_cpkv.testing.batches import HISTORY_WRITTEN, SHARED_HISTORY, SHARED_REUSE, sharing_patterns
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=60, suite="cpkv-cpu")
+register_cpu_ci(est_time=80, suite="cpkv-cpu")
 
 # The PAGED bf16 route: on CPU upstream's FP8 writers run in the Triton interpreter (about 40 s a scenario here);
 # the RAGGED FP8 route at cp 2 over gloo is test_cp_shared_kv_kit.py's, every route runs in the GPU suites.
@@ -75,6 +79,29 @@ def test_the_judge_fails_on_a_planted_fault_of_each_kind(ranks):
     }
     assert _planted(ranks, (route, scenario, 2, 1), other_bytes) == {(route, scenario, "bs1")}
     assert _planted(ranks, (route, scenario, 2, "on"), other_view) == {(route, scenario, "ranks")}
+
+
+def test_the_command_line_writes_the_report_and_exits_by_its_checks(tmp_path):
+    script = Path(__file__).resolve().parents[3] / "scripts" / "run_cp_harness.py"
+    out = tmp_path / "harness.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the command sets it for --device cpu
+    argv = ["--cp", "1", "--bs-list", "2", "--routes", JOB.routes[0], "--scenarios", "shared-prefix", "--device", "cpu"]
+    done = subprocess.run(
+        [sys.executable, str(script), *argv, "--out", str(out)], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["summary"] == {
+        "checks": 2,
+        "passed": 2,
+        "failed": 0,
+        "by_kind": {"bs1": {"passed": 1, "total": 1}, "mode_off": {"passed": 1, "total": 1}},
+    }
+    assert report["command"].startswith("run_cp_harness.py --cp 1") and report["dist_backend"] == "gloo"
+    bad = subprocess.run(
+        [sys.executable, str(script), "--routes", "no-such-route"], env=env, capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "--routes: unknown ['no-such-route']" in bad.stderr and "Traceback" not in bad.stderr
 
 
 if __name__ == "__main__":
