@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from sglang_cpkv.env import environment
 from sglang_cpkv.runtime.reservation import Reservation
 
 # The prefill server of the mode needs all-CP-ranks KV transfer (README, Settings); the draft's extend under CP.
@@ -41,8 +41,6 @@ def scoped_runtime_context() -> Iterator[None]:
     server left published makes a later CP 2 world's parallel topology inconsistent)."""
     from sglang.srt import runtime_context
 
-    saved_env = {name: os.environ.get(name) for name in RESOLUTION_SETS_ENV}
-
     context = runtime_context.get_context()
     parallel = context.parallel
     saved = (
@@ -58,7 +56,8 @@ def scoped_runtime_context() -> Iterator[None]:
         dict(parallel._overrides),
     )
     try:
-        yield
+        with environment(keep=RESOLUTION_SETS_ENV):
+            yield
     finally:
         (
             context._server_args,
@@ -76,15 +75,6 @@ def scoped_runtime_context() -> Iterator[None]:
         parallel._stamp.update(stamp)
         parallel._overrides.clear()
         parallel._overrides.update(overrides)
-        _restore_env(saved_env)
-
-
-def _restore_env(saved: dict[str, str | None]) -> None:
-    for name, value in saved.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
 
 
 @contextlib.contextmanager
@@ -101,20 +91,18 @@ def playing_gpu(capability: tuple[int, int], *, hbm_bytes: float | None = None, 
         for hook in hooks:
             hook.get_device_memory_capacity = lambda device=None: hbm_bytes / 2**20  # MiB, as upstream's query
     saved_capability = torch.cuda.get_device_capability
-    saved_env = {name: os.environ.get(name) for name in MODE_ENV}
     sglang_logger = logging.getLogger("sglang")
     saved_level = sglang_logger.level
     torch.cuda.get_device_capability = lambda *a, **k: capability
-    os.environ.update(MODE_ENV)
     if quiet:
         sglang_logger.setLevel(logging.ERROR)
     try:
-        yield
+        with environment(MODE_ENV):
+            yield
     finally:
         for hook, saved in zip(hooks, saved_memory):
             hook.get_device_memory_capacity = saved
         torch.cuda.get_device_capability = saved_capability
-        _restore_env(saved_env)
         sglang_logger.setLevel(saved_level)
 
 

@@ -25,29 +25,15 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import sys
 from pathlib import Path
 
+from sglang_cpkv.env import environment
 from sglang_cpkv.pd_launch.config import CP_SHARED_KV_FLAG, DEFAULT_GPU_CAPABILITY
 
 
 class _Refused(Exception):
     """The role's configuration is refused; the message says by what and why."""
-
-
-@contextlib.contextmanager
-def _environment(values: dict):
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _parse_with(parser: argparse.ArgumentParser, argv: list[str], what: str) -> argparse.Namespace:
@@ -126,7 +112,7 @@ def _check_server(argv: list[str], env: dict, gpu_capability: str) -> tuple[str,
     names_device = any(arg == "--device" or arg.startswith("--device=") for arg in argv)
     resolve_argv = list(argv) if names_device else [*argv, "--device", "cuda"]
     # The hub's config comes from the cache only: a dry-run never downloads.
-    with _environment({**env, "HF_HUB_OFFLINE": "1"}):
+    with environment({**env, "HF_HUB_OFFLINE": "1"}):
         try:
             prepare_server_args(resolve_argv).resolve_once()
         except (Exception, SystemExit) as exc:  # what the server would die of at start-up

@@ -25,27 +25,13 @@ No GPU, no process group and no KV transfer are involved: the KV pools are descr
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import sys
 import time
 
+from sglang_cpkv.env import environment
+
 HANDSHAKE_TIMEOUT_S = 30.0
-
-
-@contextlib.contextmanager
-def _environment(values: dict):
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _kv_args(server_args, engine_rank: int):
@@ -87,7 +73,7 @@ def _run_prefill(case: dict) -> list[dict]:
     from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer, CommonKVManager
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
-    with _environment(case.get("env", {})):
+    with environment(case.get("env", {})):
         server_args = _resolved(case["argv"])
         CommonKVBootstrapServer(server_args.host, server_args.disaggregation_bootstrap_port)
         ranks = []
@@ -107,7 +93,7 @@ def _run_decode(case: dict) -> tuple[dict, dict]:
     from sglang.srt.runtime_context import reset_context
 
     reset_context()
-    with _environment(case.get("env", {})):
+    with environment(case.get("env", {})):
         server_args = _resolved(case["argv"])
         _publish(server_args, 0)
         manager = CommonKVManager(_kv_args(server_args, 0), DisaggregationMode.DECODE, server_args, is_mla_backend=True)

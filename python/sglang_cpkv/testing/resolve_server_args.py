@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+
+from sglang_cpkv.env import environment
 
 
 def _resolve(case: dict) -> dict:
@@ -25,21 +26,14 @@ def _resolve(case: dict) -> dict:
     from sglang.srt.arg_groups.model_override_base import resolved_view
     from sglang.srt.server_args import prepare_server_args
 
-    saved = {name: os.environ.get(name) for name in case.get("env", {})}
-    os.environ.update(case.get("env", {}))
     try:
-        server_args = prepare_server_args(case["argv"])
-        server_args.resolve_once()
-        view = resolved_view(server_args)
-        return {"resolved": {f.name: repr(getattr(view, f.name)) for f in record_fields(type(server_args))}}
+        with environment(case.get("env", {})):
+            server_args = prepare_server_args(case["argv"])
+            server_args.resolve_once()
+            view = resolved_view(server_args)
+            return {"resolved": {f.name: repr(getattr(view, f.name)) for f in record_fields(type(server_args))}}
     except (Exception, SystemExit) as exc:  # the refusal is the result (argparse exits on an unknown flag)
         return {"error": type(exc).__name__, "message": str(exc)}
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def main() -> int:
