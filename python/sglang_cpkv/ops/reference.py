@@ -158,6 +158,34 @@ def check_inverse(inverse: PageInverse) -> None:
         )
 
 
+def _check_same_rows(src: torch.Tensor, dst: torch.Tensor, what: str) -> None:
+    if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
+        raise CpSharedKvError(
+            f"src and dst must have one dtype and {what} width: src {src.dtype}{tuple(src.shape)}, "
+            f"dst {dst.dtype}{tuple(dst.shape)}"
+        )
+    if src.device != dst.device:
+        raise CpSharedKvError(f"src is on {src.device}, dst on {dst.device}")
+
+
+def check_page_pairs(src: torch.Tensor, src_page: torch.Tensor, dst: torch.Tensor, dst_page: torch.Tensor) -> None:
+    """``copy_pages``' operands: one dtype, page width and device; one destination page per source page."""
+    _check_same_rows(src, dst, "page")
+    if src_page.shape != dst_page.shape:
+        raise CpSharedKvError(
+            f"src_page and dst_page must have one shape: {tuple(src_page.shape)} vs {tuple(dst_page.shape)}"
+        )
+
+
+def check_row_scatter(src: torch.Tensor, dst_loc: torch.Tensor, dst: torch.Tensor) -> None:
+    """``scatter_rows``' operands: one dtype, row width and device; one destination row per source row."""
+    _check_same_rows(src, dst, "row")
+    if dst_loc.shape != src.shape[:1]:
+        raise CpSharedKvError(
+            f"dst_loc must have one entry per src row: src {tuple(src.shape)}, dst_loc {tuple(dst_loc.shape)}"
+        )
+
+
 def check_row_divides_page(current: torch.Tensor, dense: torch.Tensor) -> None:
     """A current row must tile a dense page exactly, or its rows would straddle pages."""
     row = current.shape[1:].numel() if current.dim() > 1 else 1
@@ -325,14 +353,7 @@ def copy_pages(
     """
     check_ids(src_page, "src_page")
     check_ids(dst_page, "dst_page")
-    if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
-        raise CpSharedKvError(
-            f"src and dst must have one dtype and page width: src {src.dtype}{tuple(src.shape)}, dst {dst.dtype}{tuple(dst.shape)}"
-        )
-    if src_page.shape != dst_page.shape:
-        raise CpSharedKvError(
-            f"src_page and dst_page must have one shape: {tuple(src_page.shape)} vs {tuple(dst_page.shape)}"
-        )
+    check_page_pairs(src, src_page, dst, dst_page)
     s = src_page.to(torch.int64)
     d = dst_page.to(torch.int64)
     bad = (s >= src.shape[0]) | (s < PADDING_ID) | (d >= dst.shape[0]) | (d < PADDING_ID)
@@ -351,14 +372,7 @@ def scatter_rows(src: torch.Tensor, dst_loc: torch.Tensor, dst: torch.Tensor, er
         errors: int32 counter: a row ``>= M`` or ``< -1``.
     """
     check_ids(dst_loc, "dst_loc")
-    if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
-        raise CpSharedKvError(
-            f"src and dst must have one dtype and row width: src {src.dtype}{tuple(src.shape)}, dst {dst.dtype}{tuple(dst.shape)}"
-        )
-    if dst_loc.shape != src.shape[:1]:
-        raise CpSharedKvError(
-            f"dst_loc must have one entry per src row: src {tuple(src.shape)}, dst_loc {tuple(dst_loc.shape)}"
-        )
+    check_row_scatter(src, dst_loc, dst)
     loc = dst_loc.to(torch.int64)
     bad = (loc >= dst.shape[0]) | (loc < PADDING_ID)
     errors[ERR_LOC_OUT_OF_RANGE] += bad.sum().to(torch.int32)

@@ -158,27 +158,11 @@ cudaError_t build_page_inverse(const PageIdT* entry_pages,
   return cudaGetLastError();
 }
 
-template cudaError_t build_page_inverse<int32_t>(const int32_t*,
-                                                 const int64_t*,
-                                                 const int32_t*,
-                                                 int64_t,
-                                                 int64_t,
-                                                 int64_t,
-                                                 int64_t,
-                                                 int64_t*,
-                                                 int32_t*,
-                                                 int32_t*,
-                                                 cudaStream_t);
-template cudaError_t build_page_inverse<int64_t>(const int64_t*,
-                                                 const int64_t*,
-                                                 const int32_t*,
-                                                 int64_t,
-                                                 int64_t,
-                                                 int64_t,
-                                                 int64_t,
-                                                 int64_t*,
-                                                 int32_t*,
-                                                 int32_t*,
-                                                 cudaStream_t);
+#define SGLANG_CPKV_INSTANTIATE_BUILD_PAGE_INVERSE(T)                                                                            \
+  template cudaError_t build_page_inverse<T>(                                                                                    \
+      const T*, const int64_t*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int64_t*, int32_t*, int32_t*, cudaStream_t);
+SGLANG_CPKV_INSTANTIATE_BUILD_PAGE_INVERSE(int32_t)
+SGLANG_CPKV_INSTANTIATE_BUILD_PAGE_INVERSE(int64_t)
+#undef SGLANG_CPKV_INSTANTIATE_BUILD_PAGE_INVERSE
 
 }  // namespace sglang_cpkv

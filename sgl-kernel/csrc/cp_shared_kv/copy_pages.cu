@@ -34,29 +34,11 @@ cudaError_t copy_pages(const void* src,
                                                                          stream);
 }
 
-template cudaError_t copy_pages<int32_t>(const void*,
-                                         int64_t,
-                                         int64_t,
-                                         const int32_t*,
-                                         void*,
-                                         int64_t,
-                                         int64_t,
-                                         const int32_t*,
-                                         int64_t,
-                                         int64_t,
-                                         int32_t*,
-                                         cudaStream_t);
-template cudaError_t copy_pages<int64_t>(const void*,
-                                         int64_t,
-                                         int64_t,
-                                         const int64_t*,
-                                         void*,
-                                         int64_t,
-                                         int64_t,
-                                         const int64_t*,
-                                         int64_t,
-                                         int64_t,
-                                         int32_t*,
-                                         cudaStream_t);
+#define SGLANG_CPKV_INSTANTIATE_COPY_PAGES(T)                                                                                \
+  template cudaError_t copy_pages<T>(                                                                                        \
+      const void*, int64_t, int64_t, const T*, void*, int64_t, int64_t, const T*, int64_t, int64_t, int32_t*, cudaStream_t);
+SGLANG_CPKV_INSTANTIATE_COPY_PAGES(int32_t)
+SGLANG_CPKV_INSTANTIATE_COPY_PAGES(int64_t)
+#undef SGLANG_CPKV_INSTANTIATE_COPY_PAGES
 
 }  // namespace sglang_cpkv

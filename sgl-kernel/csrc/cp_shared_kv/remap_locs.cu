@@ -254,33 +254,11 @@ cudaError_t remap_locs(const LocT* locs,
                                        stream);
 }
 
-template cudaError_t remap_locs<int32_t>(const int32_t*,
-                                         int64_t,
-                                         int64_t,
-                                         int64_t,
-                                         const int64_t*,
-                                         const int64_t*,
-                                         const int32_t*,
-                                         int64_t,
-                                         int64_t,
-                                         int64_t,
-                                         int64_t,
-                                         int32_t*,
-                                         int32_t*,
-                                         cudaStream_t);
-template cudaError_t remap_locs<int64_t>(const int64_t*,
-                                         int64_t,
-                                         int64_t,
-                                         int64_t,
-                                         const int64_t*,
-                                         const int64_t*,
-                                         const int32_t*,
-                                         int64_t,
-                                         int64_t,
-                                         int64_t,
-                                         int64_t,
-                                         int32_t*,
-                                         int32_t*,
-                                         cudaStream_t);
+#define SGLANG_CPKV_INSTANTIATE_REMAP_LOCS(T)                                                                                                                     \
+  template cudaError_t remap_locs<T>(                                                                                                                             \
+      const T*, int64_t, int64_t, int64_t, const int64_t*, const int64_t*, const int32_t*, int64_t, int64_t, int64_t, int64_t, int32_t*, int32_t*, cudaStream_t);
+SGLANG_CPKV_INSTANTIATE_REMAP_LOCS(int32_t)
+SGLANG_CPKV_INSTANTIATE_REMAP_LOCS(int64_t)
+#undef SGLANG_CPKV_INSTANTIATE_REMAP_LOCS
 
 }  // namespace sglang_cpkv

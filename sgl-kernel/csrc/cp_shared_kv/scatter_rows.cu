@@ -33,9 +33,11 @@ cudaError_t scatter_rows(const void* src,
                                                                     stream);
 }
 
-template cudaError_t scatter_rows<int32_t>(
-    const void*, int64_t, int64_t, const int32_t*, void*, int64_t, int64_t, int64_t, int32_t*, cudaStream_t);
-template cudaError_t scatter_rows<int64_t>(
-    const void*, int64_t, int64_t, const int64_t*, void*, int64_t, int64_t, int64_t, int32_t*, cudaStream_t);
+#define SGLANG_CPKV_INSTANTIATE_SCATTER_ROWS(T)                                                           \
+  template cudaError_t scatter_rows<T>(                                                                   \
+      const void*, int64_t, int64_t, const T*, void*, int64_t, int64_t, int64_t, int32_t*, cudaStream_t);
+SGLANG_CPKV_INSTANTIATE_SCATTER_ROWS(int32_t)
+SGLANG_CPKV_INSTANTIATE_SCATTER_ROWS(int64_t)
+#undef SGLANG_CPKV_INSTANTIATE_SCATTER_ROWS
 
 }  // namespace sglang_cpkv

@@ -138,6 +138,34 @@ void check_same_rows(const at::Tensor& src, const char* src_name, const at::Tens
               format_dims(dst.sizes()));
 }
 
+// copy_pages' and scatter_rows' src and dst: CUDA tensors on one device with one dtype and row shape, rows
+// contiguous and not empty. Returns the bytes of one row (a page, for copy_pages).
+int64_t check_row_operands(const at::Tensor& src, const at::Tensor& dst, const char* rows) {
+  check_cuda_tensor(src, "src", src, "src");
+  check_cuda_tensor(dst, "dst", src, "src");
+  check_same_rows(src, "src", dst, "dst");
+  const int64_t row_bytes = contiguous_row_bytes(src, "src");
+  contiguous_row_bytes(dst, "dst");
+  CPKV_CHECK(row_bytes > 0, "src ", rows, " must not be empty, got shape ", format_dims(src.sizes()));
+  return row_bytes;
+}
+
+// The page pairs of a page copy: one destination page per source page, one index dtype, on the anchor's device.
+void check_page_pairs(const at::Tensor& src_page,
+                      const at::Tensor& dst_page,
+                      const at::Tensor& anchor,
+                      const char* anchor_name) {
+  check_cuda_tensor(src_page, "src_page", anchor, anchor_name);
+  check_cuda_tensor(dst_page, "dst_page", anchor, anchor_name);
+  check_index_vector(src_page, "src_page", src_page.numel(), "src_page entry");
+  check_index_vector(dst_page, "dst_page", src_page.numel(), "src_page entry");
+  CPKV_CHECK(src_page.scalar_type() == dst_page.scalar_type(),
+              "src_page and dst_page must have one dtype, got ",
+              src_page.scalar_type(),
+              " and ",
+              dst_page.scalar_type());
+}
+
 void check_launch(cudaError_t status, const char* op) {
   CPKV_CHECK(status == cudaSuccess, op, ": CUDA launch failed: ", cudaGetErrorString(status));
 }
@@ -280,21 +308,8 @@ void copy_pages(const at::Tensor& src,
                 at::Tensor& dst,
                 const at::Tensor& dst_page,
                 at::Tensor& errors) {
-  check_cuda_tensor(src, "src", src, "src");
-  check_cuda_tensor(dst, "dst", src, "src");
-  check_same_rows(src, "src", dst, "dst");
-  const int64_t page_bytes = contiguous_row_bytes(src, "src");
-  contiguous_row_bytes(dst, "dst");
-  CPKV_CHECK(page_bytes > 0, "src pages must not be empty, got shape ", format_dims(src.sizes()));
-  check_cuda_tensor(src_page, "src_page", src, "src");
-  check_cuda_tensor(dst_page, "dst_page", src, "src");
-  check_index_vector(src_page, "src_page", src_page.numel(), "src_page entry");
-  check_index_vector(dst_page, "dst_page", src_page.numel(), "src_page entry");
-  CPKV_CHECK(src_page.scalar_type() == dst_page.scalar_type(),
-              "src_page and dst_page must have one dtype, got ",
-              src_page.scalar_type(),
-              " and ",
-              dst_page.scalar_type());
+  const int64_t page_bytes = check_row_operands(src, dst, "pages");
+  check_page_pairs(src_page, dst_page, src, "src");
   check_error_counter(errors, src, "src");
   const c10::cuda::CUDAGuard device_guard(src.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -318,12 +333,7 @@ void copy_pages(const at::Tensor& src,
 }
 
 void scatter_rows(const at::Tensor& src, const at::Tensor& dst_loc, at::Tensor& dst, at::Tensor& errors) {
-  check_cuda_tensor(src, "src", src, "src");
-  check_cuda_tensor(dst, "dst", src, "src");
-  check_same_rows(src, "src", dst, "dst");
-  const int64_t row_bytes = contiguous_row_bytes(src, "src");
-  contiguous_row_bytes(dst, "dst");
-  CPKV_CHECK(row_bytes > 0, "src rows must not be empty, got shape ", format_dims(src.sizes()));
+  const int64_t row_bytes = check_row_operands(src, dst, "rows");
   check_cuda_tensor(dst_loc, "dst_loc", src, "src");
   check_index_vector(dst_loc, "dst_loc", src.size(0), "src row");
   check_error_counter(errors, src, "src");
@@ -403,15 +413,7 @@ void materialize_and_fill(const at::Tensor& pool,
               " bytes) must be a whole number of current rows (",
               row_bytes,
               " bytes)");
-  check_cuda_tensor(src_page, "src_page", pool, "pool");
-  check_cuda_tensor(dst_page, "dst_page", pool, "pool");
-  check_index_vector(src_page, "src_page", src_page.numel(), "src_page entry");
-  check_index_vector(dst_page, "dst_page", src_page.numel(), "src_page entry");
-  CPKV_CHECK(src_page.scalar_type() == dst_page.scalar_type(),
-              "src_page and dst_page must have one dtype, got ",
-              src_page.scalar_type(),
-              " and ",
-              dst_page.scalar_type());
+  check_page_pairs(src_page, dst_page, pool, "pool");
   check_cuda_tensor(dst_loc, "dst_loc", pool, "pool");
   check_index_vector(dst_loc, "dst_loc", current.size(0), "current row");
   check_error_counter(errors, pool, "pool");

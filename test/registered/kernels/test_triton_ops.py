@@ -389,9 +389,20 @@ def test_scatter_rows_unaligned_view_falls_back_to_narrower_words():
     assert same_bytes(dst_ref, dst_tri)
 
 
+@pytest.mark.parametrize("backend", [reference, triton_ops], ids=["torch", "triton"])
+def test_every_backend_refuses_mismatched_operands_with_one_error(backend):
+    ids = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(CpSharedKvError, match=r"src_page and dst_page must have one shape: \(2,\) vs \(3,\)"):
+        backend.copy_pages(torch.zeros(4, 8), ids, torch.zeros(4, 8), torch.zeros(3, dtype=torch.int32), ids)
+    with pytest.raises(CpSharedKvError, match="one dtype and page width"):
+        backend.copy_pages(torch.zeros(4, 8), ids, torch.zeros(4, 8, dtype=torch.float16), ids, ids)
+    with pytest.raises(CpSharedKvError, match=r"dst_loc must have one entry per src row"):
+        backend.scatter_rows(torch.zeros(3, 8), ids, torch.zeros(4, 8), new_error_counter("cpu"))
+
+
 def test_shape_and_dtype_errors_name_the_values():
     errors = new_error_counter("cpu")
-    with pytest.raises(ValueError, match="one dtype and row width"):
+    with pytest.raises(CpSharedKvError, match="one dtype and row width"):
         triton_ops.scatter_rows(
             torch.zeros(2, 8, dtype=torch.uint8),
             torch.zeros(2, dtype=torch.int64),

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from sglang_cpkv.ops.errors import ERR_PAGE_OUT_OF_RANGE
+from sglang_cpkv.ops.reference import check_page_pairs
 from sglang_cpkv.ops.triton._common import (
     alignment_words,
     as_rows,
@@ -89,17 +90,8 @@ def copy_pages(
             (interpreter) the whole page, up to 65536 words.
         num_warps: warps per program.
     """
-    if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
-        raise ValueError(
-            f"src and dst must have one dtype and page width: src {src.dtype}{tuple(src.shape)}, dst {dst.dtype}{tuple(dst.shape)}"
-        )
-    if src_page.shape != dst_page.shape:
-        raise ValueError(
-            f"src_page and dst_page must have one shape: {tuple(src_page.shape)} vs {tuple(dst_page.shape)}"
-        )
+    check_page_pairs(src, src_page, dst, dst_page)
     device = dst.device
-    if src.device != device:
-        raise ValueError(f"src is on {src.device}, dst on {device}")
     src_page = check_index("src_page", src_page, device)
     dst_page = check_index("dst_page", dst_page, device)
     check_errors(errors, device)

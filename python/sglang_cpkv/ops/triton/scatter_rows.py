@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE
+from sglang_cpkv.ops.reference import check_row_scatter
 from sglang_cpkv.ops.triton._common import (
     alignment_words,
     as_rows,
@@ -87,17 +88,8 @@ def scatter_rows(
             where every program instance costs ~1 ms) a tile of up to 65536 words.
         num_warps: warps per program.
     """
-    if src.dtype != dst.dtype or src.shape[1:] != dst.shape[1:]:
-        raise ValueError(
-            f"src and dst must have one dtype and row width: src {src.dtype}{tuple(src.shape)}, dst {dst.dtype}{tuple(dst.shape)}"
-        )
-    if dst_loc.shape != src.shape[:1]:
-        raise ValueError(
-            f"dst_loc must have one entry per src row: src {tuple(src.shape)}, dst_loc {tuple(dst_loc.shape)}"
-        )
+    check_row_scatter(src, dst_loc, dst)
     device = dst.device
-    if src.device != device:
-        raise ValueError(f"src is on {src.device}, dst on {device}")
     dst_loc = check_index("dst_loc", dst_loc, device)
     check_errors(errors, device)
     src_words, dst_words, word_bytes = as_words(as_rows("src", src), as_rows("dst", dst))
