@@ -1,6 +1,8 @@
 // remap_locs: token locations of each request -> locations in its dense view, through the per-request inverse
 // (its hash table, probed from each key's home cell: page_inverse.cuh).
 // Used per batch (current locs, [N]) and per layer (top-k locs, [N, K] with one request id per row).
+#include <type_traits>
+
 #include "cp_shared_kv.h"
 #include "page_inverse.cuh"
 #include "row_copy.cuh"
@@ -220,38 +222,25 @@ cudaError_t remap_locs(const LocT* locs,
   const bool vectorized = row_len % kVec == 0 && locs_row_stride % kVec == 0 &&
                           reinterpret_cast<uintptr_t>(locs) % 16 == 0 &&
                           reinterpret_cast<uintptr_t>(dense_locs) % (sizeof(int32_t) * kVec) == 0;
-  if (vectorized) {
-    return launch_remap_locs<LocT, kVec, 2>(locs,
-                                            num_rows,
-                                            row_len,
-                                            locs_row_stride,
-                                            req_id,
-                                            inverse_keys,
-                                            inverse_slots,
-                                            table_mask,
-                                            num_requests,
-                                            capacity,
-                                            page_size,
-                                            page_shift,
-                                            dense_locs,
-                                            errors,
-                                            stream);
-  }
-  return launch_remap_locs<LocT, 1, 4>(locs,
-                                       num_rows,
-                                       row_len,
-                                       locs_row_stride,
-                                       req_id,
-                                       inverse_keys,
-                                       inverse_slots,
-                                       table_mask,
-                                       num_requests,
-                                       capacity,
-                                       page_size,
-                                       page_shift,
-                                       dense_locs,
-                                       errors,
-                                       stream);
+  const auto launch = [&](auto vec, auto unroll) {
+    return launch_remap_locs<LocT, decltype(vec)::value, decltype(unroll)::value>(locs,
+                                                                                  num_rows,
+                                                                                  row_len,
+                                                                                  locs_row_stride,
+                                                                                  req_id,
+                                                                                  inverse_keys,
+                                                                                  inverse_slots,
+                                                                                  table_mask,
+                                                                                  num_requests,
+                                                                                  capacity,
+                                                                                  page_size,
+                                                                                  page_shift,
+                                                                                  dense_locs,
+                                                                                  errors,
+                                                                                  stream);
+  };
+  if (vectorized) return launch(std::integral_constant<int, kVec>{}, std::integral_constant<int, 2>{});
+  return launch(std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{});
 }
 
 #define SGLANG_CPKV_INSTANTIATE_REMAP_LOCS(T)                                                                                                                     \

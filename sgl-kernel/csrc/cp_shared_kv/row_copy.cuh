@@ -141,39 +141,26 @@ cudaError_t launch_copy_rows_vec(const void* src,
   config.numAttrs = programmatic_dependent ? 1 : 0;
   const auto* src_bytes = static_cast<const char*>(src);
   auto* dst_bytes = static_cast<char*>(dst);
+  const auto launch = [&](auto flat_index) {
+    using FlatT = decltype(flat_index);
+    return cudaLaunchKernelEx(&config,
+                              copy_rows_kernel<VecT, SrcIdxT, DstIdxT, FlatT, kGatherSrc, kLaunchDependents, kWaitPrior>,
+                              src_bytes,
+                              src_rows,
+                              src_stride,
+                              src_idx,
+                              dst_bytes,
+                              dst_rows,
+                              dst_stride,
+                              dst_idx,
+                              static_cast<FlatT>(num_rows),
+                              static_cast<FlatT>(vecs_per_row),
+                              errors,
+                              err_kind);
+  };
   // The last block's flat indices reach past total by less than one block.
-  if (total + kCopyVecsPerBlock <= static_cast<int64_t>(UINT32_MAX)) {
-    return cudaLaunchKernelEx(
-        &config,
-        copy_rows_kernel<VecT, SrcIdxT, DstIdxT, uint32_t, kGatherSrc, kLaunchDependents, kWaitPrior>,
-        src_bytes,
-        src_rows,
-        src_stride,
-        src_idx,
-        dst_bytes,
-        dst_rows,
-        dst_stride,
-        dst_idx,
-        static_cast<uint32_t>(num_rows),
-        static_cast<uint32_t>(vecs_per_row),
-        errors,
-        err_kind);
-  }
-  return cudaLaunchKernelEx(
-      &config,
-      copy_rows_kernel<VecT, SrcIdxT, DstIdxT, uint64_t, kGatherSrc, kLaunchDependents, kWaitPrior>,
-      src_bytes,
-      src_rows,
-      src_stride,
-      src_idx,
-      dst_bytes,
-      dst_rows,
-      dst_stride,
-      dst_idx,
-      static_cast<uint64_t>(num_rows),
-      static_cast<uint64_t>(vecs_per_row),
-      errors,
-      err_kind);
+  if (total + kCopyVecsPerBlock <= static_cast<int64_t>(UINT32_MAX)) return launch(uint32_t{});
+  return launch(uint64_t{});
 }
 
 /// \brief The indexed row copy at the widest access the sizes, strides and addresses allow.
