@@ -602,18 +602,7 @@ def value_keyed_read_mismatches(
     1-D value-keyed inverse that does not return the truth row (dropped or another row)."""
     from sglang_cpkv.testing.value_keyed_inverse import value_keyed_pipeline
 
-    P = max(len(t) for t in case.page_tables)  # the seed's layout: r * P + j
-    dense, remapped = value_keyed_pipeline(
-        padded_page_table(case, P),
-        case.prefix_lens,
-        case.extend_lens,
-        torch.tensor(case.out_cache_loc(), dtype=torch.int64),
-        pool,
-        current_kv,
-        topk_locs,
-        case.capacity,
-        case.page_size,
-    )
+    dense, remapped = value_keyed_pipeline(case, pool, current_kv, topk_locs)
     truth = truth_rows(case, pool, current_kv)
     token_req = [r for r in range(case.num_requests) for _ in range(case.extend_lens[r])]
     wrong = []

@@ -30,7 +30,6 @@ from sglang_cpkv.testing.batches import (
     BatchCase,
     host_plan,
     make_pool_and_current,
-    padded_page_table,
     run_case_on_rank,
     same_bytes,
     truth_rows,
@@ -152,18 +151,7 @@ def run(cp2: bool) -> int:
         if cp2:
             failures += _run_cp2(case, pool, current, solo_views, device)
 
-        P = max(len(t) for t in case.page_tables)
-        dense_1d, remapped_1d = value_keyed_pipeline(
-            padded_page_table(case, P),
-            case.prefix_lens,
-            case.extend_lens,
-            torch.tensor(case.out_cache_loc()),
-            pool,
-            current,
-            _positions_locs(case),
-            case.capacity,
-            case.page_size,
-        )
+        dense_1d, remapped_1d = value_keyed_pipeline(case, pool, current, _positions_locs(case))
         print("  1-D value-keyed inverse (negative control), cp=1:")
         for r in range(case.num_requests):
             n = case.prefix_lens[r] + case.extend_lens[r]

@@ -94,6 +94,22 @@ DSA_CONFIG = {
     "hidden_act": "silu",
     "rms_norm_eps": 1e-6,
 }
+# A model without DSA (Llama-3-8B shape; never loaded): what the mode refuses.
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "torch_dtype": "bfloat16",
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "hidden_act": "silu",
+}
 
 
 def kit_capacity(num_requests: int, longest: int, cp_size: int = 1) -> int:

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
+from sglang_cpkv.testing.batches import BatchCase, padded_page_table
+
 PADDING_ID = -1
 
 
@@ -61,25 +63,21 @@ def value_keyed_current_page_mask(
 
 
 def value_keyed_pipeline(
-    page_table: torch.Tensor,
-    prefix_lens: Sequence[int],
-    extend_lens: Sequence[int],
-    out_cache_loc: torch.Tensor,
-    pool: torch.Tensor,
-    current_kv: torch.Tensor,
-    topk_locs: torch.Tensor,
-    capacity: int,
-    page_size: int,
+    case: BatchCase, pool: torch.Tensor, current_kv: torch.Tensor, topk_locs: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The seed's cp=1 layer with the 1-D inverse: (dense ``[R * P * ps, row]``, remapped top-k int32).
+    """The seed's cp=1 layer over ``case`` with the 1-D inverse: (dense ``[R * P * ps, row]`` with ``P`` the longest
+    page table, remapped top-k int32).
 
     Args:
-        page_table: int32 ``[R, P]`` (-1 past each request's pages). pool: ``[C * ps, row]``.
-        current_kv: ``[N, row]`` token order. topk_locs: ``[N, K]`` pool locations (-1 padding).
+        pool: ``[C * ps, row]``. current_kv: ``[N, row]`` token order. topk_locs: ``[N, K]`` pool locations (-1
+        padding).
     """
+    page_table = padded_page_table(case, max(len(t) for t in case.page_tables))
+    prefix_lens, capacity, page_size = case.prefix_lens, case.capacity, case.page_size
+    out_cache_loc = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
     rows, pages_per_request = page_table.shape
     inverse_1d = build_value_keyed_inverse(page_table, capacity)
-    current_page = value_keyed_current_page_mask(page_table, prefix_lens, extend_lens, capacity, page_size)
+    current_page = value_keyed_current_page_mask(page_table, prefix_lens, case.extend_lens, capacity, page_size)
     dense = pool.new_zeros((rows * pages_per_request * page_size, *pool.shape[1:]))
     dense_pages = dense.view(rows * pages_per_request, -1)
     pool_pages = pool.view(capacity, -1)

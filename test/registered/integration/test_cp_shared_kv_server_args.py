@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from sglang_cpkv.testing.ci_register import register_cpu_ci
-from sglang_cpkv.testing.dsa_kit import DSA_CONFIG
+from sglang_cpkv.testing.dsa_kit import DSA_CONFIG, LLAMA_CONFIG
 
 register_cpu_ci(est_time=30, suite="cpkv-cpu")
 from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E402, F401 (autouse: upstream's context per test)
@@ -31,21 +31,6 @@ from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E40
 FLAG = "--enable-cp-shared-kv"
 ALL_RANKS_ENV = {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1"}
 DRAFT_ENV = {**ALL_RANKS_ENV, "SGLANG_CP_DRAFT_SHARED_KV": "1"}
-LLAMA_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "num_hidden_layers": 32,
-    "num_key_value_heads": 8,
-    "intermediate_size": 14336,
-    "vocab_size": 128256,
-    "max_position_embeddings": 8192,
-    "torch_dtype": "bfloat16",
-    "rope_theta": 500000.0,
-    "rms_norm_eps": 1e-5,
-    "hidden_act": "silu",
-}
 CP = ["--enable-prefill-cp", "--cp-strategy", "interleave"]
 PREFILL = ["--disaggregation-mode", "prefill"]
 EAGLE = [

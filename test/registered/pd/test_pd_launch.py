@@ -50,6 +50,7 @@ from sglang_cpkv.pd_launch.redaction import (
     secret_values,
 )
 from sglang_cpkv.testing.ci_register import register_cpu_ci
+from sglang_cpkv.testing.dsa_kit import LLAMA_CONFIG
 from sglang_cpkv.testing.pd_stub import alive, free_port, listening, wait_for, write_stub_python
 
 register_cpu_ci(est_time=90, suite="cpkv-cpu")
@@ -228,21 +229,6 @@ def test_dry_run_with_an_interpreter_without_sglang_says_what_is_needed(tmp_path
 # ---------------------------------------------------------------------------------- start-up checks
 
 
-LLAMA_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "num_hidden_layers": 32,
-    "num_key_value_heads": 8,
-    "intermediate_size": 14336,
-    "vocab_size": 128256,
-    "max_position_embeddings": 8192,
-    "torch_dtype": "bfloat16",
-    "rope_theta": 500000.0,
-    "rms_norm_eps": 1e-5,
-    "hidden_act": "silu",
-}
 CP_SHARED_KV_LOCAL = {"PD_MODEL_PATH": str(DSA_MODEL), "PD_CP_SHARED_KV": "1"}
 # (name, role, PD_* settings, status, a fragment of the message): each through the start-up checks the dry-run runs.
 CHECKS = [

@@ -25,7 +25,6 @@ from sglang_cpkv.testing.batches import (
     host_plan,
     inverse_table,
     make_pool_and_current,
-    padded_page_table,
     random_topk,
     run_case_on_ranks,
     same_bytes,
@@ -166,17 +165,7 @@ def test_shared_page_5_value_keyed_inverse_contaminates():
     case = SHARED_5
     pool, current = make_pool_and_current(case, torch.bfloat16, 8, seed=1)
     topk = torch.tensor([[21], [21], [21], [21]])
-    dense, remapped = value_keyed_pipeline(
-        padded_page_table(case, 2),
-        case.prefix_lens,
-        case.extend_lens,
-        torch.tensor(case.out_cache_loc()),
-        pool,
-        current,
-        topk,
-        case.capacity,
-        case.page_size,
-    )
+    dense, remapped = value_keyed_pipeline(case, pool, current, topk)
     read_by_request_0 = dense[int(remapped[0, 0])]
     assert same_bytes(read_by_request_0, current[2]) and not same_bytes(read_by_request_0, current[0])
 
@@ -226,17 +215,7 @@ def test_c2_valid_history_loc_not_dropped_when_another_request_writes_that_page(
         assert same_bytes(row, pool[6 * 4 + p])
     # The value-keyed control drops or replaces it.
     topk = torch.tensor([[24, 25, 26]] * case.num_tokens)
-    dense_1d, remapped_1d = value_keyed_pipeline(
-        padded_page_table(case, 2),
-        case.prefix_lens,
-        case.extend_lens,
-        torch.tensor(case.out_cache_loc()),
-        pool,
-        current,
-        topk,
-        case.capacity,
-        case.page_size,
-    )
+    dense_1d, remapped_1d = value_keyed_pipeline(case, pool, current, topk)
     wrong = [
         p
         for p in range(3)
