@@ -27,15 +27,14 @@ from sglang_cpkv.hooks.settings import FLAG, enabled
 from sglang_cpkv.ops.errors import CpSharedKvError
 
 
-def _attn_cp_size() -> int:
-    from sglang.srt.runtime_context import get_parallel
-
-    return get_parallel().attn_cp_size
+def _cp_size() -> int:
+    """The CP size of the mode's configuration (published where the pool was sized, before any allocator)."""
+    return state.config().reservation.cp_size
 
 
 def widens_page_ids() -> bool:
     """Whether this process's token allocator numbers ``cp`` x its pool pages: the mode on under CP."""
-    return enabled() and _attn_cp_size() > 1
+    return enabled() and _cp_size() > 1
 
 
 def page_interleave_allocator(
@@ -45,7 +44,7 @@ def page_interleave_allocator(
     (a pool of ``pool_tokens`` rows, plus its reserved page, on each rank)."""
     from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator
 
-    cp_size = _attn_cp_size()
+    cp_size = _cp_size()
     allocator = PageInterleavePoolAllocator(
         pool_tokens,
         physical_page_size=page_size,
@@ -68,7 +67,7 @@ def page_id_capacity(pool: Any) -> int:
         CpSharedKvError: under CP, no page-interleave allocator was built for this CP size in this process.
     """
     pages = (pool.size + pool.page_size) // pool.page_size
-    cp_size = _attn_cp_size()
+    cp_size = _cp_size()
     if cp_size == 1:
         return pages
     built_for = state.current().allocator_cp

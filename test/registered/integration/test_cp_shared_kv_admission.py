@@ -99,6 +99,8 @@ class World:
             device="cpu",
             enable_memory_saver=False,
         )
+        if mode_on:  # the pool configurator's hook publishes the mode's reservation before any allocator is built
+            publish_limit(default_max_batch_tokens(max_context, get_schedule().chunked_prefill_size, PAGE))
         # The allocator upstream's configurator builds for this server (patched: the mode's page-interleave allocator
         # under CP) and upstream's default tree cache for it (a UnifiedRadixCache of the full-attention component).
         if page_id_hooks.widens_page_ids():

@@ -42,7 +42,9 @@ from sglang_cpkv.capacity.upstream import (  # noqa: E402
 )
 from sglang_cpkv.hooks import page_ids as page_id_hooks  # noqa: E402
 from sglang_cpkv.hooks import state  # noqa: E402
+from sglang_cpkv.hooks.reservation import publish  # noqa: E402
 from sglang_cpkv.ops.errors import CpSharedKvError  # noqa: E402
+from sglang_cpkv.testing.dsa_kit import kit_reservation  # noqa: E402
 from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E402, F401 (autouse: context per test)
 
 MODEL_DIR = Path(__file__).resolve().parents[1] / "upstream" / "fixtures" / "dsa_v32"  # DeepseekV32ForCausalLM
@@ -108,21 +110,24 @@ def test_mode_off_keeps_upstreams_paged_allocator(monkeypatch):
 
 
 def test_page_id_capacity_refuses_a_cp_pool_without_the_allocator(monkeypatch):
-    from sglang.srt.runtime_context import get_parallel
-
+    """``C`` comes from the mode's configuration (its CP size, published where the pool was sized) and the
+    allocator the mode built; a batch hook before the reservation is refused, naming the patch that reserves."""
     pool = SimpleNamespace(size=15 * 64, page_size=64)
-    with get_parallel().override(attn_cp_size=CP):
-        state.current().allocator_cp = None
-        with pytest.raises(CpSharedKvError, match=f"at cp {CP} needs the token allocator .* and none was built"):
-            page_id_hooks.page_id_capacity(pool)
-        state.current().allocator_cp = 4
-        with pytest.raises(CpSharedKvError, match="one was built for cp 4"):
-            page_id_hooks.page_id_capacity(pool)
-        state.current().allocator_cp = CP
-        assert page_id_hooks.page_id_capacity(pool) == CP * 16
-    with get_parallel().override(attn_cp_size=1):
-        state.current().allocator_cp = None
-        assert page_id_hooks.page_id_capacity(pool) == 16  # cp 1: the pool's own pages, no allocator needed
+    state.current().config = None
+    with pytest.raises(CpSharedKvError, match="buffers were not reserved at start-up"):
+        page_id_hooks.page_id_capacity(pool)
+    publish(kit_reservation(2, 128, CP, latent_token_bytes=656, index_k_token_bytes=132))
+    state.current().allocator_cp = None
+    with pytest.raises(CpSharedKvError, match=f"at cp {CP} needs the token allocator .* and none was built"):
+        page_id_hooks.page_id_capacity(pool)
+    state.current().allocator_cp = 4
+    with pytest.raises(CpSharedKvError, match="one was built for cp 4"):
+        page_id_hooks.page_id_capacity(pool)
+    state.current().allocator_cp = CP
+    assert page_id_hooks.page_id_capacity(pool) == CP * 16
+    publish(kit_reservation(2, 128, 1, latent_token_bytes=656, index_k_token_bytes=132))
+    state.current().allocator_cp = None
+    assert page_id_hooks.page_id_capacity(pool) == 16  # cp 1: the pool's own pages, no allocator needed
 
 
 def test_an_eagle_draft_builds_its_own_pool_over_the_targets_page_ids(monkeypatch):
