@@ -512,7 +512,7 @@ class Bench:
 
     def bench_plan(self):
         try:
-            from sglang_cpkv.runtime.plan import build_plan
+            from sglang_cpkv.runtime import build_cp_split, build_plan
         except ImportError as exc:
             print(f"# plan build skipped: {exc}")
             return
@@ -537,9 +537,7 @@ class Bench:
                     out_cache_loc,
                     capacity=self.args.pool_pages,
                     page_size=PAGE_SIZE,
-                    cp_size=1,
-                    cp_rank=0,
-                    strategy="interleave",
+                    split=build_cp_split("interleave", [extend] * rows, 1, 0),
                 )
 
             try:

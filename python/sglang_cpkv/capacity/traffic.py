@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_cpkv.runtime import build_plan
+from sglang_cpkv.runtime import build_cp_split, build_plan
 
 
 def batch_plan(
@@ -70,9 +70,7 @@ def batch_plan(
         out_cache_loc,
         capacity=cp_size * -(-(starts[-1] + own[-1]) // cp_size),
         page_size=page_size,
-        cp_size=cp_size,
-        cp_rank=cp_rank,
-        strategy="interleave" if split else "none",
+        split=build_cp_split("interleave" if split else "none", extend, cp_size, cp_rank),
         checked=False,
     )
 

@@ -22,8 +22,6 @@ is never handed to a request. This keeps the write fixed-size (no host sync to c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from sglang_cpkv.ops.errors import CpSharedKvError
@@ -63,23 +61,3 @@ def check_cache_write_rows(plan: CpSharedKvPlan, kv_rows: int, where: str) -> No
         f"N={plan.num_tokens} rows (this rank computes {plan.split.physical_rows} padded rows of "
         f"cp_size={plan.cp_size})"
     )
-
-
-def check_split_matches_upstream(
-    plan: CpSharedKvPlan, per_rank_logical: Sequence[int], per_rank_physical: Sequence[int]
-) -> None:
-    """The runtime's split must be the one upstream ran (``attn_cp_metadata`` after padding).
-
-    Args:
-        per_rank_logical: upstream's ``per_rank_logical_token`` (real rows per rank).
-        per_rank_physical: upstream's ``per_rank_actual_token`` after ``pad_logical_token_to_physical``.
-
-    Raises:
-        CpSharedKvError: naming both splits.
-    """
-    ours = (tuple(plan.split.per_rank_logical), (plan.split.physical_rows,) * plan.cp_size)
-    theirs = (tuple(int(n) for n in per_rank_logical), tuple(int(n) for n in per_rank_physical))
-    if ours != theirs:
-        raise CpSharedKvError(
-            f"CP split mismatch: runtime (logical, physical) = {ours}, upstream attn_cp_metadata = {theirs}"
-        )

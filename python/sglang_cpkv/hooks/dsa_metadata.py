@@ -23,12 +23,12 @@ from typing import Any
 import torch
 
 from sglang_cpkv.hooks import state
-from sglang_cpkv.hooks.cache_write import check_split_matches_upstream
 from sglang_cpkv.hooks.dsa_batch import STATE_ATTR, BackendState, ExtendBatch, backend_state, extend_batch
 from sglang_cpkv.hooks.exchange_group import exchange_group
 from sglang_cpkv.hooks.page_ids import page_id_capacity
 from sglang_cpkv.hooks.settings import enabled
 from sglang_cpkv.runtime import SingleRankGroup, build_plan
+from sglang_cpkv.runtime.cp_split import build_cp_split, upstream_interleave_split
 from sglang_cpkv.runtime.plan import dense_to_pool_locs
 
 
@@ -55,7 +55,6 @@ def on_extend_metadata(
         return page_table
     from sglang.srt.layers.attention.dsa.utils import can_dsa_prefill_cp_interleave
 
-    split = can_dsa_prefill_cp_interleave(forward_batch)
     pool = backend.token_to_kv_pool
     page_size = pool.page_size
     prefix_lens, extend_lens = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
@@ -64,6 +63,13 @@ def on_extend_metadata(
     reservation = config.reservation
     # The CP group the reservation was made for: its exchange group under CP (made at start-up), else this rank alone.
     group = exchange_group() if reservation.cp_size > 1 else SingleRankGroup()
+    if can_dsa_prefill_cp_interleave(forward_batch):  # the split upstream ran, from its metadata
+        metadata = forward_batch.attn_cp_metadata
+        split = upstream_interleave_split(
+            sum(extend_lens), metadata.per_rank_logical_token, metadata.per_rank_actual_token, group.cp_rank
+        )
+    else:  # upstream runs the batch un-split on every rank
+        split = build_cp_split("none", extend_lens, group.cp_size, group.cp_rank)
     plan = build_plan(
         pool_page_table(backend.req_to_token, forward_batch.req_pool_indices, seq_lens, page_size),
         prefix_lens,
@@ -72,14 +78,9 @@ def on_extend_metadata(
         forward_batch.out_cache_loc[: sum(extend_lens)],
         capacity=page_id_capacity(pool),
         page_size=page_size,
-        cp_size=group.cp_size,
-        cp_rank=group.cp_rank,
-        strategy="interleave" if split else "none",
+        split=split,
         checked=config.checked,
     )
-    if split:
-        metadata = forward_batch.attn_cp_metadata
-        check_split_matches_upstream(plan, metadata.per_rank_logical_token, metadata.per_rank_actual_token)
     reservation.check_batch(plan.needed_slots * page_size, plan.num_slots, plan.num_tokens, plan.entries)
     batch = backend_state(backend).begin(backend, forward_batch, plan, group, reservation)
     return remap_page_table(batch, page_table, bs_idx)

@@ -1,10 +1,15 @@
-"""How the current tokens of a batch are split across CP ranks, mirroring upstream 0.5.23.
+"""How the current tokens of a batch are split across CP ranks, as upstream 0.5.23 splits them.
 
 The contract requires the current tokens (locations, KV, request ids) to be split "exactly the
 way the pinned upstream's strategy splits them" (``srt/layers/cp/{interleave,zigzag,padding}.py``
-of 0.5.23). A :class:`CpSplit` is host metadata computed once per batch from the host
-``extend_lens``; :meth:`CpSplit.shard` applies the split to any token-major tensor, so the same
-function cuts the hidden states, ``out_cache_loc`` and the companion request ids.
+of 0.5.23). A :class:`CpSplit` is host metadata made once per batch; :meth:`CpSplit.shard` applies it to any
+token-major tensor, so the same function cuts the hidden states, ``out_cache_loc`` and the companion request ids.
+
+* The serving path takes the split upstream ran: :func:`upstream_interleave_split`, from the batch's
+  ``attn_cp_metadata`` (per-rank real rows and padded length; the mode serves ``interleave`` only).
+* :func:`build_cp_split` computes a split independently from the host ``extend_lens``: the un-split batch
+  (``"none"``), the capacity planner's batches, and the tests, which check it against upstream's and use
+  ``"zigzag"`` to prove the runtime holds under another rank order.
 
 Strategies (``N = sum(extend_lens)``, flattened batch, request-major):
 
@@ -164,22 +169,62 @@ def build_cp_split(strategy: CpStrategy, extend_lens: Sequence[int], cp_size: in
         )
     effective = "none" if cp_size == 1 else strategy
     per_rank = [_rank_token_indices(effective, extend_lens, cp_size, r) for r in range(cp_size)]
-    logical = tuple(int(t.numel()) for t in per_rank)
     if effective == "none":
-        physical = total
+        return _assembled("none", per_rank, total, cp_rank)
+    align = 2 * cp_size if effective == "zigzag" else cp_size
+    return _assembled(effective, per_rank, -(-max(t.numel() for t in per_rank) // align) * align, cp_rank)
+
+
+def upstream_interleave_split(
+    num_tokens: int, per_rank_logical: Sequence[int], per_rank_physical: Sequence[int], cp_rank: int
+) -> CpSplit:
+    """The split upstream ran for an interleave batch, from its ``attn_cp_metadata`` (the serving path's split).
+
+    Args:
+        num_tokens: the batch's current tokens (``total_seq_lens``).
+        per_rank_logical: ``per_rank_logical_token``, the real rows of each rank.
+        per_rank_physical: ``per_rank_actual_token`` after ``pad_logical_token_to_physical``, one padded length.
+
+    Raises:
+        CpSharedKvError: metadata that is not an interleave split of ``num_tokens`` (token ``t`` on rank ``t % cp``,
+            every rank padded to one length), naming it.
+    """
+    cp_size = len(per_rank_logical)
+    logical = [int(n) for n in per_rank_logical]
+    physical = {int(n) for n in per_rank_physical}
+    interleave = [len(range(r, num_tokens, cp_size)) for r in range(cp_size)]
+    if (
+        cp_size < 2
+        or len(per_rank_physical) != cp_size
+        or len(physical) != 1
+        or logical != interleave
+        or max(logical) > min(physical)
+        or not 0 <= cp_rank < cp_size
+    ):
+        raise CpSharedKvError(
+            f"upstream's attn_cp_metadata is not an interleave split of {num_tokens} tokens for CP rank {cp_rank}: "
+            f"per_rank_logical_token {logical} (interleave: {interleave}), per_rank_actual_token "
+            f"{list(per_rank_physical)}"
+        )
+    per_rank = [torch.arange(r, num_tokens, cp_size, dtype=torch.int64) for r in range(cp_size)]
+    return _assembled("interleave", per_rank, physical.pop(), cp_rank)
+
+
+def _assembled(strategy: CpStrategy, per_rank: list[torch.Tensor], physical: int, cp_rank: int) -> CpSplit:
+    """The split whose rank ``r`` holds tokens ``per_rank[r]`` (in local order), padded to ``physical`` rows."""
+    total = sum(int(t.numel()) for t in per_rank) if strategy != "none" else int(per_rank[0].numel())
+    if strategy == "none":
         gather_index = torch.arange(total, dtype=torch.int64)
     else:
-        align = 2 * cp_size if effective == "zigzag" else cp_size
-        physical = -(-max(logical) // align) * align
         gather_index = torch.empty(total, dtype=torch.int64)
         for rank, tokens in enumerate(per_rank):
             gather_index[tokens] = rank * physical + torch.arange(tokens.numel(), dtype=torch.int64)
     return CpSplit(
-        strategy=effective,
-        cp_size=cp_size,
+        strategy=strategy,
+        cp_size=len(per_rank),
         cp_rank=cp_rank,
         num_tokens=total,
-        per_rank_logical=logical,
+        per_rank_logical=tuple(int(t.numel()) for t in per_rank),
         physical_rows=physical,
         local_token_index=per_rank[cp_rank],
         gather_index=gather_index,

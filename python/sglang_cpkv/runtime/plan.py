@@ -53,7 +53,7 @@ from sglang_cpkv import ops
 from sglang_cpkv.ops.errors import ERR_FOREIGN_SLOT, ERR_LOC_OUT_OF_RANGE, CpSharedKvError
 from sglang_cpkv.runtime import checked as checked_mode
 from sglang_cpkv.runtime.buckets import round_dense_slots
-from sglang_cpkv.runtime.cp_split import CpSplit, CpStrategy, build_cp_split
+from sglang_cpkv.runtime.cp_split import CpSplit
 from sglang_cpkv.runtime.ownership import owner_pool_loc, owner_pool_page, page_owner, pool_pages_per_rank
 
 PADDING_ID = -1
@@ -506,9 +506,7 @@ def build_plan(
     *,
     capacity: int,
     page_size: int,
-    cp_size: int,
-    cp_rank: int,
-    strategy: CpStrategy,
+    split: CpSplit,
     checked: bool | None = None,
 ) -> CpSharedKvPlan:
     """Build the batch plan (once per batch, before the first layer).
@@ -524,20 +522,23 @@ def build_plan(
             (request-major); ``N = sum(extend_lens)``. Its device is the plan's device.
         capacity: ``C``, the page ids (under CP a multiple of ``cp_size``: each rank's pool holds
             ``C / cp_size`` pages, :mod:`.ownership`). page_size: tokens per page.
-        cp_size, cp_rank: the CP group (``cp_size = 1``: no CP). strategy: see :mod:`.cp_split`.
+        split: how the current tokens are split over the CP group, seen from this rank (:mod:`.cp_split`: the
+            serving path takes upstream's, :func:`~.cp_split.upstream_interleave_split`; ``cp_size = 1``: no CP).
         checked: checked mode; default from ``SGLANG_CPKV_CHECKED`` (:mod:`.checked`).
 
     Raises:
         CpSharedKvError: page ids outside ``[0, C)`` or repeated within a request (host table), a batch
             without current tokens, lengths that do not fit the page table, a dense view past int32 locations,
-            ``out_cache_loc`` length != ``sum(extend_lens)``, a CP split that does not apply, a rank
-            outside ``[0, cp_size)``; in checked mode also every device-side error and broken invariant.
+            ``out_cache_loc`` length != ``sum(extend_lens)``, a split of another number of tokens; in checked mode
+            also every device-side error and broken invariant.
     """
+    cp_size, cp_rank = split.cp_size, split.cp_rank
     _check_page_ids(capacity, page_size, cp_size)
     prefix, extend = _validate_lengths(prefix_lens, extend_lens)
     num_requests = len(prefix)
-    split = build_cp_split(strategy, extend, cp_size, cp_rank)
-    num_tokens = split.num_tokens
+    num_tokens = sum(extend)
+    if split.num_tokens != num_tokens:
+        raise CpSharedKvError(f"the CP split is of {split.num_tokens} tokens, the batch extends {num_tokens}")
     if num_tokens == 0:
         # Every per-layer op fills or persists current rows; upstream never runs an extend without them.
         raise CpSharedKvError(f"the batch has no current tokens (extend_lens {list(extend)}): nothing to extend")

@@ -43,6 +43,7 @@ from sglang_cpkv.runtime import (
     CpSharedKvPlan,
     LayerPipeline,
     as_bytes,
+    build_cp_split,
     build_plan,
     page_owner,
     rows_kind,
@@ -443,9 +444,7 @@ def run_case_on_rank(
         torch.tensor(case.out_cache_loc(), dtype=torch.int64, device=device),
         capacity=case.capacity,
         page_size=case.page_size,
-        cp_size=group.cp_size,
-        cp_rank=group.cp_rank,
-        strategy=case.effective_strategy,  # type: ignore[arg-type]
+        split=build_cp_split(case.effective_strategy, case.extend_lens, group.cp_size, group.cp_rank),
         checked=checked,
     )
     pool = owner_sharded_pool(case, pool_full, group.cp_rank).to(device)
@@ -486,9 +485,7 @@ def host_plan(case: BatchCase, cp_rank: int) -> CpSharedKvPlan:
         torch.tensor(case.out_cache_loc(), dtype=torch.int64),
         capacity=case.capacity,
         page_size=case.page_size,
-        cp_size=case.cp_size,
-        cp_rank=cp_rank,
-        strategy=case.effective_strategy,  # type: ignore[arg-type]
+        split=build_cp_split(case.effective_strategy, case.extend_lens, case.cp_size, cp_rank),
     )
 
 

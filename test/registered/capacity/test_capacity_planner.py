@@ -125,7 +125,7 @@ def test_every_per_batch_byte_of_the_glm51_b300_batch_is_inside_the_charge():
     import torch
 
     from sglang_cpkv.ops import inverse_bytes
-    from sglang_cpkv.runtime import build_plan
+    from sglang_cpkv.runtime import build_cp_split, build_plan
     from sglang_cpkv.testing.batches import B300_GLM51_CAPACITY, B300_GLM51_RESERVATION, shared_prompt_batch
 
     gpu, model = GPUS["b300"], MODELS["glm-5.1-fp8"]
@@ -156,9 +156,7 @@ def test_every_per_batch_byte_of_the_glm51_b300_batch_is_inside_the_charge():
         torch.tensor(locs),
         capacity=capacity,
         page_size=page,
-        cp_size=cp,
-        cp_rank=0,
-        strategy="interleave",
+        split=build_cp_split("interleave", extend_lens, cp, 0),
     )
     reserved.check_batch(plan.needed_slots * page, plan.num_slots, plan.num_tokens, plan.entries)
     held = plan.device_bytes

@@ -75,20 +75,17 @@ def _metadata(up):
     return md
 
 
-def _plan(rank):
+def _plan(rank, md=None):
+    """The batch's plan on CP rank ``rank``, with upstream's split (its padded metadata ``md``) or our own."""
+    from sglang_cpkv.runtime.cp_split import build_cp_split, upstream_interleave_split
     from sglang_cpkv.runtime.plan import build_plan
 
+    if md is None:
+        split = build_cp_split("interleave", EXTEND, CP, rank)
+    else:
+        split = upstream_interleave_split(sum(EXTEND), md.per_rank_logical_token, md.per_rank_actual_token, rank)
     return build_plan(
-        PAGES,
-        PREFIX,
-        EXTEND,
-        _out_cache_loc(),
-        capacity=CAPACITY,
-        page_size=PAGE,
-        cp_size=CP,
-        cp_rank=rank,
-        strategy="interleave",
-        checked=True,
+        PAGES, PREFIX, EXTEND, _out_cache_loc(), capacity=CAPACITY, page_size=PAGE, split=split, checked=True
     )
 
 
@@ -115,21 +112,43 @@ def _gathered_kv(n):
     return k, k_rope
 
 
-def test_runtime_split_is_upstreams_split_with_padding(up):
-    from sglang_cpkv.hooks.cache_write import check_split_matches_upstream
+def test_the_split_taken_from_upstreams_metadata_is_the_independent_one(up):
+    """The serving path takes upstream's split from its padded metadata; our own interleave split (the tests'
+    independent one) agrees with it row for row, padding included."""
+    md = _metadata(up)
+    assert md.per_rank_logical_token == [64] * 5 + [63] * 3 and md.per_rank_actual_token == [64] * 8
+    for rank in (0, 5):
+        theirs, ours = _plan(rank, md).split, _plan(rank).split
+        assert (theirs.per_rank_logical, theirs.physical_rows) == (ours.per_rank_logical, ours.physical_rows)
+        assert torch.equal(theirs.local_token_index, ours.local_token_index)
+        assert torch.equal(theirs.gather_index, ours.gather_index)
+
+
+def test_metadata_that_is_not_an_interleave_split_is_named(up):
+    from sglang_cpkv.ops.errors import CpSharedKvError
+    from sglang_cpkv.runtime.cp_split import upstream_interleave_split
 
     md = _metadata(up)
-    assert md.per_rank_logical_token == [64] * 5 + [63] * 3
-    for rank in (0, 5):
-        check_split_matches_upstream(_plan(rank), md.per_rank_logical_token, md.per_rank_actual_token)
+    n = sum(EXTEND)
+    with pytest.raises(
+        CpSharedKvError, match=r"not an interleave split of 509 tokens .* \[64, 64, 64, 64, 64, 64, 64, 64\]"
+    ):
+        upstream_interleave_split(n, [64] * 8, md.per_rank_actual_token, 0)
+    with pytest.raises(CpSharedKvError, match="per_rank_actual_token \\[64, 64, 64, 64, 64, 64, 64, 63\\]"):
+        upstream_interleave_split(n, md.per_rank_logical_token, [64] * 7 + [63], 0)
+    with pytest.raises(CpSharedKvError, match="the CP split is of 509 tokens, the batch extends 510"):
+        from sglang_cpkv.runtime.plan import build_plan
 
-
-def test_split_mismatch_is_named(up):
-    from sglang_cpkv.hooks.cache_write import check_split_matches_upstream
-    from sglang_cpkv.ops.errors import CpSharedKvError
-
-    with pytest.raises(CpSharedKvError, match="CP split mismatch"):
-        check_split_matches_upstream(_plan(0), [64] * 8, [64] * 8)
+        split = upstream_interleave_split(n, md.per_rank_logical_token, md.per_rank_actual_token, 0)
+        build_plan(
+            PAGES,
+            PREFIX,
+            [*EXTEND[:-1], EXTEND[-1] + 1],
+            _out_cache_loc(),
+            capacity=CAPACITY,
+            page_size=PAGE,
+            split=split,
+        )
 
 
 def test_seed_mismatch_reproduces_and_owned_selection_fixes_it(up):

@@ -29,7 +29,7 @@ import torch
 
 from sglang_cpkv import ops
 from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, ERR_PAGE_OUT_OF_RANGE, CpSharedKvError, new_error_counter
-from sglang_cpkv.runtime import LayerPipeline, SingleRankGroup, build_plan
+from sglang_cpkv.runtime import LayerPipeline, SingleRankGroup, build_cp_split, build_plan
 from sglang_cpkv.runtime.plan import dense_to_pool_locs
 from sglang_cpkv.runtime.reservation import Reservation, default_max_batch_tokens, page_rounded
 from sglang_cpkv.testing.batches import BatchCase, host_plan, same_bytes
@@ -122,9 +122,7 @@ def test_a_batch_without_current_tokens_is_refused_at_plan_build():
             torch.empty(0, dtype=torch.int64),
             capacity=8,
             page_size=PAGE,
-            cp_size=1,
-            cp_rank=0,
-            strategy="none",
+            split=build_cp_split("none", [0, 0], 1, 0),
         )
 
 
@@ -168,9 +166,7 @@ def test_the_history_region_is_gathered_in_place_in_owner_blocks():
             torch.tensor(case.out_cache_loc(), dtype=torch.int64),
             capacity=case.capacity,
             page_size=PAGE,
-            cp_size=2,
-            cp_rank=rank,
-            strategy="interleave",
+            split=build_cp_split("interleave", case.extend_lens, 2, rank),
         )
         # distinct history pages 2, 4 (rank 0) and 7, 9 (rank 1): blocks of two, rank-major; then the own pages
         assert plan.gather_blocks == ((0, 2), (2, 2)) and plan.history_region_slots == 4
@@ -207,7 +203,7 @@ def test_the_default_limit_holds_one_full_context_request_and_a_chunk_of_others_
             [t[(p + i) // PAGE] * PAGE + (p + i) % PAGE for t, p, e in zip(tables, prefix, extend) for i in range(e)]
         )
         plan = build_plan(
-            tables, prefix, extend, locs, capacity=next_page, page_size=PAGE, cp_size=1, cp_rank=0, strategy="none"
+            tables, prefix, extend, locs, capacity=next_page, page_size=PAGE, split=build_cp_split("none", extend, 1, 0)
         )
         dense_tokens = plan.needed_slots * PAGE
         reservation.check_batch(dense_tokens, plan.num_slots, plan.num_tokens, plan.entries)  # fits: no refusal

@@ -39,9 +39,7 @@ def _plan_for(extend_lens, cp, rank, strategy):
         loc,
         capacity=cp * -(-n // cp),  # cp x each rank's pool pages
         page_size=1,
-        cp_size=cp,
-        cp_rank=rank,
-        strategy=strategy,
+        split=build_cp_split(strategy, extend_lens, cp, rank),
     )
 
 

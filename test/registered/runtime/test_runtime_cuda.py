@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sglang_cpkv import ops
-from sglang_cpkv.runtime import LayerPipeline, SingleRankGroup, build_plan, rows_kind
+from sglang_cpkv.runtime import LayerPipeline, SingleRankGroup, build_cp_split, build_plan, rows_kind
 from sglang_cpkv.testing.batches import (
     B300_GLM51_CAPACITY,
     B300_GLM51_RESERVATION,
@@ -68,9 +68,7 @@ def test_gpu_layers_equal_cpu_without_host_sync(index):
             out_cache_loc,
             capacity=case.capacity,
             page_size=case.page_size,
-            cp_size=1,
-            cp_rank=0,
-            strategy="interleave",
+            split=build_cp_split("interleave", case.extend_lens, 1, 0),
             checked=False,
         )
         kind = rows_kind("kv", pools, plan, layer_ahead=True, fill_byte=POISON_BYTE)
@@ -113,12 +111,13 @@ def test_the_plan_device_peak_of_the_b300_batch_is_inside_the_batch_plan_part(ba
     requests, prompt_pages, new_tokens = 1024, 16, 16
     table, prefix_lens, extend_lens, locs = shared_prompt_batch(requests, prompt_pages, new_tokens, cp, page)
     out_cache_loc = torch.tensor(locs, dtype=torch.int64, device=device)
-    kwargs = dict(capacity=B300_GLM51_CAPACITY, page_size=page, cp_size=cp, strategy="interleave", checked=False)
+    kwargs = dict(capacity=B300_GLM51_CAPACITY, page_size=page, checked=False)
     for rank in (0, cp - 1):
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        plan = build_plan(table, prefix_lens, extend_lens, out_cache_loc, cp_rank=rank, **kwargs)
+        split = build_cp_split("interleave", extend_lens, cp, rank)
+        plan = build_plan(table, prefix_lens, extend_lens, out_cache_loc, split=split, **kwargs)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
         reserved.check_batch(plan.needed_slots * page, plan.num_slots, plan.num_tokens, plan.entries)

@@ -12,6 +12,7 @@ from sglang_cpkv.runtime import (
     MAX_ROUNDING,
     LayerPipeline,
     SingleRankGroup,
+    build_cp_split,
     build_plan,
     round_dense_slots,
     rows_kind,
@@ -113,7 +114,9 @@ def test_a_current_row_never_lands_in_a_shared_slot(checked):
     locs = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
     assert locs[2:].tolist() == [3 * 4 + 0, 3 * 4 + 1]
     locs[2:] = torch.tensor([5 * 4 + 0, 5 * 4 + 1])  # B's chunk "in" page 5
-    kw = dict(capacity=case.capacity, page_size=4, cp_size=1, cp_rank=0, strategy="none", checked=checked)
+    kw = dict(
+        capacity=case.capacity, page_size=4, split=build_cp_split("none", case.extend_lens, 1, 0), checked=checked
+    )
     build = lambda: build_plan([list(t) for t in case.page_tables], case.prefix_lens, case.extend_lens, locs, **kw)  # noqa: E731
     if checked:
         with pytest.raises(CpSharedKvError, match="current token located outside its request's own slots"):
@@ -224,7 +227,7 @@ def test_c2_valid_history_loc_not_dropped_when_another_request_writes_that_page(
     assert wrong, "the value-keyed control was expected to lose request 0's history"
 
 
-def _build(case, **overrides):
+def _build(case, cp_size=1, cp_rank=0, **overrides):
     args = dict(
         page_table=[list(t) for t in case.page_tables],
         prefix_lens=case.prefix_lens,
@@ -232,12 +235,9 @@ def _build(case, **overrides):
         out_cache_loc=torch.tensor(case.out_cache_loc()),
         capacity=case.capacity,
         page_size=case.page_size,
-        cp_size=1,
-        cp_rank=0,
-        strategy="interleave",
     )
     args.update(overrides)
-    return build_plan(**args)
+    return build_plan(**args, split=build_cp_split("interleave", args["extend_lens"], cp_size, cp_rank))
 
 
 def test_plan_build_errors_name_the_bad_value():
@@ -393,9 +393,7 @@ def test_under_cp_a_rank_addresses_its_pool_by_owner_pool_page():
             out_cache_loc,
             capacity=15,
             page_size=ps,
-            cp_size=cp,
-            cp_rank=0,
-            strategy="interleave",
+            split=build_cp_split("interleave", case.extend_lens, cp, 0),
         )
 
 
