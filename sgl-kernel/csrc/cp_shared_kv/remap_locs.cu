@@ -158,37 +158,28 @@ cudaError_t launch_remap_locs(const LocT* locs,
   constexpr int64_t kElemsPerBlock = int64_t{kRemapThreads} * kUnroll * kVec;
   const int64_t total = num_rows * row_len;
   const dim3 grid(static_cast<unsigned>((total + kElemsPerBlock - 1) / kElemsPerBlock));
+  const auto launch = [&](auto flat_index) {
+    using FlatT = decltype(flat_index);
+    remap_locs_kernel<LocT, kVec, kUnroll, FlatT><<<grid, kRemapThreads, 0, stream>>>(locs,
+                                                                                      locs_row_stride,
+                                                                                      req_id,
+                                                                                      inverse_keys,
+                                                                                      inverse_slots,
+                                                                                      table_mask,
+                                                                                      static_cast<FlatT>(total),
+                                                                                      static_cast<FlatT>(row_len),
+                                                                                      num_requests,
+                                                                                      capacity,
+                                                                                      page_size,
+                                                                                      page_shift,
+                                                                                      dense_locs,
+                                                                                      errors);
+  };
   // The last block's flat indices reach past total by less than one block.
   if (total + kElemsPerBlock <= static_cast<int64_t>(UINT32_MAX)) {
-    remap_locs_kernel<LocT, kVec, kUnroll, uint32_t><<<grid, kRemapThreads, 0, stream>>>(locs,
-                                                                                         locs_row_stride,
-                                                                                         req_id,
-                                                                                         inverse_keys,
-                                                                                         inverse_slots,
-                                                                                         table_mask,
-                                                                                         static_cast<uint32_t>(total),
-                                                                                         static_cast<uint32_t>(row_len),
-                                                                                         num_requests,
-                                                                                         capacity,
-                                                                                         page_size,
-                                                                                         page_shift,
-                                                                                         dense_locs,
-                                                                                         errors);
+    launch(uint32_t{});
   } else {
-    remap_locs_kernel<LocT, kVec, kUnroll, uint64_t><<<grid, kRemapThreads, 0, stream>>>(locs,
-                                                                                         locs_row_stride,
-                                                                                         req_id,
-                                                                                         inverse_keys,
-                                                                                         inverse_slots,
-                                                                                         table_mask,
-                                                                                         static_cast<uint64_t>(total),
-                                                                                         static_cast<uint64_t>(row_len),
-                                                                                         num_requests,
-                                                                                         capacity,
-                                                                                         page_size,
-                                                                                         page_shift,
-                                                                                         dense_locs,
-                                                                                         errors);
+    launch(uint64_t{});
   }
   return cudaGetLastError();
 }
