@@ -52,8 +52,10 @@ class Refusal:
 REFUSED_FEATURES: tuple[Refusal, ...] = (
     Refusal(
         "--enable-hierarchical-cache",
-        "a host hit is loaded back into fresh page ids (HiCacheController.load), whose owner rank never wrote the "
-        "rows its host copy holds, and the dense views read the pool before HiCache's per-layer load is awaited",
+        "upstream's sharded host pool (PageInterleaveHostPool, which moves each rank's owned rows only) is built only "
+        "beside a device pool with PageInterleaveKVPoolMixin (build_kv_host_pool), which the mode's DSA pool is not: "
+        "its host copies would be addressed by the widened page ids (cp x a rank's pool pages); and the mode's "
+        "history copy reads the pool without awaiting HiCache's per-layer load (docs/design/cp-shared-kv-hicache.md)",
         lambda c: bool(c.enable_hierarchical_cache),
     ),
     Refusal(

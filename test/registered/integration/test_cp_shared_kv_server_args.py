@@ -466,6 +466,27 @@ def test_refused_by_upstream_beside_the_mode(results, name):
     assert fragment.lower() in got["message"].lower(), got
 
 
+def test_the_hierarchical_cache_refusal_states_the_pinned_upstream():
+    """What the refusal of ``--enable-hierarchical-cache`` says of upstream holds in the pinned wheel: the sharded
+    host pool is built only beside a device pool with the kv-sharding mixin, which the mode's DSA pool lacks, and a
+    load-back under a page-interleave allocator (the mode's) keeps its host copy's owner class."""
+    import inspect
+
+    from sglang_cpkv.upstream_import import install_torchvision_stub
+
+    install_torchvision_stub()
+    from sglang.srt.mem_cache.hybrid_cache import hybrid_cache_controller, hybrid_pool_assembler
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+    from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
+
+    assert not issubclass(DSATokenToKVPool, PageInterleaveKVPoolMixin)
+    assert "isinstance(kv_pool, PageInterleaveKVPoolMixin)" in inspect.getsource(
+        hybrid_pool_assembler.build_kv_host_pool
+    )
+    load = inspect.getsource(hybrid_cache_controller.HybridCacheController.load)
+    assert "isinstance(full_allocator, PageInterleavePoolAllocator)" in load and "alloc_cyclic(" in load
+
+
 def test_the_limit_without_the_mode_is_refused(results):
     got = results["limit_without_mode"]
     assert got.get("error") == "ValueError", got
