@@ -96,6 +96,11 @@ def _add_patch(root: Path, name: str, text: str, touches: list[str], version: st
     (root / "patches" / "manifest.json").write_text(dump_manifest(manifest))
 
 
+def _overlay(*args: str) -> subprocess.CompletedProcess:
+    """``python -m sglang_cpkv.overlay ARGS``, as an operator runs it."""
+    return subprocess.run([sys.executable, "-m", "sglang_cpkv.overlay", *args], capture_output=True, text=True)
+
+
 @pytest.fixture()
 def test_queue(tmp_path: Path, wheel: Path, pin: Pin) -> Path:
     """Three patches on the pinned release: two stacked on server_args.py, one on compile_utils.py."""
@@ -122,9 +127,7 @@ def _tree(wheel: Path, dest: Path, rel_paths: list[str]) -> Path:
 
 
 def test_fetch_cli_prints_only_the_verified_wheel_path(wheel: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "sglang_cpkv.overlay", "fetch", "--python-tag", "cp311"], capture_output=True, text=True
-    )
+    proc = _overlay("fetch", "--python-tag", "cp311")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [str(wheel)]
     assert "using cached" in proc.stderr
@@ -182,20 +185,7 @@ def test_apply_patches_in_order_records_and_is_idempotent(tmp_path: Path, test_q
     assert record["files"][SERVER_ARGS]["pristine_sha256"] == sha256_bytes(_pristine(wheel, SERVER_ARGS).encode())
 
     before = {rel: (tree / rel).read_bytes() for rel in (SERVER_ARGS, COMPILE_UTILS, RECORD_NAME)}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sglang_cpkv.overlay",
-            "--queue-root",
-            str(test_queue),
-            "apply",
-            "--sglang-root",
-            str(tree),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    proc = _overlay("--queue-root", str(test_queue), "apply", "--sglang-root", str(tree))
     assert proc.returncode == 0, proc.stderr
     assert "already applied" in proc.stderr and "nothing to do" in proc.stderr
     assert {rel: (tree / rel).read_bytes() for rel in before} == before
@@ -207,20 +197,7 @@ def test_apply_refuses_another_upstream_version(tmp_path: Path, cache: Path, pin
     other_wheel = fetch_release("sglang", other, "cp311", pin.wheels["cp311"].platform, cache)
     tree = _tree(other_wheel, tmp_path / "site", [SERVER_ARGS])
     before = (tree / SERVER_ARGS).read_bytes()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sglang_cpkv.overlay",
-            "--queue-root",
-            str(REAL_ROOT),
-            "apply",
-            "--sglang-root",
-            str(tree),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    proc = _overlay("--queue-root", str(REAL_ROOT), "apply", "--sglang-root", str(tree))
     assert proc.returncode == 1
     assert f"expected sglang {pin.version}" in proc.stderr and f"found {other}" in proc.stderr, proc.stderr
     assert (tree / SERVER_ARGS).read_bytes() == before and not (tree / RECORD_NAME).exists()
@@ -270,11 +247,7 @@ def test_check_passes_on_the_real_queue_against_the_pinned_wheel(wheel: Path) ->
 
 
 def test_check_cli_on_a_test_queue(test_queue: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "sglang_cpkv.overlay", "--queue-root", str(test_queue), "check"],
-        capture_output=True,
-        text=True,
-    )
+    proc = _overlay("--queue-root", str(test_queue), "check")
     assert proc.returncode == 0, proc.stderr
     assert "ok: 3 patches, 2 upstream files" in proc.stderr
 
@@ -363,31 +336,12 @@ def test_diff_cli_writes_a_patch_on_top_of_the_current_series(tmp_path: Path, te
     """A new patch on a file the series already touches is made against the file as the series leaves it."""
     tree = _tree(wheel, tmp_path / "site", [SERVER_ARGS, COMPILE_UTILS])
     apply_queue(tree, test_queue)
-    show = subprocess.run(
-        [sys.executable, "-m", "sglang_cpkv.overlay", "--queue-root", str(test_queue), "show", "--file", SERVER_ARGS],
-        capture_output=True,
-        text=True,
-    )
+    show = _overlay("--queue-root", str(test_queue), "show", "--file", SERVER_ARGS)
     assert show.returncode == 0, show.stderr
     assert show.stdout == (tree / SERVER_ARGS).read_text(), "`show` prints the file as the series leaves it"
     edited = tmp_path / "server_args.py"
     edited.write_text(_insert_after(show.stdout, 120, "# cpkv test hook three\n"))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sglang_cpkv.overlay",
-            "--queue-root",
-            str(test_queue),
-            "diff",
-            "--file",
-            SERVER_ARGS,
-            "--edited",
-            str(edited),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    proc = _overlay("--queue-root", str(test_queue), "diff", "--file", SERVER_ARGS, "--edited", str(edited))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"--- a/sglang/{SERVER_ARGS}\n+++ b/sglang/{SERVER_ARGS}\n@@ -118,")
     _add_patch(test_queue, "core/add-hook-three.patch", proc.stdout, [SERVER_ARGS], load_pin(test_queue).version)
