@@ -176,7 +176,7 @@ def build_cp_split(strategy: CpStrategy, extend_lens: Sequence[int], cp_size: in
 
 
 def upstream_interleave_split(
-    num_tokens: int, per_rank_logical: Sequence[int], per_rank_physical: Sequence[int], cp_rank: int
+    num_tokens: int, per_rank_logical: Sequence[int] | None, per_rank_physical: Sequence[int], cp_rank: int
 ) -> CpSplit:
     """The split upstream ran for an interleave batch, from its ``attn_cp_metadata`` (the serving path's split).
 
@@ -189,6 +189,11 @@ def upstream_interleave_split(
         CpSharedKvError: metadata that is not an interleave split of ``num_tokens`` (token ``t`` on rank ``t % cp``,
             every rank padded to one length), naming it.
     """
+    if per_rank_logical is None:
+        raise CpSharedKvError(
+            "upstream's attn_cp_metadata carries no per_rank_logical_token: its padding "
+            "(pad_logical_token_to_physical, in prepare_cp_forward) did not run for this batch"
+        )
     cp_size = len(per_rank_logical)
     logical = [int(n) for n in per_rank_logical]
     physical = {int(n) for n in per_rank_physical}

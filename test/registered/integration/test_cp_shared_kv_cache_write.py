@@ -136,6 +136,11 @@ def test_metadata_that_is_not_an_interleave_split_is_named(up):
         upstream_interleave_split(n, [64] * 8, md.per_rank_actual_token, 0)
     with pytest.raises(CpSharedKvError, match="per_rank_actual_token \\[64, 64, 64, 64, 64, 64, 64, 63\\]"):
         upstream_interleave_split(n, md.per_rank_logical_token, [64] * 7 + [63], 0)
+    unpadded = up.strategy.build_metadata(
+        num_tokens=n, seqs_len=[p + e for p, e in zip(PREFIX, EXTEND)], extend_seqs_len=EXTEND
+    )
+    with pytest.raises(CpSharedKvError, match="no per_rank_logical_token: its padding"):
+        upstream_interleave_split(n, unpadded.per_rank_logical_token, unpadded.per_rank_actual_token, 0)
     with pytest.raises(CpSharedKvError, match="the CP split is of 509 tokens, the batch extends 510"):
         from sglang_cpkv.runtime.plan import build_plan
 
