@@ -10,10 +10,15 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
+def env_text(name: str) -> str:
+    """The environment variable ``name`` as set; ``""`` when unset."""
+    return os.environ.get(name, "")
+
+
 def env_flag(name: str, default: bool = False) -> bool:
     """The boolean environment variable ``name``: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``
     (any case); ``default`` when unset or empty. Any other value is an error naming the variable."""
-    value = os.environ.get(name, "").strip().lower()
+    value = env_text(name).strip().lower()
     if not value:
         return default
     if value in _TRUE:

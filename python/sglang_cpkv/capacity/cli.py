@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 from sglang_cpkv.capacity.planner import DEFAULT_MEM_FRACTION
 from sglang_cpkv.capacity.presets import GPUS, MODELS
+from sglang_cpkv.env import environment
 
 GIB = 2**30
 
@@ -144,18 +144,19 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if args.layer_ahead is not None:  # read by the mode's reservation at the server's start-up (hooks/settings.py)
-        from sglang_cpkv.hooks.settings import LAYER_AHEAD_ENV
-
-        os.environ[LAYER_AHEAD_ENV] = "1" if args.layer_ahead == "on" else "0"
     from sglang_cpkv.capacity.planner import plan, stderr_progress
     from sglang_cpkv.capacity.report import budget_lines, plot, table, write_json
     from sglang_cpkv.upstream_import import install_torchvision_stub
 
     stderr_progress("importing upstream sglang (the first server's resolution takes ~10 s on a CPU)")
     install_torchvision_stub()
+    # The operator's layer-ahead setting, which the mode's reservation reads at a server's start-up (hooks/settings.py).
+    from sglang_cpkv.hooks.settings import LAYER_AHEAD_ENV
+
+    setting = {} if args.layer_ahead is None else {LAYER_AHEAD_ENV: "1" if args.layer_ahead == "on" else "0"}
     try:
-        rows = plan(inputs, progress=stderr_progress)
+        with environment(setting):
+            rows = plan(inputs, progress=stderr_progress)
     except ValueError as error:  # upstream's or our start-up refusal of the server, or the budget
         print(f"error: {error}", file=sys.stderr)
         return 2

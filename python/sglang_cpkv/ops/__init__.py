@@ -29,11 +29,11 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import os
 from types import ModuleType
 
 import torch
 
+from sglang_cpkv.env import env_text
 from sglang_cpkv.ops import reference
 from sglang_cpkv.ops.errors import (
     ERR_LOC_OUT_OF_RANGE,
@@ -100,7 +100,7 @@ def select_backend(device: torch.device | str) -> str:
     device type is decided once (:func:`_resolve`): a call costs a dictionary lookup, not the probe.
     """
     device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
-    requested = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    requested = env_text(BACKEND_ENV).strip().lower() or "auto"
     name = _resolve(requested, device_type)
     if name not in _logged_backends:
         _logged_backends.add(name)

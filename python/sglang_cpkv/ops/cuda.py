@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import sys
 
 import torch
 
+from sglang_cpkv.env import env_text
 from sglang_cpkv.ops import cuda_build, reference
 from sglang_cpkv.ops.errors import new_error_counter
 from sglang_cpkv.ops.reference import PageInverse
@@ -87,7 +87,7 @@ def _load() -> str | None:
                 torch.ops.load_library(str(library))
             except OSError as exc:
                 return f"loading {library} failed: {exc}"
-        elif os.environ.get(cuda_build.JIT_ENV) == "1":
+        elif env_text(cuda_build.JIT_ENV) == "1":
             if refused:
                 logger.warning("sglang_cpkv: prebuilt CUDA library refused (%s); JIT-building instead", refused)
             try:

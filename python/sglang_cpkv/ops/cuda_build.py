@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from sglang_cpkv.env import env_text, environment
+
 LIBRARY_NAME = "sglang_cpkv_cuda"
 LIB_ENV = "SGLANG_CPKV_CUDA_LIB"
 JIT_ENV = "SGLANG_CPKV_CUDA_JIT"
@@ -80,9 +82,9 @@ def source_hash() -> str:
 
 
 def _cache_root() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    if env_text(CACHE_ENV):
+        return Path(env_text(CACHE_ENV))
+    base = env_text("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "sglang_cpkv" / "cuda"
 
 
@@ -151,21 +153,16 @@ def aot_build(out_dir: Path, archs: list[str], verbose: bool = False) -> Path:
 
     if not archs:
         raise ValueError("aot_build needs at least one arch, e.g. 90a")
-    previous = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    os.environ["TORCH_CUDA_ARCH_LIST"] = _torch_arch_list(archs)
-    try:
-        with tempfile.TemporaryDirectory(prefix="sglang_cpkv_aot_") as tmp:
-            logger.warning("sglang_cpkv: AOT-building the CUDA ops for %s", ", ".join(archs))
-            start = time.monotonic()
-            built = _compile(Path(tmp), verbose)
-            out_dir.mkdir(parents=True, exist_ok=True)
-            target = out_dir / f"{LIBRARY_NAME}.so"
-            shutil.copyfile(built, target)
-    finally:
-        if previous is None:
-            os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
-        else:
-            os.environ["TORCH_CUDA_ARCH_LIST"] = previous
+    with (
+        environment({"TORCH_CUDA_ARCH_LIST": _torch_arch_list(archs)}),
+        tempfile.TemporaryDirectory(prefix="sglang_cpkv_aot_") as tmp,
+    ):
+        logger.warning("sglang_cpkv: AOT-building the CUDA ops for %s", ", ".join(archs))
+        start = time.monotonic()
+        built = _compile(Path(tmp), verbose)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        target = out_dir / f"{LIBRARY_NAME}.so"
+        shutil.copyfile(built, target)
     metadata = {"source_hash": source_hash(), "torch_version": torch.__version__, "archs": list(archs)}
     (out_dir / f"{LIBRARY_NAME}.json").write_text(json.dumps(metadata, indent=2) + "\n")
     logger.warning("sglang_cpkv: wrote %s in %.0f s", target, time.monotonic() - start)
@@ -174,7 +171,7 @@ def aot_build(out_dir: Path, archs: list[str], verbose: bool = False) -> Path:
 
 def prebuilt_library() -> Path | None:
     """The prebuilt library serving should load: ``$SGLANG_CPKV_CUDA_LIB``, else the package's ``ops/prebuilt/``."""
-    configured = os.environ.get(LIB_ENV)
+    configured = env_text(LIB_ENV)
     if configured:
         path = Path(configured)
         return path / f"{LIBRARY_NAME}.so" if path.is_dir() else path
