@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -43,7 +44,7 @@ from sglang_cpkv.ops.errors import (
     new_error_counter,
     raise_if_errors,
 )
-from sglang_cpkv.ops.reference import PageInverse, inverse_bytes
+from sglang_cpkv.ops.reference import PageInverse, implements, inverse_bytes
 
 BACKEND_ENV = "SGLANG_CPKV_OPS_BACKEND"
 BACKENDS = ("auto", "cuda", "triton", "torch")
@@ -133,73 +134,66 @@ def _backend(device: torch.device) -> ModuleType:
     return _load_backend(select_backend(device))[0]
 
 
-# The contract's input checks run here, before any backend, so every backend refuses the same inputs
-# with the same CpSharedKvError (host metadata only: dtypes and shapes, never values).
+def _dispatched(spec: Callable, operand_device: Callable[..., torch.device]) -> Callable:
+    """The public op of the reference op ``spec`` (its signature and docstring, the one contract): the operands'
+    host metadata checked by ``operand_device``, which returns the device that picks the backend, then that
+    backend's function of the same name. The checks run before any backend, so every backend refuses the same
+    inputs with the same :class:`CpSharedKvError` (dtypes and shapes, never values)."""
+    name = spec.__name__
+
+    @functools.wraps(spec)
+    def op(*operands, **named):
+        return getattr(_backend(operand_device(*operands, **named)), name)(*operands, **named)
+
+    op.__module__ = __name__
+    return op
 
 
-def build_page_inverse(
-    entry_pages: torch.Tensor,
-    entry_req: torch.Tensor,
-    num_requests: int,
-    capacity: int,
-    errors: torch.Tensor,
-    entry_slots: torch.Tensor | None = None,
-) -> PageInverse:
-    """Per-request page inverse of a batch: :func:`sglang_cpkv.ops.reference.build_page_inverse`."""
+@implements(reference.build_page_inverse)
+def _inverse_build_device(entry_pages, entry_req, num_requests, capacity, errors, entry_slots=None):
     reference.check_ids(entry_pages, "entry_pages")
     reference.check_ids(entry_req, "entry_req")
     if entry_slots is not None:
         reference.check_slots(entry_slots)
-    return _backend(entry_pages.device).build_page_inverse(
-        entry_pages, entry_req, num_requests, capacity, errors, entry_slots
-    )
+    return entry_pages.device
 
 
-def remap_locs(
-    locs: torch.Tensor,
-    req_id: torch.Tensor,
-    inverse: PageInverse,
-    page_size: int,
-    errors: torch.Tensor,
-) -> torch.Tensor:
-    """Token locations -> dense locations: :func:`sglang_cpkv.ops.reference.remap_locs`."""
+@implements(reference.remap_locs)
+def _remap_device(locs, req_id, inverse, page_size, errors):
     reference.check_ids(locs, "locs")
     reference.check_ids(req_id, "req_id")
     reference.check_inverse(inverse)
     if page_size < 1:
         raise CpSharedKvError(f"page_size must be >= 1, got {page_size}")
-    return _backend(locs.device).remap_locs(locs, req_id, inverse, page_size, errors)
+    return locs.device
 
 
-def copy_pages(
-    src: torch.Tensor, src_page: torch.Tensor, dst: torch.Tensor, dst_page: torch.Tensor, errors: torch.Tensor
-) -> None:
-    """Whole pages from ``src`` to ``dst``: :func:`sglang_cpkv.ops.reference.copy_pages`."""
+@implements(reference.copy_pages)
+def _page_copy_device(src, src_page, dst, dst_page, errors):
     reference.check_ids(src_page, "src_page")
     reference.check_ids(dst_page, "dst_page")
-    _backend(dst.device).copy_pages(src, src_page, dst, dst_page, errors)
+    return dst.device
 
 
-def scatter_rows(src: torch.Tensor, dst_loc: torch.Tensor, dst: torch.Tensor, errors: torch.Tensor) -> None:
-    """Rows of ``src`` to rows ``dst_loc`` of ``dst``: :func:`sglang_cpkv.ops.reference.scatter_rows`."""
+@implements(reference.scatter_rows)
+def _row_scatter_device(src, dst_loc, dst, errors):
     reference.check_ids(dst_loc, "dst_loc")
-    _backend(dst.device).scatter_rows(src, dst_loc, dst, errors)
+    return dst.device
 
 
-def materialize_and_fill(
-    pool: torch.Tensor,
-    src_page: torch.Tensor,
-    dense: torch.Tensor,
-    dst_page: torch.Tensor,
-    current: torch.Tensor,
-    dst_loc: torch.Tensor,
-    errors: torch.Tensor,
-) -> None:
-    """History pages then current rows into one dense view: :func:`sglang_cpkv.ops.reference.materialize_and_fill`."""
+@implements(reference.materialize_and_fill)
+def _fill_device(pool, src_page, dense, dst_page, current, dst_loc, errors):
     for ids, name in ((src_page, "src_page"), (dst_page, "dst_page"), (dst_loc, "dst_loc")):
         reference.check_ids(ids, name)
     reference.check_row_divides_page(current, dense)
-    _backend(dense.device).materialize_and_fill(pool, src_page, dense, dst_page, current, dst_loc, errors)
+    return dense.device
+
+
+build_page_inverse = _dispatched(reference.build_page_inverse, _inverse_build_device)
+remap_locs = _dispatched(reference.remap_locs, _remap_device)
+copy_pages = _dispatched(reference.copy_pages, _page_copy_device)
+scatter_rows = _dispatched(reference.scatter_rows, _row_scatter_device)
+materialize_and_fill = _dispatched(reference.materialize_and_fill, _fill_device)
 
 
 __all__ = [

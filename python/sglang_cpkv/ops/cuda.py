@@ -31,7 +31,7 @@ import torch
 from sglang_cpkv.env import env_text
 from sglang_cpkv.ops import cuda_build, reference
 from sglang_cpkv.ops.errors import new_error_counter
-from sglang_cpkv.ops.reference import PageInverse
+from sglang_cpkv.ops.reference import PageInverse, implements
 
 OP_NAMES = ("build_page_inverse", "remap_locs", "copy_pages", "scatter_rows", "materialize_and_fill")
 
@@ -179,52 +179,30 @@ def _ops():
     return torch.ops.sglang_cpkv
 
 
-def build_page_inverse(
-    entry_pages: torch.Tensor,
-    entry_req: torch.Tensor,
-    num_requests: int,
-    capacity: int,
-    errors: torch.Tensor,
-    entry_slots: torch.Tensor | None = None,
-) -> PageInverse:
-    """Per-request page inverse: :func:`sglang_cpkv.ops.reference.build_page_inverse`."""
+@implements(reference.build_page_inverse)
+def build_page_inverse(entry_pages, entry_req, num_requests, capacity, errors, entry_slots=None) -> PageInverse:
     keys, slots = _ops().build_page_inverse(entry_pages, entry_req, num_requests, capacity, errors, entry_slots)
     return PageInverse(keys=keys, slots=slots, num_requests=num_requests, capacity=capacity)
 
 
-def remap_locs(
-    locs: torch.Tensor,
-    req_id: torch.Tensor,
-    inverse: PageInverse,
-    page_size: int,
-    errors: torch.Tensor,
-) -> torch.Tensor:
-    """Token locations -> dense locations: :func:`sglang_cpkv.ops.reference.remap_locs` (``req_id`` int64 ``[N]``)."""
+@implements(reference.remap_locs)
+def remap_locs(locs, req_id, inverse, page_size, errors) -> torch.Tensor:
     return _ops().remap_locs(
         locs, req_id, inverse.keys, inverse.slots, inverse.num_requests, inverse.capacity, page_size, errors
     )
 
 
-def copy_pages(
-    src: torch.Tensor, src_page: torch.Tensor, dst: torch.Tensor, dst_page: torch.Tensor, errors: torch.Tensor
-) -> None:
-    """``dst[dst_page[i]] = src[src_page[i]]``: :func:`sglang_cpkv.ops.reference.copy_pages`."""
+@implements(reference.copy_pages)
+def copy_pages(src, src_page, dst, dst_page, errors) -> None:
     _ops().copy_pages(src, src_page, dst, dst_page, errors)
 
 
-def scatter_rows(src: torch.Tensor, dst_loc: torch.Tensor, dst: torch.Tensor, errors: torch.Tensor) -> None:
-    """``dst[dst_loc[i]] = src[i]``: :func:`sglang_cpkv.ops.reference.scatter_rows`."""
+@implements(reference.scatter_rows)
+def scatter_rows(src, dst_loc, dst, errors) -> None:
     _ops().scatter_rows(src, dst_loc, dst, errors)
 
 
-def materialize_and_fill(
-    pool: torch.Tensor,
-    src_page: torch.Tensor,
-    dense: torch.Tensor,
-    dst_page: torch.Tensor,
-    current: torch.Tensor,
-    dst_loc: torch.Tensor,
-    errors: torch.Tensor,
-) -> None:
-    """History pages then current rows in one fused launch: :func:`sglang_cpkv.ops.reference.materialize_and_fill`."""
+@implements(reference.materialize_and_fill)
+def materialize_and_fill(pool, src_page, dense, dst_page, current, dst_loc, errors) -> None:
+    """History pages then current rows in one fused launch."""
     _ops().materialize_and_fill(pool, src_page, dense, dst_page, current, dst_loc, errors)

@@ -32,13 +32,37 @@ the GPU hot path - the dispatcher in :mod:`sglang_cpkv.ops` picks CUDA or Triton
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE, CpSharedKvError
 
 PADDING_ID = -1
+
+_Op = TypeVar("_Op", bound=Callable)
+
+
+def implements(spec: Callable) -> Callable[[_Op], _Op]:
+    """Mark a backend's function (or the dispatcher's operand check) as taking the operands of ``spec``, an op of
+    this module: their types and meaning are ``spec``'s, stated once there. Checked when the backend is imported,
+    names, order and defaults alike (keyword-only tuning knobs may follow), so no backend drifts from the contract."""
+    operands = [(p.name, p.default) for p in inspect.signature(spec).parameters.values()]
+
+    def mark(fn: _Op) -> _Op:
+        params = inspect.signature(fn).parameters.values()
+        taken = [(p.name, p.default) for p in params if p.kind is not p.KEYWORD_ONLY]
+        if taken != operands:
+            raise TypeError(
+                f"{fn.__module__}.{fn.__qualname__} takes {[name for name, _ in taken]}, the contract's "
+                f"{spec.__name__} takes {[name for name, _ in operands]} (with the same defaults)"
+            )
+        return fn
+
+    return mark
 
 
 def check_ids(t: torch.Tensor, name: str) -> None:

@@ -38,6 +38,13 @@ import torch
 
 from sglang_cpkv import ops
 from sglang_cpkv.ops import reference
+from sglang_cpkv.ops.errors import (
+    ERR_FOREIGN_SLOT,
+    ERR_LOC_OUT_OF_RANGE,
+    ERR_PAGE_OUT_OF_RANGE,
+    ERR_REQ_OUT_OF_RANGE,
+    NUM_ERROR_KINDS,
+)
 from sglang_cpkv.runtime import (
     CpGroup,
     CpSharedKvPlan,
@@ -364,6 +371,15 @@ def random_topk(case: BatchCase, k: int, seed: int) -> tuple[torch.Tensor, torch
     return torch.tensor(locs, dtype=torch.int64).reshape(-1, k), torch.tensor(positions, dtype=torch.int64).reshape(
         -1, k
     )
+
+
+def error_counts(page: int = 0, req: int = 0, loc: int = 0, foreign: int = 0) -> list[int]:
+    """An error counter's values by kind, in its layout (what ``errors.tolist()`` reads after these drops)."""
+    counts = [0] * NUM_ERROR_KINDS
+    kinds = (ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE, ERR_LOC_OUT_OF_RANGE, ERR_FOREIGN_SLOT)
+    for kind, count in zip(kinds, (page, req, loc, foreign)):
+        counts[kind] = count
+    return counts
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -18,20 +18,10 @@ cudaError_t copy_pages(const void* src,
                        int64_t page_bytes,
                        int32_t* errors,
                        cudaStream_t stream) {
-  return detail::launch_copy_rows<PageIdT, PageIdT, /*kGatherSrc=*/true>(src,
-                                                                         src_pages,
-                                                                         src_page_stride,
-                                                                         src_page,
-                                                                         dst,
-                                                                         dst_pages,
-                                                                         dst_page_stride,
-                                                                         dst_page,
-                                                                         num_pairs,
-                                                                         page_bytes,
-                                                                         errors,
-                                                                         kErrPageOutOfRange,
-                                                                         /*programmatic_dependent=*/false,
-                                                                         stream);
+  const detail::RowCopy<PageIdT, PageIdT> pages{
+      src, src_pages, src_page_stride, src_page, dst, dst_pages, dst_page_stride, dst_page, num_pairs, page_bytes,
+      errors, kErrPageOutOfRange};
+  return detail::launch_copy_rows</*kGatherSrc=*/true>(pages, /*programmatic_dependent=*/false, stream);
 }
 
 #define SGLANG_CPKV_INSTANTIATE_COPY_PAGES(T)                                                                                \

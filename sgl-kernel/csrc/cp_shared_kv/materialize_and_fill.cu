@@ -39,40 +39,21 @@ cudaError_t materialize_and_fill(const void* pool,
   // early on whatever kernel preceded it (the producer of `current`, for instance) and read its rows unordered.
   const bool copy_launched = num_pairs > 0 && page_bytes > 0;
   const bool programmatic = copy_launched && supports_programmatic_dependent_launch();
-  cudaError_t status = detail::launch_copy_rows<PageIdT, PageIdT, /*kGatherSrc=*/true, /*kLaunchDependents=*/true>(
-      pool,
-      pool_pages,
-      pool_page_stride,
-      src_page,
-      dense,
-      dense_pages,
-      page_bytes,
-      dst_page,
-      num_pairs,
-      page_bytes,
-      errors,
-      kErrPageOutOfRange,
-      /*programmatic_dependent=*/false,
-      stream);
+  const detail::RowCopy<PageIdT, PageIdT> history{
+      pool, pool_pages, pool_page_stride, src_page, dense, dense_pages, page_bytes, dst_page, num_pairs, page_bytes,
+      errors, kErrPageOutOfRange};
+  const int64_t dense_rows = dense_pages * (page_bytes / row_bytes);
+  const detail::RowCopy<LocT, LocT> fill{
+      current, num_rows, current_row_stride, nullptr, dense, dense_rows, row_bytes, dst_loc, num_rows, row_bytes,
+      errors, kErrLocOutOfRange};
+  cudaError_t status = detail::launch_copy_rows</*kGatherSrc=*/true, /*kLaunchDependents=*/true>(
+      history, /*programmatic_dependent=*/false, stream);
   if (status != cudaSuccess) return status;
   // NOTE: the fill must not store before the copy has finished (a current row overwrites the tail of the
   // partial history page); its kernel waits on griddepcontrol.wait before storing, and without the
   // programmatic attribute it simply starts after the copy.
-  return detail::launch_copy_rows<LocT, LocT, /*kGatherSrc=*/false, /*kLaunchDependents=*/false, /*kWaitPrior=*/true>(
-      current,
-      num_rows,
-      current_row_stride,
-      nullptr,
-      dense,
-      dense_pages * (page_bytes / row_bytes),
-      row_bytes,
-      dst_loc,
-      num_rows,
-      row_bytes,
-      errors,
-      kErrLocOutOfRange,
-      programmatic,
-      stream);
+  return detail::launch_copy_rows</*kGatherSrc=*/false, /*kLaunchDependents=*/false, /*kWaitPrior=*/true>(
+      fill, programmatic, stream);
 }
 
 #define SGLANG_CPKV_INSTANTIATE_MATERIALIZE_AND_FILL(PAGE_ID_T, LOC_T)          \

@@ -139,51 +139,6 @@ __global__ void __launch_bounds__(kRemapThreads)
   }
 }
 
-template <typename LocT, int kVec, int kUnroll>
-cudaError_t launch_remap_locs(const LocT* locs,
-                              int64_t num_rows,
-                              int64_t row_len,
-                              int64_t locs_row_stride,
-                              const int64_t* req_id,
-                              const int64_t* inverse_keys,
-                              const int32_t* inverse_slots,
-                              int64_t table_mask,
-                              int64_t num_requests,
-                              int64_t capacity,
-                              int64_t page_size,
-                              int page_shift,
-                              int32_t* dense_locs,
-                              int32_t* errors,
-                              cudaStream_t stream) {
-  constexpr int64_t kElemsPerBlock = int64_t{kRemapThreads} * kUnroll * kVec;
-  const int64_t total = num_rows * row_len;
-  const dim3 grid(static_cast<unsigned>((total + kElemsPerBlock - 1) / kElemsPerBlock));
-  const auto launch = [&](auto flat_index) {
-    using FlatT = decltype(flat_index);
-    remap_locs_kernel<LocT, kVec, kUnroll, FlatT><<<grid, kRemapThreads, 0, stream>>>(locs,
-                                                                                      locs_row_stride,
-                                                                                      req_id,
-                                                                                      inverse_keys,
-                                                                                      inverse_slots,
-                                                                                      table_mask,
-                                                                                      static_cast<FlatT>(total),
-                                                                                      static_cast<FlatT>(row_len),
-                                                                                      num_requests,
-                                                                                      capacity,
-                                                                                      page_size,
-                                                                                      page_shift,
-                                                                                      dense_locs,
-                                                                                      errors);
-  };
-  // The last block's flat indices reach past total by less than one block.
-  if (total + kElemsPerBlock <= static_cast<int64_t>(UINT32_MAX)) {
-    launch(uint32_t{});
-  } else {
-    launch(uint64_t{});
-  }
-  return cudaGetLastError();
-}
-
 }  // namespace
 
 template <typename LocT>
@@ -214,21 +169,35 @@ cudaError_t remap_locs(const LocT* locs,
                           reinterpret_cast<uintptr_t>(locs) % 16 == 0 &&
                           reinterpret_cast<uintptr_t>(dense_locs) % (sizeof(int32_t) * kVec) == 0;
   const auto launch = [&](auto vec, auto unroll) {
-    return launch_remap_locs<LocT, decltype(vec)::value, decltype(unroll)::value>(locs,
-                                                                                  num_rows,
-                                                                                  row_len,
-                                                                                  locs_row_stride,
-                                                                                  req_id,
-                                                                                  inverse_keys,
-                                                                                  inverse_slots,
-                                                                                  table_mask,
-                                                                                  num_requests,
-                                                                                  capacity,
-                                                                                  page_size,
-                                                                                  page_shift,
-                                                                                  dense_locs,
-                                                                                  errors,
-                                                                                  stream);
+    constexpr int kLaunchVec = decltype(vec)::value;
+    constexpr int kUnroll = decltype(unroll)::value;
+    constexpr int64_t kElemsPerBlock = int64_t{kRemapThreads} * kUnroll * kLaunchVec;
+    const int64_t total = num_rows * row_len;
+    const dim3 grid(static_cast<unsigned>((total + kElemsPerBlock - 1) / kElemsPerBlock));
+    const auto launch_flat = [&](auto flat_index) {
+      using FlatT = decltype(flat_index);
+      remap_locs_kernel<LocT, kLaunchVec, kUnroll, FlatT><<<grid, kRemapThreads, 0, stream>>>(locs,
+                                                                                               locs_row_stride,
+                                                                                               req_id,
+                                                                                               inverse_keys,
+                                                                                               inverse_slots,
+                                                                                               table_mask,
+                                                                                               static_cast<FlatT>(total),
+                                                                                               static_cast<FlatT>(row_len),
+                                                                                               num_requests,
+                                                                                               capacity,
+                                                                                               page_size,
+                                                                                               page_shift,
+                                                                                               dense_locs,
+                                                                                               errors);
+    };
+    // The last block's flat indices reach past total by less than one block.
+    if (total + kElemsPerBlock <= static_cast<int64_t>(UINT32_MAX)) {
+      launch_flat(uint32_t{});
+    } else {
+      launch_flat(uint64_t{});
+    }
+    return cudaGetLastError();
   };
   if (vectorized) return launch(std::integral_constant<int, kVec>{}, std::integral_constant<int, 2>{});
   return launch(std::integral_constant<int, 1>{}, std::integral_constant<int, 4>{});

@@ -111,27 +111,28 @@ inline int widest_access(std::initializer_list<uint64_t> values) {
   return width;
 }
 
-/// \brief Launches copy_rows_kernel for one access width with the smallest flat index type that fits.
-template <typename VecT, typename SrcIdxT, typename DstIdxT, bool kGatherSrc, bool kLaunchDependents, bool kWaitPrior>
-cudaError_t launch_copy_rows_vec(const void* src,
-                                 int64_t src_rows,
-                                 int64_t src_stride,
-                                 const SrcIdxT* src_idx,
-                                 void* dst,
-                                 int64_t dst_rows,
-                                 int64_t dst_stride,
-                                 const DstIdxT* dst_idx,
-                                 int64_t num_rows,
-                                 int64_t row_bytes,
-                                 int32_t* errors,
-                                 int err_kind,
-                                 bool programmatic_dependent,
-                                 cudaStream_t stream) {
-  const int64_t vecs_per_row = row_bytes / static_cast<int64_t>(sizeof(VecT));
-  const int64_t total = num_rows * vecs_per_row;
-  if (total == 0) return cudaSuccess;
+/// \brief One indexed row copy's operands: dst row dst_idx[i] = src row (src_idx[i], or i in order), i in [0, num_rows).
+template <typename SrcIdxT, typename DstIdxT>
+struct RowCopy {
+  const void* src;         // [src_rows, row_bytes] bytes, row r at src + r * src_stride
+  int64_t src_rows;        // rows of src
+  int64_t src_stride;      // bytes between rows of src (>= row_bytes)
+  const SrcIdxT* src_idx;  // [num_rows] rows of src (read with kGatherSrc only)
+  void* dst;               // [dst_rows, row_bytes] bytes
+  int64_t dst_rows;        // rows of dst
+  int64_t dst_stride;      // bytes between rows of dst (>= row_bytes)
+  const DstIdxT* dst_idx;  // [num_rows] rows of dst
+  int64_t num_rows;        // rows to copy
+  int64_t row_bytes;       // bytes of one row
+  int32_t* errors;         // [kNumErrorKinds]
+  int err_kind;            // counter index of a bad id
+};
+
+/// \brief The indexed row copy at the widest access the sizes, strides and addresses allow, with the smallest flat
+/// index type that fits.
+template <bool kGatherSrc, bool kLaunchDependents = false, bool kWaitPrior = false, typename SrcIdxT, typename DstIdxT>
+cudaError_t launch_copy_rows(const RowCopy<SrcIdxT, DstIdxT>& copy, bool programmatic_dependent, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>((total + kCopyVecsPerBlock - 1) / kCopyVecsPerBlock));
   config.blockDim = dim3(kCopyThreads);
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
@@ -139,79 +140,49 @@ cudaError_t launch_copy_rows_vec(const void* src,
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   config.attrs = attribute;
   config.numAttrs = programmatic_dependent ? 1 : 0;
-  const auto* src_bytes = static_cast<const char*>(src);
-  auto* dst_bytes = static_cast<char*>(dst);
-  const auto launch = [&](auto flat_index) {
-    using FlatT = decltype(flat_index);
-    return cudaLaunchKernelEx(&config,
-                              copy_rows_kernel<VecT, SrcIdxT, DstIdxT, FlatT, kGatherSrc, kLaunchDependents, kWaitPrior>,
-                              src_bytes,
-                              src_rows,
-                              src_stride,
-                              src_idx,
-                              dst_bytes,
-                              dst_rows,
-                              dst_stride,
-                              dst_idx,
-                              static_cast<FlatT>(num_rows),
-                              static_cast<FlatT>(vecs_per_row),
-                              errors,
-                              err_kind);
+  const auto launch_vec = [&](auto vec) {
+    using VecT = decltype(vec);
+    const int64_t vecs_per_row = copy.row_bytes / static_cast<int64_t>(sizeof(VecT));
+    const int64_t total = copy.num_rows * vecs_per_row;
+    if (total == 0) return cudaSuccess;
+    config.gridDim = dim3(static_cast<unsigned>((total + kCopyVecsPerBlock - 1) / kCopyVecsPerBlock));
+    const auto launch = [&](auto flat_index) {
+      using FlatT = decltype(flat_index);
+      return cudaLaunchKernelEx(&config,
+                                copy_rows_kernel<VecT, SrcIdxT, DstIdxT, FlatT, kGatherSrc, kLaunchDependents, kWaitPrior>,
+                                static_cast<const char*>(copy.src),
+                                copy.src_rows,
+                                copy.src_stride,
+                                copy.src_idx,
+                                static_cast<char*>(copy.dst),
+                                copy.dst_rows,
+                                copy.dst_stride,
+                                copy.dst_idx,
+                                static_cast<FlatT>(copy.num_rows),
+                                static_cast<FlatT>(vecs_per_row),
+                                copy.errors,
+                                copy.err_kind);
+    };
+    // The last block's flat indices reach past total by less than one block.
+    if (total + kCopyVecsPerBlock <= static_cast<int64_t>(UINT32_MAX)) return launch(uint32_t{});
+    return launch(uint64_t{});
   };
-  // The last block's flat indices reach past total by less than one block.
-  if (total + kCopyVecsPerBlock <= static_cast<int64_t>(UINT32_MAX)) return launch(uint32_t{});
-  return launch(uint64_t{});
-}
-
-/// \brief The indexed row copy at the widest access the sizes, strides and addresses allow.
-template <typename SrcIdxT, typename DstIdxT, bool kGatherSrc, bool kLaunchDependents = false, bool kWaitPrior = false>
-cudaError_t launch_copy_rows(const void* src,
-                             int64_t src_rows,
-                             int64_t src_stride,
-                             const SrcIdxT* src_idx,
-                             void* dst,
-                             int64_t dst_rows,
-                             int64_t dst_stride,
-                             const DstIdxT* dst_idx,
-                             int64_t num_rows,
-                             int64_t row_bytes,
-                             int32_t* errors,
-                             int err_kind,
-                             bool programmatic_dependent,
-                             cudaStream_t stream) {
-  const int width = widest_access({static_cast<uint64_t>(row_bytes),
-                                   static_cast<uint64_t>(src_stride),
-                                   static_cast<uint64_t>(dst_stride),
-                                   reinterpret_cast<uint64_t>(src),
-                                   reinterpret_cast<uint64_t>(dst)});
-#define SGLANG_CPKV_LAUNCH_COPY_ROWS(VEC_T)                                                                        \
-  launch_copy_rows_vec<VEC_T, SrcIdxT, DstIdxT, kGatherSrc, kLaunchDependents, kWaitPrior>(src,                    \
-                                                                                           src_rows,               \
-                                                                                           src_stride,             \
-                                                                                           src_idx,                \
-                                                                                           dst,                    \
-                                                                                           dst_rows,               \
-                                                                                           dst_stride,             \
-                                                                                           dst_idx,                \
-                                                                                           num_rows,               \
-                                                                                           row_bytes,              \
-                                                                                           errors,                 \
-                                                                                           err_kind,               \
-                                                                                           programmatic_dependent, \
-                                                                                           stream)
-  switch (width) {
+  switch (widest_access({static_cast<uint64_t>(copy.row_bytes),
+                         static_cast<uint64_t>(copy.src_stride),
+                         static_cast<uint64_t>(copy.dst_stride),
+                         reinterpret_cast<uint64_t>(copy.src),
+                         reinterpret_cast<uint64_t>(copy.dst)})) {
     case 16:
-      return SGLANG_CPKV_LAUNCH_COPY_ROWS(uint4);
+      return launch_vec(uint4{});
     case 8:
-      return SGLANG_CPKV_LAUNCH_COPY_ROWS(uint2);
+      return launch_vec(uint2{});
     case 4:
-      return SGLANG_CPKV_LAUNCH_COPY_ROWS(uint32_t);
+      return launch_vec(uint32_t{});
     case 2:
-      return SGLANG_CPKV_LAUNCH_COPY_ROWS(uint16_t);
+      return launch_vec(uint16_t{});
     default:
-      return SGLANG_CPKV_LAUNCH_COPY_ROWS(uint8_t);
+      return launch_vec(uint8_t{});
   }
-#undef SGLANG_CPKV_LAUNCH_COPY_ROWS
 }
 
 }  // namespace detail

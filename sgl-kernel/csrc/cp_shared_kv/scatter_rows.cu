@@ -16,21 +16,11 @@ cudaError_t scatter_rows(const void* src,
                          int64_t row_bytes,
                          int32_t* errors,
                          cudaStream_t stream) {
-  // src rows are taken in order, so the src "index" type is irrelevant; LocT keeps the instantiation single.
-  return detail::launch_copy_rows<LocT, LocT, /*kGatherSrc=*/false>(src,
-                                                                    num_rows,
-                                                                    src_row_stride,
-                                                                    nullptr,
-                                                                    dst,
-                                                                    dst_rows,
-                                                                    dst_row_stride,
-                                                                    dst_loc,
-                                                                    num_rows,
-                                                                    row_bytes,
-                                                                    errors,
-                                                                    kErrLocOutOfRange,
-                                                                    /*programmatic_dependent=*/false,
-                                                                    stream);
+  // src rows are taken in order: no src index (its type is irrelevant; LocT keeps the instantiation single).
+  const detail::RowCopy<LocT, LocT> rows{
+      src, num_rows, src_row_stride, nullptr, dst, dst_rows, dst_row_stride, dst_loc, num_rows, row_bytes, errors,
+      kErrLocOutOfRange};
+  return detail::launch_copy_rows</*kGatherSrc=*/false>(rows, /*programmatic_dependent=*/false, stream);
 }
 
 #define SGLANG_CPKV_INSTANTIATE_SCATTER_ROWS(T)                                                           \

@@ -25,12 +25,11 @@ from sglang_cpkv.ops.errors import (
     ERR_LOC_OUT_OF_RANGE,
     ERR_PAGE_OUT_OF_RANGE,
     ERR_REQ_OUT_OF_RANGE,
-    NUM_ERROR_KINDS,
     CpSharedKvError,
     new_error_counter,
 )
 from sglang_cpkv.ops.reference import PageInverse
-from sglang_cpkv.testing.batches import ROW_LAYOUTS, assert_same_inverse, flat_slots, inverse_table
+from sglang_cpkv.testing.batches import ROW_LAYOUTS, assert_same_inverse, error_counts, flat_slots, inverse_table
 from sglang_cpkv.testing.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=120, stage="cpkv", runner_config="1-gpu")
@@ -247,8 +246,7 @@ def test_build_page_inverse_counts_negative_slots(cuda_ops):
     entry_slots = torch.tensor([-2, 5, 1, -1, -3, -1], dtype=torch.int32, device=DEVICE)
     want, want_errors = _run(reference, "build_page_inverse", entry_pages, entry_req, 2, 12, entry_slots=entry_slots)
     have, have_errors = _run(cuda_ops, "build_page_inverse", entry_pages, entry_req, 2, 12, entry_slots=entry_slots)
-    expected = [0] * NUM_ERROR_KINDS
-    expected[ERR_PAGE_OUT_OF_RANGE] = 2
+    expected = error_counts(page=2)
     assert have_errors.tolist() == want_errors.tolist() == expected
     _assert_same_bytes(have, want, "inverse")
     assert int(have[3]) == -1 and int(have[12 + 8]) == -1  # the bad entries' keys stay absent

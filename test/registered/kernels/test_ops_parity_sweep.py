@@ -21,33 +21,16 @@ import torch
 from sglang_cpkv import ops
 from sglang_cpkv.ops import reference
 from sglang_cpkv.ops.errors import (
-    ERR_LOC_OUT_OF_RANGE,
-    ERR_PAGE_OUT_OF_RANGE,
-    ERR_REQ_OUT_OF_RANGE,
-    NUM_ERROR_KINDS,
     new_error_counter,
 )
-from sglang_cpkv.testing.batches import (
-    ROW_LAYOUTS,
-    BatchCase,
-    check_against_truth,
-    flat_slots,
-    inverse_table,
-    padded_page_table,
-    random_rows,
-    random_topk,
-    run_case_on_ranks,
-    same_bytes,
-    sparse_case,
-    topk_locs,
-)
+from sglang_cpkv.testing import batches
 from sglang_cpkv.testing.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=60, stage="cpkv", runner_config="1-gpu")
 
 BATCH_ROWS = [1, 2, 3, 4, 8]
 PAGE_SIZES = [16, 64]
-LAYOUTS = sorted(ROW_LAYOUTS)
+LAYOUTS = sorted(batches.ROW_LAYOUTS)
 PATTERNS = ["dense", "masked"]
 PROVIDERS = ["triton", "cuda"]
 
@@ -84,18 +67,18 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _pipeline_runs(case: BatchCase, layout: str, provider: str, monkeypatch, *, layer_ahead: bool, topk: int):
+def _pipeline_runs(case: batches.BatchCase, layout: str, provider: str, monkeypatch, *, layer_ahead: bool, topk: int):
     """Every rank's pipeline results on the reference and on ``provider``; both checked against the truth."""
     _provider(provider)  # skips when the provider cannot run here
-    pool = random_rows(case.capacity * case.page_size, layout, _gen(case.capacity))
-    current = random_rows(case.num_tokens, layout, _gen(case.num_tokens))
-    locs, positions = random_topk(case, topk, seed=case.num_tokens)
+    pool = batches.random_rows(case.capacity * case.page_size, layout, _gen(case.capacity))
+    current = batches.random_rows(case.num_tokens, layout, _gen(case.num_tokens))
+    locs, positions = batches.random_topk(case, topk, seed=case.num_tokens)
     runs = []
     for backend in ("torch", provider):
         monkeypatch.setenv(ops.BACKEND_ENV, backend)
-        results = run_case_on_ranks(case, pool, current, locs, "cuda", layer_ahead=layer_ahead)
+        results = batches.run_case_on_ranks(case, pool, current, locs, "cuda", layer_ahead=layer_ahead)
         monkeypatch.setenv(ops.BACKEND_ENV, "torch")  # the truth's host plans run on the CPU
-        problems = check_against_truth(case, pool, current, positions, results)
+        problems = batches.check_against_truth(case, pool, current, positions, results)
         assert problems == [], f"{backend}: {problems[:4]}"
         runs.append(results)
     out_locs = case.out_cache_loc()
@@ -104,7 +87,7 @@ def _pipeline_runs(case: BatchCase, layout: str, provider: str, monkeypatch, *, 
     for rank, (ref, got) in enumerate(zip(*runs)):
         for field in fields:
             a, b = getattr(ref, field), getattr(got, field)
-            if not same_bytes(a, b):
+            if not batches.same_bytes(a, b):
                 diff = (a.contiguous().view(torch.uint8) != b.contiguous().view(torch.uint8)).nonzero()
                 raise AssertionError(f"rank {rank} {field}: {diff.shape[0]} bytes differ, first at {diff[:4].tolist()}")
 
@@ -117,7 +100,7 @@ def _pipeline_runs(case: BatchCase, layout: str, provider: str, monkeypatch, *, 
 def test_layer_pipeline_parity(batch_rows, page_size, layout, pattern, provider, monkeypatch):
     seed = batch_rows * 1000 + page_size * 10 + LAYOUTS.index(layout) * 2 + PATTERNS.index(pattern)
     # Sparse page sets from a 512-page pool, page 3 shared by every request.
-    base = sparse_case(batch_rows, page_size, 512, 24, _gen(seed), shared_pages=(3,))
+    base = batches.sparse_case(batch_rows, page_size, 512, 24, _gen(seed), shared_pages=(3,))
     cp = 2 if pattern == "masked" else 1
     case = base.on_cp(cp)
     _pipeline_runs(case, layout, provider, monkeypatch, layer_ahead=cp > 1, topk=64)
@@ -128,7 +111,7 @@ def test_layer_pipeline_parity(batch_rows, page_size, layout, pattern, provider,
 @pytest.mark.parametrize("batch_rows", [3, 8])
 def test_cp_split_shapes(batch_rows, cp_size, provider, monkeypatch):
     """Each rank remaps and fills its interleave share (rows padded with -1 to a common length)."""
-    base = sparse_case(batch_rows, 64, 256, 6, _gen(cp_size * 10 + batch_rows), shared_pages=(5,))
+    base = batches.sparse_case(batch_rows, 64, 256, 6, _gen(cp_size * 10 + batch_rows), shared_pages=(5,))
     case = base.on_cp(cp_size)
     _pipeline_runs(case, "fp8_packed", provider, monkeypatch, layer_ahead=True, topk=33)
 
@@ -143,10 +126,10 @@ def test_shared_page_regression(provider):
     for backend in (reference, impl):
         errors = new_error_counter("cuda")
         gen = _gen(9)
-        pool = random_rows(capacity * page_size, "bf16", gen, "cuda")
-        dense = random_rows(4 * page_size, "bf16", gen, "cuda")
-        current = random_rows(8, "bf16", gen, "cuda")
-        inverse = backend.build_page_inverse(*flat_slots(table), 2, capacity, errors)
+        pool = batches.random_rows(capacity * page_size, "bf16", gen, "cuda")
+        dense = batches.random_rows(4 * page_size, "bf16", gen, "cuda")
+        current = batches.random_rows(8, "bf16", gen, "cuda")
+        inverse = backend.build_page_inverse(*batches.flat_slots(table), 2, capacity, errors)
         backend.copy_pages(
             pool.view(capacity, -1),
             table.view(-1),
@@ -158,13 +141,13 @@ def test_shared_page_regression(provider):
         req = torch.tensor([0] * 4 + [1] * 4, device="cuda")
         dense_locs = backend.remap_locs(locs, req, inverse, page_size, errors)
         backend.scatter_rows(current, dense_locs, dense, errors)
-        results.append((inverse_table(inverse), dense_locs, dense, errors))
+        results.append((batches.inverse_table(inverse), dense_locs, dense, errors))
     for a, b in zip(*results):
-        assert same_bytes(a, b)
+        assert batches.same_bytes(a, b)
     *_, dense_locs, dense, errors = results[1]
     assert dense_locs.tolist() == [124, 125, 126, 127, 252, 253, 254, 255]
     assert errors.tolist() == [0, 0, 0, 0]
-    assert same_bytes(dense[124:128], current[:4]) and same_bytes(dense[252:256], current[4:])
+    assert batches.same_bytes(dense[124:128], current[:4]) and batches.same_bytes(dense[252:256], current[4:])
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -174,11 +157,11 @@ def test_bad_ids_dropped_and_counted(provider):
     for backend in (reference, impl):
         errors = new_error_counter("cuda")
         table = torch.tensor([[3, 12, -1], [-7, 2, 40]], dtype=torch.int32, device="cuda")
-        inverse = backend.build_page_inverse(*flat_slots(table), 2, 12, errors)
+        inverse = backend.build_page_inverse(*batches.flat_slots(table), 2, 12, errors)
         locs = torch.tensor([[200, 48 * 4, -1], [8, 9, 10]], dtype=torch.int32, device="cuda")
         backend.remap_locs(locs, torch.tensor([0, 5], device="cuda"), inverse, 4, errors)
-        src = random_rows(3, "fp8_packed", _gen(1), "cuda")
-        guard = random_rows(6, "fp8_packed", _gen(2), "cuda")
+        src = batches.random_rows(3, "fp8_packed", _gen(1), "cuda")
+        guard = batches.random_rows(6, "fp8_packed", _gen(2), "cuda")
         before = guard.clone()
         backend.scatter_rows(src, torch.tensor([4, 1, -9], device="cuda"), guard[1:5], errors)
         backend.copy_pages(
@@ -188,15 +171,14 @@ def test_bad_ids_dropped_and_counted(provider):
             torch.tensor([4, 0], dtype=torch.int32, device="cuda"),
             errors,
         )
-        assert same_bytes(guard[0], before[0]) and same_bytes(guard[5], before[5])
+        assert batches.same_bytes(guard[0], before[0]) and batches.same_bytes(guard[5], before[5])
         counts.append((errors.tolist(), guard))
     (ref_err, ref_guard), (got_err, got_guard) = counts
-    expected = [0] * NUM_ERROR_KINDS
-    expected[ERR_PAGE_OUT_OF_RANGE] = 3 + 2 + 2  # inverse: 12, -7, 40; remap: 200, 192 (C = 12); copy: 4 (dst), 3 (src)
-    expected[ERR_REQ_OUT_OF_RANGE] = 3  # request 5 of 2, three real locations
-    expected[ERR_LOC_OUT_OF_RANGE] = 2  # 4 (= M) and -9
+    # page: inverse 12, -7, 40; remap 200, 192 (C = 12); copy 4 (dst), 3 (src). req: request 5 of 2, three real
+    # locations. loc: 4 (= M) and -9.
+    expected = batches.error_counts(page=3 + 2 + 2, req=3, loc=2)
     assert got_err == ref_err == expected
-    assert same_bytes(ref_guard, got_guard)
+    assert batches.same_bytes(ref_guard, got_guard)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -205,26 +187,26 @@ def test_realistic_sizes(provider):
     4096 x 2048 int32 top-k, and a history materialize + fill of 656-byte rows."""
     impl = _provider(provider)
     gen = _gen(42)
-    case = sparse_case(8, 64, 40960, 1024, gen)
+    case = batches.sparse_case(8, 64, 40960, 1024, gen)
     outputs = []
     for backend in (reference, impl):
         errors = new_error_counter("cuda")
-        table = padded_page_table(case, 1024).cuda()
-        inverse = backend.build_page_inverse(*flat_slots(table), 8, 40960, errors)
-        tk_locs, tk_req = topk_locs(case, 4096, 2048, _gen(43))
+        table = batches.padded_page_table(case, 1024).cuda()
+        inverse = backend.build_page_inverse(*batches.flat_slots(table), 8, 40960, errors)
+        tk_locs, tk_req = batches.topk_locs(case, 4096, 2048, _gen(43))
         topk = backend.remap_locs(tk_locs.to(torch.int32).cuda(), tk_req.cuda(), inverse, 64, errors)
-        pool = random_rows(4096 * 64, "fp8_packed", _gen(44), "cuda").view(4096, -1)
+        pool = batches.random_rows(4096 * 64, "fp8_packed", _gen(44), "cuda").view(4096, -1)
         dense = torch.zeros(2048, 64 * 656, dtype=torch.uint8, device="cuda")
         src_page = torch.randint(0, 4096, (2048,), generator=_gen(45), dtype=torch.int32).cuda()
         dst_page = torch.randperm(2048, generator=_gen(46)).to(torch.int32).cuda()
         backend.copy_pages(pool, src_page, dense, dst_page, errors)
-        rows = random_rows(50000, "fp8_packed", _gen(47), "cuda")
+        rows = batches.random_rows(50000, "fp8_packed", _gen(47), "cuda")
         backend.scatter_rows(
             rows, torch.randperm(2048 * 64, generator=_gen(48))[:50000].cuda(), dense.view(-1, 656), errors
         )
-        outputs.append((inverse_table(inverse), topk, dense, errors))
+        outputs.append((batches.inverse_table(inverse), topk, dense, errors))
     for a, b in zip(*outputs):
-        assert same_bytes(a, b)
+        assert batches.same_bytes(a, b)
     assert outputs[1][-1].tolist() == [0, 0, 0, 0]
 
 

@@ -12,6 +12,7 @@ import sys
 # Triton chooses the interpreter when a kernel is defined: set it before sglang_cpkv.ops.triton.
 os.environ["TRITON_INTERPRET"] = "1"
 
+import inspect
 import logging
 from dataclasses import replace
 
@@ -21,11 +22,8 @@ import torch
 from sglang_cpkv import ops
 from sglang_cpkv.ops import reference
 from sglang_cpkv.ops import triton as triton_ops
+from sglang_cpkv.ops.cuda import OP_NAMES
 from sglang_cpkv.ops.errors import (
-    ERR_LOC_OUT_OF_RANGE,
-    ERR_PAGE_OUT_OF_RANGE,
-    ERR_REQ_OUT_OF_RANGE,
-    NUM_ERROR_KINDS,
     CpSharedKvError,
     new_error_counter,
 )
@@ -34,6 +32,7 @@ from sglang_cpkv.testing.batches import (
     assert_same_inverse,
     check_against_truth,
     current_locs,
+    error_counts,
     flat_slots,
     inverse_table,
     padded_page_table,
@@ -100,9 +99,7 @@ def test_build_page_inverse_counts_bad_ids_and_repeated_pages(block):
     (ref, ref_err), (tri, tri_err) = _both(
         "build_page_inverse", entry_pages, entry_req, 2, 12, kwargs={"entry_slots": entry_slots}, block=block
     )
-    expected = [0] * NUM_ERROR_KINDS
-    expected[ERR_PAGE_OUT_OF_RANGE] = 3  # 12, -7 and the second page 3 of request 0
-    expected[ERR_REQ_OUT_OF_RANGE] = 1
+    expected = error_counts(page=3, req=1)  # pages 12, -7 and the second page 3 of request 0
     assert tri_err.tolist() == ref_err.tolist() == expected
     # The repeated page keeps its first entry's slot.
     assert torch.equal(ref, tri) and int(tri[3]) == 0 and tri[12 + 2] == 4 and int((tri >= 0).sum()) == 2
@@ -201,8 +198,7 @@ def test_build_page_inverse_counts_negative_slots(block):
     (ref, ref_err), (tri, tri_err) = _both(
         "build_page_inverse", entry_pages, entry_req, 2, 12, kwargs={"entry_slots": entry_slots}, block=block
     )
-    expected = [0] * NUM_ERROR_KINDS
-    expected[ERR_PAGE_OUT_OF_RANGE] = 2
+    expected = error_counts(page=2)
     assert tri_err.tolist() == ref_err.tolist() == expected
     assert same_bytes(ref, tri)
     assert int(tri[3]) == -1 and int(tri[12 + 8]) == -1  # the bad entries' keys stay absent
@@ -257,11 +253,9 @@ def test_remap_counts_bad_request_and_page_ids():
     req = torch.tensor([0, -1, 7, -3, 1, 0])
     (ref, ref_err), (tri, tri_err) = _both("remap_locs", locs, req, inverse, 4)
     assert torch.equal(ref, tri)
-    expected = [0] * NUM_ERROR_KINDS
-    # request 7's row: two locations (its -1 is padding); request -3's: three (-5 is no padding)
-    expected[ERR_REQ_OUT_OF_RANGE] = 5
-    # loc 48 (page 12) and loc 50 (page 12) with C = 12; locs -2 and -64 (only -1 is padding)
-    expected[ERR_PAGE_OUT_OF_RANGE] = 4
+    # req: request 7's row, two locations (its -1 is padding); request -3's, three (-5 is no padding).
+    # page: loc 48 (page 12) and loc 50 (page 12) with C = 12; locs -2 and -64 (only -1 is padding).
+    expected = error_counts(req=5, page=4)
     assert tri_err.tolist() == ref_err.tolist() == expected
     assert tri[0].tolist() == [0, -1, -1] and tri[4].tolist() == [-1, -1, 15]  # page 11: not request 1's
     assert tri[5].tolist() == [-1, -1, -1]
@@ -340,8 +334,7 @@ def test_scatter_rows_byte_exact_and_bounded(layout, index_dtype, block_rows):
         outs.append((buffer, errors))
     (ref, ref_err), (tri, tri_err) = outs
     assert same_bytes(ref, tri)
-    expected = [0] * NUM_ERROR_KINDS
-    expected[ERR_LOC_OUT_OF_RANGE] = 2  # 12 (= M) and -4
+    expected = error_counts(loc=2)  # 12 (= M) and -4
     assert tri_err.tolist() == ref_err.tolist() == expected
     assert same_bytes(tri[1 + 11], src[3])
 
@@ -497,6 +490,23 @@ def test_shared_partial_page_keeps_each_request_its_own_rows(backend, monkeypatc
 
 
 # --- dispatcher --------------------------------------------------------------------------------
+
+
+def test_every_backend_takes_the_operands_of_the_contract():
+    """One typed signature per op (the reference's): the dispatcher's public op carries it, and every backend's function
+    takes the same operands, names, order and defaults, or is refused when its module is imported."""
+    for name in OP_NAMES:
+        spec = getattr(reference, name)
+        assert inspect.signature(getattr(ops, name)) == inspect.signature(spec)
+        assert getattr(ops, name).__doc__ == spec.__doc__
+    with pytest.raises(TypeError, match=r"takes \['src', 'dst_loc', 'errors'\], the contract's scatter_rows takes"):
+        reference.implements(reference.scatter_rows)(lambda src, dst_loc, errors: None)
+    with pytest.raises(TypeError, match="the contract's build_page_inverse"):  # a default dropped
+        reference.implements(reference.build_page_inverse)(
+            lambda entry_pages, entry_req, num_requests, capacity, errors, entry_slots: None
+        )
+    knobs = reference.implements(reference.copy_pages)(lambda src, src_page, dst, dst_page, errors, *, block=0: None)
+    assert knobs.__name__ == "<lambda>"  # keyword-only tuning knobs may follow the operands
 
 
 def test_forced_backend_setting(monkeypatch):

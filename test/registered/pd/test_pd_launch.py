@@ -26,20 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_cpkv.pd_launch import (
-    ALL_CP_RANKS_TRANSFER_ENV,
-    CP_SHARED_KV_FLAG,
-    ENV_DEFAULTS,
-    ROLES,
-    PDConfig,
-    PDLaunchError,
-    build_command,
-    dry_run,
-    role_env,
-    router_args,
-    server_args,
-    shell_command,
-)
+from sglang_cpkv import pd_launch
 from sglang_cpkv.pd_launch.redaction import (
     REDACTED,
     StreamScrubber,
@@ -62,13 +49,13 @@ SECRETS = {"PD_PREFILL_EXTRA_ARGS": "--api-key sekrit-api-1 --admin-api-key=sekr
 SECRET_VALUES = ("sekrit-api-1", "sekrit-admin-2")
 
 
-def cfg(**env) -> PDConfig:
-    return PDConfig.from_env({"PD_PYTHON": sys.executable, **env})
+def cfg(**env) -> pd_launch.PDConfig:
+    return pd_launch.PDConfig.from_env({"PD_PYTHON": sys.executable, **env})
 
 
-def dry_run_text(config: PDConfig, roles=ROLES) -> str:
+def dry_run_text(config: pd_launch.PDConfig, roles=pd_launch.ROLES) -> str:
     out = io.StringIO()
-    dry_run(roles, config, out=out)
+    pd_launch.dry_run(roles, config, out=out)
     return out.getvalue()
 
 
@@ -77,7 +64,7 @@ def dry_run_text(config: PDConfig, roles=ROLES) -> str:
 
 def test_default_deployment_is_accepted_by_upstream_parsers_and_prints_no_secret():
     text = dry_run_text(cfg(**SECRETS))
-    prefill = build_command("prefill", cfg())
+    prefill = pd_launch.build_command("prefill", cfg())
     assert prefill[1:3] == ["-m", "sglang.launch_server"]
     for flag in (
         "--enable-prefill-cp",
@@ -89,8 +76,8 @@ def test_default_deployment_is_accepted_by_upstream_parsers_and_prints_no_secret
         assert flag in prefill
     assert prefill[prefill.index("--attn-cp-size") + 1] == "8"
     assert prefill[prefill.index("--disaggregation-mode") + 1] == "prefill"
-    assert CP_SHARED_KV_FLAG not in prefill  # opt-in only
-    assert "--attn-cp-size" not in build_command("decode", cfg())  # upstream refuses CP on decode
+    assert pd_launch.CP_SHARED_KV_FLAG not in prefill  # opt-in only
+    assert "--attn-cp-size" not in pd_launch.build_command("decode", cfg())  # upstream refuses CP on decode
     for role in ("prefill", "decode"):
         assert f"# {role}: flags accepted by upstream's ServerArgs parser" in text
         # The hub model's config.json is not on this machine: said, not silently skipped.
@@ -102,14 +89,19 @@ def test_default_deployment_is_accepted_by_upstream_parsers_and_prints_no_secret
 
 def test_cp_shared_kv_flag_is_opt_in_and_only_the_prefill_gets_the_all_ranks_variable():
     config = cfg(PD_CP_SHARED_KV="1")
-    assert CP_SHARED_KV_FLAG in build_command("prefill", config)
-    assert CP_SHARED_KV_FLAG not in build_command("decode", config)
+    assert pd_launch.CP_SHARED_KV_FLAG in pd_launch.build_command("prefill", config)
+    assert pd_launch.CP_SHARED_KV_FLAG not in pd_launch.build_command("decode", config)
     # Owner-sharded pages: every prefill CP rank must send; the decode follows the mode the prefill publishes.
-    assert role_env("prefill", config) == {ALL_CP_RANKS_TRANSFER_ENV: "1"}
-    assert shell_command("prefill", config).startswith(f"{ALL_CP_RANKS_TRANSFER_ENV}=1 ")
-    assert role_env("decode", config) == role_env("router", config) == role_env("prefill", cfg()) == {}
-    with pytest.raises(PDLaunchError, match=f"{ALL_CP_RANKS_TRANSFER_ENV}=1 on the prefill"):
-        cfg(PD_CP_SHARED_KV="1", **{ALL_CP_RANKS_TRANSFER_ENV: "0"})
+    assert pd_launch.role_env("prefill", config) == {pd_launch.ALL_CP_RANKS_TRANSFER_ENV: "1"}
+    assert pd_launch.shell_command("prefill", config).startswith(f"{pd_launch.ALL_CP_RANKS_TRANSFER_ENV}=1 ")
+    assert (
+        pd_launch.role_env("decode", config)
+        == pd_launch.role_env("router", config)
+        == pd_launch.role_env("prefill", cfg())
+        == {}
+    )
+    with pytest.raises(pd_launch.PDLaunchError, match=f"{pd_launch.ALL_CP_RANKS_TRANSFER_ENV}=1 on the prefill"):
+        cfg(PD_CP_SHARED_KV="1", **{pd_launch.ALL_CP_RANKS_TRANSFER_ENV: "0"})
 
 
 @pytest.mark.parametrize(
@@ -163,7 +155,7 @@ def test_cp_shared_kv_flag_is_opt_in_and_only_the_prefill_gets_the_all_ranks_var
     ],
 )
 def test_bad_environment_names_the_variable(env, message):
-    with pytest.raises(PDLaunchError, match=re.escape(message)):
+    with pytest.raises(pd_launch.PDLaunchError, match=re.escape(message)):
         cfg(**env)
 
 
@@ -316,9 +308,9 @@ def checked(tmp_path_factory):
     requests = []
     for _, role, settings, _, _ in CHECKS:
         config = cfg(**{k: str(llama) if v == "<llama>" else v for k, v in settings.items()})
-        argv = router_args(config) if role == "router" else server_args(role, config)
-        requests.append({"role": role, "argv": argv, "env": role_env(role, config)})
-    env = {k: v for k, v in os.environ.items() if k != ALL_CP_RANKS_TRANSFER_ENV}
+        argv = pd_launch.router_args(config) if role == "router" else pd_launch.server_args(role, config)
+        requests.append({"role": role, "argv": argv, "env": pd_launch.role_env(role, config)})
+    env = {k: v for k, v in os.environ.items() if k != pd_launch.ALL_CP_RANKS_TRANSFER_ENV}
     proc = subprocess.run(
         [sys.executable, "-m", "sglang_cpkv.pd_launch.startup_check"],
         input=json.dumps({"roles": requests, "gpu_capability": ""}),
@@ -362,8 +354,8 @@ def test_the_dry_run_leaves_infiniband_devices_this_machine_lacks_to_the_role_s_
 def test_a_refusal_reaches_the_user_with_the_servers_message_and_no_secret():
     config = cfg(**CP_SHARED_KV_LOCAL, PD_DSA_PREFILL_BACKEND="trtllm", **SECRETS)
     out = io.StringIO()
-    with pytest.raises(PDLaunchError) as err:
-        dry_run(["prefill"], config, out=out)
+    with pytest.raises(pd_launch.PDLaunchError) as err:
+        pd_launch.dry_run(["prefill"], config, out=out)
     message = str(err.value)
     assert message.startswith("prefill: the server refuses this at start-up: ValueError: --enable-cp-shared-kv: ")
     assert "supports --dsa-prefill-backend" in message and "got 'trtllm'" in message
@@ -436,10 +428,10 @@ def test_documented_env_file_sets_only_settings_the_launcher_reads():
     )
     env = dict(item.split("=", 1) for item in shown if "=" in item)
     pd_vars = {k for k in env if k.startswith("PD_")}
-    assert pd_vars and pd_vars <= set(ENV_DEFAULTS) | {"PD_PYTHON", "PD_LAUNCH_PYTHON", "PD_ENV_FILE"}, sorted(
-        pd_vars - set(ENV_DEFAULTS)
+    assert pd_vars and pd_vars <= set(pd_launch.ENV_DEFAULTS) | {"PD_PYTHON", "PD_LAUNCH_PYTHON", "PD_ENV_FILE"}, (
+        sorted(pd_vars - set(pd_launch.ENV_DEFAULTS))
     )
-    config = PDConfig.from_env(env)
+    config = pd_launch.PDConfig.from_env(env)
     assert (config.prefill_tp, config.prefill_cp, config.decode_tp, config.decode_dp) == (8, 8, 8, 8)
     assert env["NCCL_IB_HCA"].count("roce_vf_rail") == 8
 
@@ -521,9 +513,9 @@ def test_up_starts_all_three_roles_in_order_and_stop_ends_them(stub_env, tmp_pat
     up = launch(PD / "up.sh", env=env)
     assert up.returncode == 0, up.stderr
     assert [line for line in up.stderr.splitlines() if "is healthy" in line] == [
-        f"[pd_launch] {r} is healthy" for r in ROLES
+        f"[pd_launch] {r} is healthy" for r in pd_launch.ROLES
     ]
-    records = {r: json.loads((tmp_path / "logs" / f"{r}.pid").read_text()) for r in ROLES}
+    records = {r: json.loads((tmp_path / "logs" / f"{r}.pid").read_text()) for r in pd_launch.ROLES}
     assert "-m sglang_router.launch_router --pd-disaggregation" in " ".join(records["router"]["argv"])
     assert launch(PD / "stop.sh", env=env).returncode == 0
     deadline = time.monotonic() + 10

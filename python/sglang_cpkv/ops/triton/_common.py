@@ -39,6 +39,13 @@ def check_index(name: str, index: torch.Tensor, device: torch.device, dims: tupl
     return index.contiguous()
 
 
+def word_rows(src: torch.Tensor, dst: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """What a row-copy kernel takes: ``src`` and ``dst`` as ``[rows, words]`` of their widest common integer word
+    (byte-exact, :func:`as_words`), that word's bytes, and the alignment in words of every row start of both."""
+    src_words, dst_words, word_bytes = as_words(as_rows("src", src), as_rows("dst", dst))
+    return src_words, dst_words, word_bytes, alignment_words(word_bytes, src_words.stride(0), dst_words.stride(0))
+
+
 def as_rows(name: str, t: torch.Tensor) -> torch.Tensor:
     """``t`` as ``[rows, elems]`` without a copy (a copy of a destination would lose the writes)."""
     if t.dim() < 2:

@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from sglang_cpkv.ops.errors import ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE
-from sglang_cpkv.ops.reference import EMPTY_KEY, HASH_MULTIPLIER, PageInverse, inverse_table_size
+from sglang_cpkv.ops.reference import EMPTY_KEY, HASH_MULTIPLIER, PageInverse, implements, inverse_table_size
+from sglang_cpkv.ops.reference import build_page_inverse as contract
 from sglang_cpkv.ops.triton._common import check_errors, check_index, next_power_of_2
 
 # GPU: 128 entries per program: a program's probe loop runs until its slowest lane is done, so smaller programs wait
@@ -149,16 +150,9 @@ def _owner_slots_kernel(
     tl.store(slots_ptr + cell, slot, mask=in_range)
 
 
+@implements(contract)
 def build_page_inverse(
-    entry_pages: torch.Tensor,
-    entry_req: torch.Tensor,
-    num_requests: int,
-    capacity: int,
-    errors: torch.Tensor,
-    entry_slots: torch.Tensor | None = None,
-    *,
-    block: int = 0,
-    num_warps: int = 4,
+    entry_pages, entry_req, num_requests, capacity, errors, entry_slots=None, *, block: int = 0, num_warps: int = 4
 ) -> PageInverse:
     """Per-request page inverse (contract: :func:`sglang_cpkv.ops.reference.build_page_inverse`).
 

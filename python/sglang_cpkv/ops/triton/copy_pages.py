@@ -10,19 +10,17 @@ moves no bytes (its loads and stores are masked off).
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from sglang_cpkv.ops.errors import ERR_PAGE_OUT_OF_RANGE
-from sglang_cpkv.ops.reference import check_page_pairs
+from sglang_cpkv.ops.reference import check_page_pairs, implements
+from sglang_cpkv.ops.reference import copy_pages as contract
 from sglang_cpkv.ops.triton._common import (
-    alignment_words,
-    as_rows,
-    as_words,
     check_errors,
     check_index,
     next_power_of_2,
+    word_rows,
 )
 
 # GPU: 4 KiB per program (512 8-byte words; 4 warps: two 16-byte accesses per thread). H200,
@@ -67,16 +65,8 @@ def _copy_pages_kernel(
     tl.store(dst_ptr + dst_row + words, values, mask=mask)
 
 
-def copy_pages(
-    src: torch.Tensor,
-    src_page: torch.Tensor,
-    dst: torch.Tensor,
-    dst_page: torch.Tensor,
-    errors: torch.Tensor,
-    *,
-    block_words: int = 0,
-    num_warps: int = 4,
-) -> None:
+@implements(contract)
+def copy_pages(src, src_page, dst, dst_page, errors, *, block_words: int = 0, num_warps: int = 4) -> None:
     """Copy whole pages (contract: :func:`sglang_cpkv.ops.reference.copy_pages`).
 
     Args:
@@ -96,7 +86,7 @@ def copy_pages(
     dst_page = check_index("dst_page", dst_page, device)
     check_errors(errors, device)
     n_pairs = src_page.numel()
-    src_words, dst_words, word_bytes = as_words(as_rows("src", src), as_rows("dst", dst))
+    src_words, dst_words, word_bytes, align = word_rows(src, dst)
     page_words = src_words.shape[1]
     if n_pairs == 0 or page_words == 0:
         return
@@ -116,7 +106,7 @@ def copy_pages(
         src_words.stride(0),
         dst_words.stride(0),
         page_words,
-        ALIGN=alignment_words(word_bytes, src_words.stride(0), dst_words.stride(0)),
+        ALIGN=align,
         BLOCK_WORDS=block_words,
         ERR_PAGE=ERR_PAGE_OUT_OF_RANGE,
         num_warps=num_warps,

@@ -7,20 +7,13 @@ current row overwrites the copied page it lands in; only the CUDA backend fuses 
 
 from __future__ import annotations
 
-import torch
-
+from sglang_cpkv.ops.reference import implements
+from sglang_cpkv.ops.reference import materialize_and_fill as contract
 from sglang_cpkv.ops.triton.copy_pages import copy_pages
 from sglang_cpkv.ops.triton.scatter_rows import scatter_rows
 
 
-def materialize_and_fill(
-    pool: torch.Tensor,
-    src_page: torch.Tensor,
-    dense: torch.Tensor,
-    dst_page: torch.Tensor,
-    current: torch.Tensor,
-    dst_loc: torch.Tensor,
-    errors: torch.Tensor,
-) -> None:
+@implements(contract)
+def materialize_and_fill(pool, src_page, dense, dst_page, current, dst_loc, errors) -> None:
     copy_pages(pool, src_page, dense, dst_page, errors)
     scatter_rows(current, dst_loc, dense.view(-1, *current.shape[1:]), errors)

@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 from sglang_cpkv.ops.errors import ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE
-from sglang_cpkv.ops.reference import EMPTY_KEY, HASH_MULTIPLIER, PageInverse
+from sglang_cpkv.ops.reference import EMPTY_KEY, HASH_MULTIPLIER, implements
+from sglang_cpkv.ops.reference import remap_locs as contract
 from sglang_cpkv.ops.triton._common import check_errors, check_index, next_power_of_2
 from sglang_cpkv.ops.triton.build_page_inverse import find_cells
 
@@ -77,16 +78,9 @@ def _remap_locs_kernel(
     tl.atomic_add(errors_ptr + ERR_PAGE, n_bad_page, mask=n_bad_page > 0)
 
 
+@implements(contract)
 def remap_locs(
-    locs: torch.Tensor,
-    req_id: torch.Tensor,
-    inverse: PageInverse,
-    page_size: int,
-    errors: torch.Tensor,
-    *,
-    block_n: int = 0,
-    block_k: int = 0,
-    num_warps: int = 0,
+    locs, req_id, inverse, page_size, errors, *, block_n: int = 0, block_k: int = 0, num_warps: int = 0
 ) -> torch.Tensor:
     """Map token locations to dense locations (contract: :func:`sglang_cpkv.ops.reference.remap_locs`).
 

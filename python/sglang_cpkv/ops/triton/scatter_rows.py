@@ -10,19 +10,17 @@ row offsets, the copies use 16-byte accesses even for 82-word (656-byte) rows.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE
-from sglang_cpkv.ops.reference import check_row_scatter
+from sglang_cpkv.ops.reference import check_row_scatter, implements
+from sglang_cpkv.ops.reference import scatter_rows as contract
 from sglang_cpkv.ops.triton._common import (
-    alignment_words,
-    as_rows,
-    as_words,
     check_errors,
     check_index,
     next_power_of_2,
+    word_rows,
 )
 
 # GPU: 8 rows per program, at most 1024 words per row step. H200, 2026-11-30
@@ -68,15 +66,8 @@ def _scatter_rows_kernel(
         tl.store(dst_ptr + dst_row + words, values, mask=mask)
 
 
-def scatter_rows(
-    src: torch.Tensor,
-    dst_loc: torch.Tensor,
-    dst: torch.Tensor,
-    errors: torch.Tensor,
-    *,
-    block_rows: int = 0,
-    num_warps: int = 4,
-) -> None:
+@implements(contract)
+def scatter_rows(src, dst_loc, dst, errors, *, block_rows: int = 0, num_warps: int = 4) -> None:
     """Scatter rows (contract: :func:`sglang_cpkv.ops.reference.scatter_rows`).
 
     Args:
@@ -92,7 +83,7 @@ def scatter_rows(
     device = dst.device
     dst_loc = check_index("dst_loc", dst_loc, device)
     check_errors(errors, device)
-    src_words, dst_words, word_bytes = as_words(as_rows("src", src), as_rows("dst", dst))
+    src_words, dst_words, _, align = word_rows(src, dst)
     n_rows, row_words = src_words.shape
     if n_rows == 0 or row_words == 0:
         return
@@ -112,7 +103,7 @@ def scatter_rows(
         src_words.stride(0),
         dst_words.stride(0),
         ROW_WORDS=row_words,
-        ALIGN=alignment_words(word_bytes, src_words.stride(0), dst_words.stride(0)),
+        ALIGN=align,
         BLOCK_ROWS=block_rows,
         BLOCK_WORDS=block_words,
         ERR_LOC=ERR_LOC_OUT_OF_RANGE,
