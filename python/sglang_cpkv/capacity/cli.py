@@ -78,6 +78,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-history", type=int, default=8192, help="history tokens per request of the batch")
     p.add_argument("--batch-extend", type=int, default=1024, help="current tokens per request of the batch")
     p.add_argument("--history-sweep", default="2048,8192,32768,131072", help="histories of the plot's right panel")
+    p.add_argument(
+        "--hicache-ratio",
+        type=float,
+        help="report the HiCache host tier (--enable-hierarchical-cache) of this host-to-device ratio per rank",
+    )
+    p.add_argument(
+        "--hicache-size", type=float, default=0, help="report the HiCache host tier of this many GB per rank"
+    )
     p.add_argument("--json", type=Path, help="write one object per cp here")
     p.add_argument("--plot", type=Path, help="write the plot here (PNG; needs matplotlib)")
     return p
@@ -123,6 +131,8 @@ def inputs_of(args: argparse.Namespace):
         weights_bytes_per_gpu=weights,
         kv_budget_bytes=None if args.kv_budget_gib is None else int(args.kv_budget_gib * GIB),
         mem_fraction_static=args.mem_fraction_static,
+        hicache_ratio=args.hicache_ratio,
+        hicache_size_gb=args.hicache_size,
         context_length=args.context_length,
         chunked_prefill_size=args.chunked_prefill_size,
         max_batch_tokens=args.cp_shared_kv_max_batch_tokens,

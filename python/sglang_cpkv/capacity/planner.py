@@ -116,7 +116,13 @@ class PlanInputs:
     batch_history: int = 8192
     batch_extend: int = 1024
     history_sweep: tuple[int, ...] = (2048, 8192, 32768, 131072)
+    hicache_ratio: float | None = None  # --hicache-ratio (with --enable-hierarchical-cache)
+    hicache_size_gb: float = 0  # --hicache-size (GB of 1e9 bytes per rank; overrides the ratio)
     server_extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def hicache(self) -> bool:
+        return self.hicache_ratio is not None or self.hicache_size_gb > 0
 
 
 def _server(inputs: PlanInputs, cp: int, **extra: Any) -> dict[str, Any]:
@@ -147,6 +153,26 @@ def _node_figures(node: NodeCapacity, request_tokens: int) -> dict[str, Any]:
         "overhead_gib": node.fixed_overhead_bytes / GIB,
         "longest_context": min(node.context_len, node.node_tokens),
         "concurrent_requests": node.node_tokens // need,
+    }
+
+
+def host_tier(node: NodeCapacity, layers: int, ratio: float | None, size_gb: float) -> dict[str, Any]:
+    """The HiCache host pool of one rank as upstream's ``HostKVCache`` sizes it: ``--hicache-size`` GB over the KV host
+    pool's bytes a token (the latent row of every layer), else ``--hicache-ratio`` x the rank's pool tokens, then one
+    padding page; the indexer's host pool holds the same pages' index K. Under the mode each rank's host pool holds
+    the pages it owns (``hooks/hicache.py``), so the node caches ``cp`` x a rank's tokens; a replicated node holds
+    every page on every rank."""
+    kv_token_bytes = node.latent_token_bytes * layers
+    if size_gb > 0:
+        tokens = int(size_gb * 1e9 // kv_token_bytes)
+    else:
+        tokens = int(node.pool_tokens * ratio)
+    tokens = (tokens // node.page_size + 1) * node.page_size
+    distinct = tokens * node.widening if node.reservation is not None else tokens
+    return {
+        "host_tokens_per_rank": tokens,
+        "host_gib_per_rank": tokens * (node.latent_token_bytes + node.index_k_token_bytes) * layers / GIB,
+        "host_tokens_node": distinct,
     }
 
 
@@ -206,6 +232,10 @@ def plan(inputs: PlanInputs, progress: Callable[[str], None] | None = None) -> l
             row["kv_tokens_kv_sharding"] = None if sharded is None else sharded.node_tokens
             row["ratio_kv_sharding"] = None if sharded is None else sharded.node_tokens / replicated.node_tokens
             row["kv_sharding"] = None if sharded is None else _node_figures(sharded, inputs.request_tokens)
+            if inputs.hicache:
+                args = (_layers(inputs), inputs.hicache_ratio, inputs.hicache_size_gb)
+                row["host"] = host_tier(mode, *args) if row["mode_runs"] else None
+                row["replicated"]["host"] = host_tier(replicated, *args)
             reservation = mode.reservation
             row["kv_tokens_at_sharding_cell"] = None
             if sharded is not None and reservation is not None:
@@ -381,6 +411,10 @@ def check_inputs(inputs: PlanInputs) -> None:
         raise ValueError(f"--cp-shared-kv-max-batch-tokens must be >= 1, got {inputs.max_batch_tokens}")
     if not 0 < inputs.mem_fraction_static <= 1:
         raise ValueError(f"--mem-fraction-static must be in (0, 1], got {inputs.mem_fraction_static}")
+    if inputs.hicache_ratio is not None and not (math.isfinite(inputs.hicache_ratio) and inputs.hicache_ratio > 0):
+        raise ValueError(f"--hicache-ratio must be a finite number > 0, got {inputs.hicache_ratio}")
+    if not (math.isfinite(inputs.hicache_size_gb) and inputs.hicache_size_gb >= 0):
+        raise ValueError(f"--hicache-size must be a finite number >= 0, got {inputs.hicache_size_gb}")
     for name in ("chunked_prefill_size", "request_tokens", "batch_requests", "batch_extend"):
         if getattr(inputs, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(inputs, name)}")

@@ -75,6 +75,24 @@ def table(rows: list[dict[str, Any]], title: str, request_tokens: int, notes: li
             "(computed: the mode runs the flashmla routes, not trtllm), to compare like for like."
         )
     lines += list(notes)
+    if "host" in rows[0]:
+        lines.append(
+            "HiCache host tier per rank (--hicache-ratio / --hicache-size), and the distinct tokens the node caches:"
+        )
+        for row in rows:
+            replicated = row["replicated"]["host"]
+            mode = (
+                "refused"
+                if row["host"] is None
+                else (
+                    f"{_k(row['host']['host_tokens_per_rank'])} tokens, {row['host']['host_gib_per_rank']:.1f} GiB a rank, "
+                    f"{_k(row['host']['host_tokens_node'])} on the node"
+                )
+            )
+            lines.append(
+                f"  cp {row['cp']}: mode {mode}; replicated {_k(replicated['host_tokens_per_rank'])} tokens, "
+                f"{replicated['host_gib_per_rank']:.1f} GiB a rank, {_k(replicated['host_tokens_node'])} on the node"
+            )
     for row in rows:
         if row.get("mode_refused"):
             lines.append(f"cp {row['cp']}: the mode is refused at start-up here: {row['mode_refused']}")

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from sglang_cpkv.hooks.cache_write import owned_pool_write_locs
+from sglang_cpkv.hooks.hicache import after_layer_load
 from sglang_cpkv.hooks.settings import FLAG, enabled
 from sglang_cpkv.ops.errors import CpSharedKvError, describe_errors
 from sglang_cpkv.runtime import CpGroup, CpSharedKvPlan, LayerPipeline, PagedKind, as_pages
@@ -179,7 +180,9 @@ class BackendState:
         return PagedKind(
             name=LATENT,
             layers=tuple(range(pool.start_layer, pool.start_layer + pool.layer_num)),
-            pool_pages=lambda layer: as_pages(pool.kv_buffer[layer - pool.start_layer], plan.page_size, "KV pool"),
+            pool_pages=after_layer_load(
+                pool, lambda layer: as_pages(pool.kv_buffer[layer - pool.start_layer], plan.page_size, "KV pool")
+            ),
             buffers=views,
             row_shape=tuple(first.shape[1:]),
             row_dtype=first.dtype,
@@ -199,7 +202,7 @@ class BackendState:
         return PagedKind(
             name=INDEX_K,
             layers=layers,
-            pool_pages=pool.get_index_k_with_scale_buffer,
+            pool_pages=after_layer_load(pool, pool.get_index_k_with_scale_buffer),
             buffers=views,
         )
 

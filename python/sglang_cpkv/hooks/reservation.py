@@ -10,7 +10,8 @@ Called from ``patches/core/reserve-cp-shared-kv-buffers.patch``:
   EAGLE draft on the target).
 * :func:`defers_request` - ``PrefillAdder.add_one_req``, before anything is reserved for the request:
   a request whose dense KV would take the batch past the limit waits for a later batch (history that requests
-  share through the radix tree counts once, as the plan's shared history slots hold it once)
+  share through the radix tree counts once, as the plan's shared history slots hold it once; a HiCache host hit
+  counts as the request's own pages, the fresh page ids it is loaded into)
   (``AddReqResult.OTHER``), against a running tally of the adder's pass (:class:`AdmissionTally`: a candidate costs
   its own radix path). The first request of a batch is never deferred (that would never end); start-up
   validation makes the limit hold one request of the full context length.
@@ -173,9 +174,9 @@ def defers_request(adder: Any, req: Any) -> bool:
     reservation = config.reservation
     end = len(req.full_untruncated_fill_ids)
     if adder.rem_chunk_tokens is not None:
-        # An upper bound: upstream may round the chunk end down to a page. (No HiCache host hit extends the prefix:
-        # start-up refuses HiCache beside the mode.)
-        end = min(end, req.prefix_len + max(adder.rem_chunk_tokens, 0))
+        # An upper bound: upstream may round the chunk end down to a page. A HiCache host hit is loaded back before the
+        # chunk (into fresh page ids: counted as the request's own pages, from its device prefix on).
+        end = min(end, req.prefix_len + req.host_hit_length + max(adder.rem_chunk_tokens, 0))
     tally = admission_tally(adder)
     wanted = tally.with_candidate(req, end) * reservation.page_size
     entries = tally.entries + _pages(end, reservation.page_size)

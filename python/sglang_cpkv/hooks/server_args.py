@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_cpkv.hooks.hicache import validate_hicache_args
 from sglang_cpkv.hooks.settings import DRAFT_SHARED_KV_ENV, FLAG, draft_extends_under_cp
 
 REQUIRED_PAGE_SIZE = 64
@@ -51,21 +52,13 @@ class Refusal:
 
 REFUSED_FEATURES: tuple[Refusal, ...] = (
     Refusal(
-        "--enable-hierarchical-cache",
-        "upstream's sharded host pool (PageInterleaveHostPool, which moves each rank's owned rows only) is built only "
-        "beside a device pool with PageInterleaveKVPoolMixin (build_kv_host_pool), which the mode's DSA pool is not: "
-        "its host copies would be addressed by the widened page ids (cp x a rank's pool pages); and the mode's "
-        "history copy reads the pool without awaiting HiCache's per-layer load (docs/design/cp-shared-kv-hicache.md)",
-        lambda c: bool(c.enable_hierarchical_cache),
-    ),
-    Refusal(
         "--enable-flexkv",
-        "FlexKV loads KV from outside into page ids whose owner rank did not write it (as HiCache does)",
+        "FlexKV loads KV from outside into page ids without the owner narrowing of upstream's sharded HiCache path",
         lambda c: bool(c.enable_flexkv),
     ),
     Refusal(
         "--enable-unified-cache-external-linker",
-        "the linker loads KV from outside into page ids whose owner rank did not write it (as HiCache does)",
+        "the linker loads KV from outside into page ids without the owner narrowing of upstream's sharded HiCache path",
         lambda c: bool(c.enable_unified_cache_external_linker),
     ),
     Refusal(
@@ -355,6 +348,7 @@ def validate_cp_shared_kv_args(server_args: Any) -> None:
     for refusal in REFUSED_FEATURES:
         if refusal.active(cfg):
             _refuse(f"cannot be combined with {refusal.flag}: {refusal.why}")
+    validate_hicache_args(cfg)
     if cfg.disaggregation_transfer_backend not in SUPPORTED_TRANSFER_BACKENDS:
         _refuse(
             f"supports --disaggregation-transfer-backend in {SUPPORTED_TRANSFER_BACKENDS} (the owned-page filter "

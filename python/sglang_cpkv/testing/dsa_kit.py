@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from sglang_cpkv.runtime.ownership import owner_pool_loc, page_owner
-from sglang_cpkv.testing.batches import BatchCase
+from sglang_cpkv.testing.batches import BatchCase, same_bytes
 from sglang_cpkv.testing.upstream_env import set_cp_shared_kv_flag
 
 PAGE = 64
@@ -288,6 +288,28 @@ class KitRun:
     index_k: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> (keys, scales) as the indexer read them
     local_tokens: torch.Tensor  # global token of each real local query row
     pool_after: list[torch.Tensor]  # per layer, this rank's KV pool rows as bytes (KitWorld.pool_rows: their locations)
+
+
+def request_reads(runs_and_cases, layer: int = 0) -> dict:
+    """``{(request, position): (valid, rows)}`` of every query row of the runs (one per CP rank) of one case: what
+    the kernel of ``layer`` read for it."""
+    reads = {}
+    for run, case in runs_and_cases:
+        starts = [sum(case.extend_lens[:r]) for r in range(case.num_requests)]
+        kernel = run.kernel[layer]
+        for i, t in enumerate(run.local_tokens.tolist()):
+            r = max(k for k in range(case.num_requests) if starts[k] <= t)
+            reads[(r, case.prefix_lens[r] + t - starts[r])] = (kernel.valid[i], kernel.rows[i])
+    return reads
+
+
+def assert_reads_alone(batch_reads: dict, alone_reads: dict, what: str) -> None:
+    """Every query row of a batch read the bytes the same request's row read in its run alone."""
+    assert batch_reads.keys() == alone_reads.keys(), what
+    for key, (valid, rows) in batch_reads.items():
+        alone_valid, alone_rows = alone_reads[key]
+        assert torch.equal(valid, alone_valid), (what, key)
+        assert same_bytes(rows, alone_rows), f"{what}: request {key[0]} position {key[1]} reads other rows than alone"
 
 
 def _kit_case(up: dict, case: BatchCase, heads: int):

@@ -280,6 +280,26 @@ def test_the_node_figures_are_upstreams_allocator_capacity(planned):
         assert 0 <= row["kv_tokens_replicated"] - row["pool_tokens_per_rank"] <= reserved_tokens + 64
 
 
+@pytest.mark.parametrize("host", [["--hicache-ratio", "2"], ["--hicache-size", "100"]], ids=["ratio", "size"])
+def test_the_host_tier_is_upstreams_host_pool_sizing_per_rank(tmp_path, host):
+    """The HiCache host tier a rank gets (upstream's HostKVCache: --hicache-size GB over 78 layers of the 656-byte
+    latent row, else the ratio x the rank's pool tokens; one padding page) and what the node caches: under the mode
+    each rank's host holds the pages it owns (cp x a rank), replicated CP the same tokens on every rank. Worked out here
+    from GLM-5.1's rows (656 + 132 bytes a token a layer, 78 layers)."""
+    out = tmp_path / "c.json"
+    argv = ["--preset", "glm-5.1-fp8", "--gpu", "h200", "--tp", "8", "--cp", "1,8", *host, "--json", str(out)]
+    assert cli.main(argv) == 0
+    rows = {row["cp"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows[1]["host"] is None  # the mode does not run at cp 1
+    for row, cp in ((rows[8], 8), (rows[8]["replicated"], 1), (rows[1]["replicated"], 1)):
+        pool = row["pool_tokens_per_rank"]
+        tokens = int(100e9 // (656 * 78)) if host[0] == "--hicache-size" else int(pool * 2)
+        tokens = (tokens // 64 + 1) * 64
+        assert row["host"]["host_tokens_per_rank"] == tokens
+        assert row["host"]["host_gib_per_rank"] == pytest.approx(tokens * (656 + 132) * 78 / GIB)
+        assert row["host"]["host_tokens_node"] == cp * tokens
+
+
 def test_the_per_layer_bytes_are_the_floors(planned):
     """cp 8, 8 x 8192 history on distinct pages: each rank packs the 128 distinct pages it owns into its block of the
     dense view and receives the other 7 x 128 over the link, straight into the view (no exchange buffer, no unpack):
@@ -426,6 +446,8 @@ def test_layer_ahead_off_halves_the_views_and_holds_more(planned, tmp_path, monk
         (["--preset", "glm-5.1-fp8", "--kv-budget-gib", "1e12"], "--kv-budget-gib"),
         (["--preset", "glm-5.1-fp8", "--cp-shared-kv-max-batch-tokens", "0"], "--cp-shared-kv-max-batch-tokens"),
         (["--preset", "glm-5.1-fp8", "--batch-requests", "100000000"], "--batch-requests 100000000"),
+        (["--preset", "glm-5.1-fp8", "--hicache-ratio", "0"], "--hicache-ratio"),
+        (["--preset", "glm-5.1-fp8", "--hicache-size", "-1"], "--hicache-size"),
     ],
 )
 def test_bad_inputs_are_refused_naming_the_option(argv, named, capsys):

@@ -351,6 +351,24 @@ def test_a_shared_prompt_counts_once(monkeypatch, limit, admitted):
     assert walked_dense_pages(world.tree_cache, [(r, r.extend_end) for r in adder.can_run_list]) == 3 + admitted
 
 
+@pytest.mark.parametrize("limit_pages, waits", [(1 + 4 + 1, False), (1 + 4, True)])
+def test_a_hicache_host_hit_counts_as_pages_to_load(monkeypatch, limit_pages, waits):
+    """A HiCache host hit (``host_hit_length``, as upstream's match sets it beside the device prefix) is loaded back into
+    fresh page ids before the request's chunk starts: the candidate's dense view counts those pages as its own, before
+    the chunk budget. A chunk of 2 pages: r0 (one page) is admitted, leaving one page of chunk; s0 has no device prefix
+    and a host hit of 4 pages, then its chunk of one page: 1 + 4 + 1 pages (without the hit, 1 + 1)."""
+    world = World(monkeypatch, mode_on=True, chunked_prefill_size=2 * PAGE)
+    publish_limit(limit_pages * PAGE, chunk_tokens=2 * PAGE)
+    first, candidate = make_req("r0", PAGE, 1000), make_req("s0", 8 * PAGE, 9000)
+    adder = world.adder([first, candidate])
+    for req in (first, candidate):
+        req.init_next_round_input(world.tree_cache)
+    assert adder.add_one_req(first, has_chunked_req=False, truncation_align_size=None) == AddReqResult.CONTINUE
+    assert adder.rem_chunk_tokens == PAGE and candidate.prefix_len == 0
+    candidate.host_hit_length = 4 * PAGE
+    assert reservation_hooks.defers_request(adder, candidate) is waits
+
+
 def test_sixteen_requests_on_a_60k_prompt_are_admitted_whole_under_the_default_limit(monkeypatch):
     """The issue's batch: 16 requests of 1K new tokens each on one cached 60K-token prompt, under the default limit
     of the deployment's server (context 202,752, chunk 65,536: 332,800 tokens). Held once, the prompt and the own

@@ -38,8 +38,10 @@ from sglang_cpkv.testing.dsa_kit import (
     PAGE,
     KitRoute,
     KitWorld,
+    assert_reads_alone,
     distinct_page_tables,
     kit_capacity,
+    request_reads,
     write_dsa_model_dir,
 )
 from sglang_cpkv.testing.host_reads import HostReadCounter
@@ -178,26 +180,6 @@ def _sharing_case(cp_size=1):
     return BatchCase(PAGE, capacity, ((4, 9, 2, 7), (4, 9, 2, 5), (7, 3)), (170, 192, 64), (50, 40, 30), cp_size)
 
 
-def _request_reads(runs_and_cases, layer=0):
-    """``{(request, position): (valid, rows)}`` of every query row of the runs (one per CP rank) of one case."""
-    reads = {}
-    for run, case in runs_and_cases:
-        starts = [sum(case.extend_lens[:r]) for r in range(case.num_requests)]
-        kernel = run.kernel[layer]
-        for i, t in enumerate(run.local_tokens.tolist()):
-            r = max(k for k in range(case.num_requests) if starts[k] <= t)
-            reads[(r, case.prefix_lens[r] + t - starts[r])] = (kernel.valid[i], kernel.rows[i])
-    return reads
-
-
-def _assert_reads_alone(batch_reads, alone_reads, what):
-    assert batch_reads.keys() == alone_reads.keys(), what
-    for key, (valid, rows) in batch_reads.items():
-        alone_valid, alone_rows = alone_reads[key]
-        assert torch.equal(valid, alone_valid), (what, key)
-        assert same_bytes(rows, alone_rows), f"{what}: request {key[0]} position {key[1]} reads other rows than alone"
-
-
 @pytest.mark.parametrize("route_name", [*ROUTES, "flashmla_sparse-fp8-ragged-indexshare"])
 def test_sharing_patterns_read_what_each_request_reads_alone(route_name):
     from sglang_cpkv.testing.batches import HISTORY_WRITTEN, SHARED_HISTORY, SHARED_REUSE, sharing_patterns
@@ -225,8 +207,8 @@ def test_sharing_patterns_read_what_each_request_reads_alone(route_name):
             solo = _world(route, SHARED_SHAPE, True)
             solo.write_history(solo_case)
             run = solo.forward(solo_case)
-            alone.update({(r, p): v for (_, p), v in _request_reads([(run, solo_case)], layer).items()})
-        _assert_reads_alone(_request_reads([(batch, case)], layer), alone, f"{route_name} layer {layer}")
+            alone.update({(r, p): v for (_, p), v in request_reads([(run, solo_case)], layer).items()})
+        assert_reads_alone(request_reads([(batch, case)], layer), alone, f"{route_name} layer {layer}")
     for layer in batch.index_k:  # the indexer read each request's own history too (dense index-K pages)
         assert batch.index_k[layer]
 
@@ -611,12 +593,12 @@ def _assert_cp2_reads_alone(gloo_results, name, case, num_layers):
     """Scenario ``name``'s batch at cp 2 (both ranks' query rows together) reads, at every position of every request
     and every layer, what that request reads alone at cp 2 (mode on)."""
     for layer in range(num_layers):
-        batch = _request_reads([(results[(name, True)][0][0], case) for results in gloo_results], layer)
+        batch = request_reads([(results[(name, True)][0][0], case) for results in gloo_results], layer)
         alone = {}
         for r in range(case.num_requests):
             runs = [results[("alone", name, r)] for results in gloo_results]
-            alone.update({(r, p): v for (_, p), v in _request_reads(runs, layer).items()})
-        _assert_reads_alone(batch, alone, f"{name} layer {layer}")
+            alone.update({(r, p): v for (_, p), v in request_reads(runs, layer).items()})
+        assert_reads_alone(batch, alone, f"{name} layer {layer}")
 
 
 @pytest.mark.parametrize("name", list(SHARING_CP2_ROUTES))
@@ -639,12 +621,12 @@ def test_cp2_an_mtp_draft_extends_through_the_mode_beside_its_target(gloo_result
         mine, replica = on[1].pool_after[0].reshape(capacity // CP, -1), off[1].pool_after[0].reshape(capacity, -1)
         assert same_bytes(mine, replica[torch.arange(capacity // CP) * CP + rank]), f"rank {rank}: the draft's pool"
     sharing = _sharing_case(CP)
-    batch = _request_reads([(results[("mtp-draft sharing", None)], sharing) for results in gloo_results])
+    batch = request_reads([(results[("mtp-draft sharing", None)], sharing) for results in gloo_results])
     alone = {}
     for r in range(sharing.num_requests):
         runs = [(results[("mtp-draft sharing", r)], _alone(sharing, r)) for results in gloo_results]
-        alone.update({(r, p): v for (_, p), v in _request_reads(runs).items()})
-    _assert_reads_alone(batch, alone, "the draft at cp 2")
+        alone.update({(r, p): v for (_, p), v in request_reads(runs).items()})
+    assert_reads_alone(batch, alone, "the draft at cp 2")
 
 
 def test_cp2_ragged_requests_read_what_they_read_alone(gloo_results):

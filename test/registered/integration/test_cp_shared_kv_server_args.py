@@ -33,6 +33,7 @@ ALL_RANKS_ENV = {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1"}
 DRAFT_ENV = {**ALL_RANKS_ENV, "SGLANG_CP_DRAFT_SHARED_KV": "1"}
 CP = ["--enable-prefill-cp", "--cp-strategy", "interleave"]
 PREFILL = ["--disaggregation-mode", "prefill"]
+HICACHE = "--enable-hierarchical-cache"
 EAGLE = [
     "--speculative-algorithm",
     "EAGLE",
@@ -142,6 +143,17 @@ def _limit_case(models):
     }
 
 
+def _hicache_cases(models):
+    """HiCache beside the mode in both host layouts it is proven with (write-through, kernel I/O, cache mode)."""
+    return [
+        {
+            "argv": _argv(models, "dsa", *CP, *PREFILL, HICACHE, "--hicache-mem-layout", layout, FLAG),
+            "env": ALL_RANKS_ENV,
+        }
+        for layout in ("layer_first", "page_first")
+    ]
+
+
 def _limit_without_mode_case(models):
     """The limit of the mode's buffers without the mode."""
     return {
@@ -226,14 +238,6 @@ def _refused(flag: str) -> str:
 # Each feature refused beside the mode, turned on by one command line: (name, model, extra argv, env, fragment);
 # the name is the case the compatibility table (docs/design/cp-shared-kv-compatibility.md) cites.
 REFUSED_FEATURE_CASES = [
-    ("hierarchical cache", "dsa", ["--enable-hierarchical-cache"], ALL_RANKS_ENV, "--enable-hierarchical-cache"),
-    (
-        "hierarchical cache with a storage backend",
-        "dsa",
-        ["--enable-hierarchical-cache", "--hicache-storage-backend", "file", "--hicache-write-policy", "write_back"],
-        ALL_RANKS_ENV,
-        "--enable-hierarchical-cache",
-    ),
     ("FlexKV", "dsa", ["--enable-flexkv"], ALL_RANKS_ENV, "--enable-flexkv"),
     (
         "unified cache linker",
@@ -316,6 +320,30 @@ BAD_CASES += [
     (name, model, [*CP, *PREFILL, *extra, FLAG], env, _refused(flag))
     for name, model, extra, env, flag in REFUSED_FEATURE_CASES
 ]
+# HiCache beside the mode: the forms upstream's CP-sharded DSA HiCache supports, no storage backend (hooks/hicache.py).
+BAD_CASES += [
+    (
+        "hierarchical cache with a storage backend",
+        "dsa",
+        [*CP, *PREFILL, HICACHE, "--hicache-storage-backend", "file", "--hicache-write-policy", "write_back", FLAG],
+        ALL_RANKS_ENV,
+        "cannot be combined with --hicache-storage-backend ('file')",
+    ),
+    (
+        "hierarchical cache with direct I/O",
+        "dsa",
+        [*CP, *PREFILL, HICACHE, "--hicache-io-backend", "direct", "--hicache-mem-layout", "layer_first", FLAG],
+        ALL_RANKS_ENV,
+        "requires --hicache-io-backend kernel",
+    ),
+    (
+        "hierarchical cache in another host layout",
+        "dsa",
+        [*CP, *PREFILL, HICACHE, "--hicache-mem-layout", "page_first_direct", FLAG],
+        ALL_RANKS_ENV,
+        "requires --hicache-mem-layout in ('layer_first', 'page_first')",
+    ),
+]
 TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
 BAD_CASES += [
     (
@@ -338,6 +366,12 @@ UPSTREAM_REFUSED_CASES = [
     ("NGRAM", ["--speculative-algorithm", "NGRAM"], "topk"),
     ("kv sharding", ["--enable-kv-cache-sharding"], "KV sharding"),
     ("diffusion decoding", ["--dllm-algorithm", "LowConfidence"], "diffusion LLM"),
+    # buffer_only needs a storage backend, which the mode refuses (hooks/hicache.py).
+    (
+        "hierarchical cache as a storage buffer",
+        [HICACHE, "--hicache-host-memory-mode", "buffer_only"],
+        "storage backend",
+    ),
 ]
 
 
@@ -361,7 +395,8 @@ def results(models, tmp_path_factory):
         + _speculative_cases(models)
         + [_triton_case(models)]
         + [_limit_case(models)]
-        + [_limit_without_mode_case(models)],
+        + [_limit_without_mode_case(models)]
+        + _hicache_cases(models),
     )
     nbad = len(BAD_CASES) + len(UPSTREAM_REFUSED_CASES)
     pristine_proc = _start_resolving(pristine_tree(tmp_path_factory.mktemp("pristine")), off + [_valid_case(models)])
@@ -382,6 +417,7 @@ def results(models, tmp_path_factory):
         "triton_sparse_mla": patched[n + 4 + nbad],
         "limit": patched[n + 5 + nbad],
         "limit_without_mode": patched[n + 6 + nbad],
+        "hicache": patched[n + 7 + nbad :],
     }
 
 
@@ -466,10 +502,19 @@ def test_refused_by_upstream_beside_the_mode(results, name):
     assert fragment.lower() in got["message"].lower(), got
 
 
-def test_the_hierarchical_cache_refusal_states_the_pinned_upstream():
-    """What the refusal of ``--enable-hierarchical-cache`` says of upstream holds in the pinned wheel: the sharded
-    host pool is built only beside a device pool with the kv-sharding mixin, which the mode's DSA pool lacks, and a
-    load-back under a page-interleave allocator (the mode's) keeps its host copy's owner class."""
+@pytest.mark.parametrize("layout", [0, 1])
+def test_hierarchical_cache_in_the_proven_forms_is_accepted(results, layout):
+    got = results["hicache"][layout]
+    assert "resolved" in got, got
+    assert got["resolved"]["enable_hierarchical_cache"] == "True"
+    assert got["resolved"]["hicache_mem_layout"] == repr(("layer_first", "page_first")[layout])
+    assert got["resolved"]["hicache_io_backend"] == repr("kernel")
+
+
+def test_the_hicache_hook_stands_where_upstream_wraps_its_own_sharded_host_pool():
+    """The premises of hooks/hicache.py in the pinned wheel: upstream wraps the KV host pool in its sharded wrapper only
+    beside a device pool with the kv-sharding mixin (the mode's DSA pool has none: the patch wraps it), and a load-back
+    under a page-interleave allocator (the mode's) allocates page ids of its host copy's owner class."""
     import inspect
 
     from sglang_cpkv.upstream_import import install_torchvision_stub
@@ -480,9 +525,9 @@ def test_the_hierarchical_cache_refusal_states_the_pinned_upstream():
     from sglang.srt.mem_cache.page_interleave_pool import PageInterleaveKVPoolMixin
 
     assert not issubclass(DSATokenToKVPool, PageInterleaveKVPoolMixin)
-    assert "isinstance(kv_pool, PageInterleaveKVPoolMixin)" in inspect.getsource(
-        hybrid_pool_assembler.build_kv_host_pool
-    )
+    source = inspect.getsource(hybrid_pool_assembler.build_kv_host_pool)
+    assert "isinstance(kv_pool, PageInterleaveKVPoolMixin)" in source
+    assert "cp_shared_kv_hicache.owner_sharded_host_pool(host_pool, kv_pool)" in source
     load = inspect.getsource(hybrid_cache_controller.HybridCacheController.load)
     assert "isinstance(full_allocator, PageInterleavePoolAllocator)" in load and "alloc_cyclic(" in load
 
