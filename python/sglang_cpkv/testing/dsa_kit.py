@@ -767,6 +767,18 @@ def _index_k_store_and_read(up: dict, backend: Any, forward_batch: Any, layer: i
     return k.cpu(), s.cpu()
 
 
+def run_kit_ranks(rank_fn: Callable, cp_size: int, directory) -> list:
+    """``rank_fn(rank, model_dir, init_method, out_dir)`` in ``cp_size`` processes over gloo (a kit model directory and
+    the rendezvous file in ``directory``); each rank saves its results as ``rank{rank}.pt`` there. Returns them."""
+    import torch.multiprocessing as mp
+
+    directory = Path(directory)
+    write_dsa_model_dir(directory)
+    init_method = f"file://{directory / 'dist_init'}"
+    mp.spawn(rank_fn, args=(str(directory), init_method, str(directory)), nprocs=cp_size, join=True)
+    return [torch.load(directory / f"rank{rank}.pt", weights_only=False) for rank in range(cp_size)]
+
+
 def publish_prefill_cp_server_args(model_dir: str, cp_size: int, mode_on: bool) -> None:
     """Resolve and publish a P/D prefill server's args with DSA prefill CP (what a prefill scheduler does)."""
     import os

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from sglang_cpkv.testing.batches import BatchCase, same_bytes
 from sglang_cpkv.testing.ci_register import register_cpu_ci
@@ -35,7 +34,7 @@ from sglang_cpkv.testing.dsa_kit import (
     KitWorld,
     assert_reads_alone,
     request_reads,
-    write_dsa_model_dir,
+    run_kit_ranks,
 )
 from sglang_cpkv.testing.hicache_cpu import MEM_LAYOUTS, HostTier, LayerLoadGate, LayerWithheld, cpu_host_transfers
 
@@ -282,10 +281,7 @@ def _gloo_rank(rank, model_dir, init_method, out_dir):
 
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("hicache_cp2")
-    write_dsa_model_dir(tmp)
-    mp.spawn(_gloo_rank, args=(str(tmp), f"file://{tmp / 'dist_init'}", str(tmp)), nprocs=CP, join=True)
-    return [torch.load(tmp / f"rank{rank}.pt", weights_only=False) for rank in range(CP)]
+    return run_kit_ranks(_gloo_rank, CP, tmp_path_factory.mktemp("hicache_cp2"))
 
 
 @pytest.mark.parametrize("mem_layout", list(CP2_LAYOUTS))

@@ -30,7 +30,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from sglang_cpkv.testing.batches import BatchCase, same_bytes
 from sglang_cpkv.testing.ci_register import register_cpu_ci
@@ -42,7 +41,7 @@ from sglang_cpkv.testing.dsa_kit import (
     distinct_page_tables,
     kit_capacity,
     request_reads,
-    write_dsa_model_dir,
+    run_kit_ranks,
 )
 from sglang_cpkv.testing.host_reads import HostReadCounter
 
@@ -570,10 +569,7 @@ ALONE_CP2 = (*SHARING_CP2_ROUTES, "shared-ragged")
 
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("kit_cp2")
-    write_dsa_model_dir(tmp)
-    mp.spawn(_gloo_rank, args=(str(tmp), f"file://{tmp / 'dist_init'}", str(tmp)), nprocs=CP, join=True)
-    return [torch.load(tmp / f"rank{rank}.pt", weights_only=False) for rank in range(CP)]
+    return run_kit_ranks(_gloo_rank, CP, tmp_path_factory.mktemp("kit_cp2"))
 
 
 def test_cp2_exchange_group_made_by_the_patched_model_parallel_init(gloo_results):
