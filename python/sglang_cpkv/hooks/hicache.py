@@ -66,10 +66,9 @@ def owner_sharded_host_pool(host_pool: Any, kv_pool: Any) -> Any:
 
     from sglang_cpkv.hooks.exchange_group import exchange_group
 
-    cp_size = state.current().allocator_cp
     spec = PageShardSpec(
         shard_rank=exchange_group().cp_rank,
-        shard_size=cp_size,
+        shard_size=state.config().reservation.cp_size,
         page_size=kv_pool.page_size,
         max_prefix_tokens=0,  # kv-sharding's gather scratch: the mode has none
         chunk_tokens=0,
