@@ -78,13 +78,13 @@ class Reloaded:
     sharded: bool  # whether the controller moves this rank's owned rows only
 
 
-def reload_scenario(route, mem_layout, draft=False, **world_kw):
+def reload_scenario(route, mem_layout, draft=False, write_policy="write_through", **world_kw):
     """Steps 1-4 of the module docstring on one rank; with ``draft``, an MTP draft's world beside the target (its own
     pool of one layer on the same page ids, packed into the target's host transfers as upstream packs a draft's)."""
     worlds = _worlds(route, draft, **world_kw)
     target = worlds[0]
     with cpu_host_transfers() as table:
-        tier = HostTier(target, table, mem_layout, drafts=worlds[1:])
+        tier = HostTier(target, table, mem_layout, write_policy, drafts=worlds[1:])
         prompt = _alloc(tier.allocator, 3 * PAGE)
         for world in worlds:
             world.forward(BatchCase(PAGE, world.capacity, (tuple(_pages(prompt)),), (0,), (170,), world.cp_size))
@@ -207,26 +207,27 @@ def _assert_read_alone(per_rank_batches, per_rank_alone, worlds_layers, case, wh
             assert_reads_alone(batch, alone, f"{what} world {w} layer {layer}")
 
 
-# Each route, each host layout, each history schedule and the draft once (a case runs worlds per request alone).
+# Each route, host layout, history schedule and write policy, and the draft, once (a case runs worlds per request
+# alone). The write policy decides when upstream backs a page up, not what moves: each case backs up explicitly.
 CASES = [
-    ("flashmla_kv-fp8-paged-indexshare", "layer_first", "0", False),
-    ("flashmla_kv-fp8-paged-indexshare", "page_first", "1", True),
-    ("flashmla_sparse-bf16-paged", "page_first", "0", False),
+    ("flashmla_kv-fp8-paged-indexshare", "layer_first", "0", False, "write_through"),
+    ("flashmla_kv-fp8-paged-indexshare", "page_first", "1", True, "write_back"),
+    ("flashmla_sparse-bf16-paged", "page_first", "0", False, "write_through_selective"),
 ]
 assert {c[1] for c in CASES} == set(MEM_LAYOUTS) and {c[0] for c in CASES} == set(ROUTES)
 
 
 @pytest.mark.parametrize(
-    "route_name, mem_layout, layer_ahead, draft",
+    "route_name, mem_layout, layer_ahead, draft, write_policy",
     CASES,
-    ids=[f"{r}-{m}-{'ahead' if a == '1' else 'sync'}{'-draft' if d else ''}" for r, m, a, d in CASES],
+    ids=[f"{r}-{m}-{'ahead' if a == '1' else 'sync'}{'-draft' if d else ''}-{w}" for r, m, a, d, w in CASES],
 )
 def test_a_prefix_loaded_back_from_host_reads_as_it_did_before_it_left(
-    route_name, mem_layout, layer_ahead, draft, monkeypatch
+    route_name, mem_layout, layer_ahead, draft, write_policy, monkeypatch
 ):
     monkeypatch.setenv("SGLANG_CPKV_LAYER_AHEAD", layer_ahead)
     route = ROUTES[route_name]
-    got = reload_scenario(route, mem_layout, draft=draft)
+    got = reload_scenario(route, mem_layout, draft=draft, write_policy=write_policy)
     assert not got.sharded  # at cp 1 the allocator is upstream's paged one: the host pool stays upstream's plain one
     assert not set(got.after) & set(got.before), "upstream's allocator handed the load the pages it had taken away"
     layers = [world.route.num_layers for world in got.worlds]
