@@ -168,11 +168,10 @@ def host_tier(node: NodeCapacity, layers: int, ratio: float | None, size_gb: flo
     else:
         tokens = int(node.pool_tokens * ratio)
     tokens = (tokens // node.page_size + 1) * node.page_size
-    distinct = tokens * node.widening if node.reservation is not None else tokens
     return {
         "host_tokens_per_rank": tokens,
         "host_gib_per_rank": tokens * (node.latent_token_bytes + node.index_k_token_bytes) * layers / GIB,
-        "host_tokens_node": distinct,
+        "host_tokens_node": tokens * node.widening,  # the allocator's widening: cp pools of page ids, or one
     }
 
 

@@ -82,7 +82,7 @@ def table(rows: list[dict[str, Any]], title: str, request_tokens: int, notes: li
         for row in rows:
             replicated = row["replicated"]["host"]
             mode = (
-                "refused"
+                "does not run"
                 if row["host"] is None
                 else (
                     f"{_k(row['host']['host_tokens_per_rank'])} tokens, {row['host']['host_gib_per_rank']:.1f} GiB a rank, "

@@ -25,7 +25,8 @@ import torch
 MEM_LAYOUTS = ("layer_first", "page_first")
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def byte_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as ``[rows, bytes]`` (a 0-row tensor too), a view."""
     data = t.view(torch.uint8)
     return data.reshape(data.shape[0], data[0].numel() if data.shape[0] else 0)
 
@@ -41,13 +42,13 @@ class _PointerTable:
             self.tensors[t.data_ptr()] = t
 
     def per_layer(self, src, dst, src_indices, dst_indices, item_size, **_):
-        s, d = _rows(src), _rows(dst)
+        s, d = byte_rows(src), byte_rows(dst)
         if s.shape[1] != item_size or d.shape[1] != item_size:
             raise AssertionError(f"row sizes {s.shape[1]}, {d.shape[1]} != item size {item_size}")
         d[dst_indices.long()] = s[src_indices.long()]
 
     def per_layer_pf_lf(self, src, dst, src_indices, dst_indices, layer_id, item_size, src_layout_dim, **_):
-        s, d = _rows(src), _rows(dst)
+        s, d = byte_rows(src), byte_rows(dst)
         if s.shape[1] != src_layout_dim or d.shape[1] != item_size:
             raise AssertionError(f"row sizes {s.shape[1]}, {d.shape[1]} != {src_layout_dim}, {item_size}")
         d[dst_indices.long()] = s[src_indices.long(), layer_id * item_size : (layer_id + 1) * item_size]
@@ -57,11 +58,11 @@ class _PointerTable:
             self.per_layer(self.tensors[src], self.tensors[dst], src_indices, dst_indices, item_size)
 
     def all_layer_lf_pf(self, src_layers, dst, src_indices, dst_indices, item_size, dst_layout_dim, num_layers, **_):
-        d = _rows(dst)
+        d = byte_rows(dst)
         if d.shape[1] != dst_layout_dim:
             raise AssertionError(f"row size {d.shape[1]} != {dst_layout_dim}")
         for layer, src in enumerate(src_layers.tolist()[:num_layers]):
-            d[dst_indices.long(), layer * item_size : (layer + 1) * item_size] = _rows(self.tensors[src])[
+            d[dst_indices.long(), layer * item_size : (layer + 1) * item_size] = byte_rows(self.tensors[src])[
                 src_indices.long()
             ]
 
@@ -107,19 +108,18 @@ class LayerLoadGate:
     completes; a reader that does not await a layer reads what the pool held before the load. ``withhold`` makes the
     wait for a layer raise :class:`LayerWithheld` instead. ``awaited`` lists the layers waited for, in order."""
 
-    def __init__(self, pool: Any, landing: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]) -> None:
-        self.pool = pool
+    def __init__(self, landing: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]) -> None:
         self.landing = landing  # layer -> (pool buffer, rows, the loaded bytes of those rows)
         self.awaited: list[int] = []
         self.withhold: set[int] = set()
-        self.consumer_index = 0
+        self.consumer_index = 0  # a load is being consumed (upstream's readers of some pools test it before waiting)
 
     def wait_until(self, layer: int) -> None:
         if layer in self.withhold:
             raise LayerWithheld(f"layer {layer} is withheld")
         self.awaited.append(layer)
         for buffer, rows, loaded in self.landing.pop(layer, []):
-            _rows(buffer)[rows] = loaded
+            byte_rows(buffer)[rows] = loaded
 
 
 class HostTier:
@@ -135,7 +135,7 @@ class HostTier:
         from sglang.srt.runtime_context import get_memory
 
         pool = world.pool
-        self.world, self.pool, self.drafts = world, pool, tuple(d.pool for d in drafts)
+        self.pool, self.drafts = pool, tuple(d.pool for d in drafts)
         self.allocator = world.allocator or _paged_allocator(pool)
         params = CacheInitParams(
             disable=False,
@@ -156,13 +156,13 @@ class HostTier:
             built = hybrid_pool_assembler._DsaStrategy().build(
                 cache=None, kvcache=pool, params=params, server_args=None, load_cache_event=threading.Event()
             )
-        self.group, self.controller = built.host_pool_group, built.cache_controller
-        self.kv_host = self.group.anchor_entry.host_pool
-        self.indexer_host = self.group.get_pool(PoolName.INDEXER)
-        native = getattr(self.kv_host, "host_pool", self.kv_host)
+        self.controller = built.cache_controller
+        kv_host = built.host_pool_group.anchor_entry.host_pool
+        indexer_host = built.host_pool_group.get_pool(PoolName.INDEXER)
+        native = getattr(kv_host, "host_pool", kv_host)  # inside the owner-sharded wrapper, when there is one
         device = [pool, *self.drafts]
         table.add([b for p in device for b in (*p.kv_buffer, *p.index_k_with_scale_buffer)] + list(native.data_refs))
-        table.add(list(getattr(self.indexer_host, "index_k_data_refs", None) or []))
+        table.add(list(getattr(indexer_host, "index_k_data_refs", None) or []))
 
     @staticmethod
     def _index_k_follows_kv() -> list:
@@ -191,35 +191,26 @@ class HostTier:
         which each layer's rows land in the pool when awaited (registered on the pool as its layer counter). A
         draft's rows land with the target's layer 0 (upstream: packed draft loads finish before target layer 0 is
         ready)."""
-        pools = [self.pool, *self.drafts]
-        buffers = [[*p.kv_buffer, *(b for b in p.index_k_with_scale_buffer if b.numel())] for p in pools]
-        before = [[_rows(b).clone() for b in held] for held in buffers]
+        target = [*enumerate(self.pool.kv_buffer), *enumerate(self.pool.index_k_with_scale_buffer)]
+        drafts = [(0, b) for d in self.drafts for b in (*d.kv_buffer, *d.index_k_with_scale_buffer)]
+        # (the layer whose wait lands it, buffer); an IndexShare layer's index-K pool has no rows
+        held = [(layer, buffer) for layer, buffer in target + drafts if buffer.numel()]
+        before = [byte_rows(buffer).clone() for _, buffer in held]
         device = self.controller.load(host_locs, extra_pools=self._index_k_follows_kv())
         if device is None:
             raise AssertionError("no device pages for the load-back")
         self.controller.start_loading()  # on CPU the copies run now; the gate holds them back per layer
         landing: dict[int, list] = {}
-        for pool, held, was in zip(pools, buffers, before):
-            for buffer, old in zip(held, was):
-                layer = _layer_of(pool, buffer) if pool is self.pool else 0
-                landing.setdefault(layer, []).append(_held_back(buffer, old))
-        gate = LayerLoadGate(self.pool, landing)
+        for (layer, buffer), old in zip(held, before):
+            landing.setdefault(layer, []).append(_held_back(buffer, old))
+        gate = LayerLoadGate(landing)
         self.pool.register_layer_transfer_counter(gate)
         return device, gate
 
 
-def _layer_of(pool: Any, buffer: torch.Tensor) -> int:
-    """The layer (from 0) of one of ``pool``'s per-layer buffers."""
-    for layers in (pool.kv_buffer, pool.index_k_with_scale_buffer):
-        for layer, held in enumerate(layers):
-            if held is buffer:
-                return layer
-    raise AssertionError("not a buffer of the pool")
-
-
 def _held_back(buffer: torch.Tensor, before: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The rows of ``buffer`` the load changed, with their loaded bytes; the buffer put back as it was before."""
-    rows = _rows(buffer)
+    rows = byte_rows(buffer)
     changed = (rows != before).any(dim=1).nonzero().flatten()
     loaded = rows[changed].clone()
     rows[changed] = before[changed]

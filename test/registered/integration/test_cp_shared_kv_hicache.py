@@ -36,7 +36,14 @@ from sglang_cpkv.testing.dsa_kit import (
     request_reads,
     run_kit_ranks,
 )
-from sglang_cpkv.testing.hicache_cpu import MEM_LAYOUTS, HostTier, LayerLoadGate, LayerWithheld, cpu_host_transfers
+from sglang_cpkv.testing.hicache_cpu import (
+    MEM_LAYOUTS,
+    HostTier,
+    LayerLoadGate,
+    LayerWithheld,
+    byte_rows,
+    cpu_host_transfers,
+)
 
 register_cpu_ci(est_time=240, suite="cpkv-cpu")
 from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E402, F401 (autouse: upstream's context per test)
@@ -52,11 +59,6 @@ POISON = 0xA5
 
 def _world(route, **kw):
     return KitWorld(route, max_requests=SHAPE[0], longest=SHAPE[1], mode_on=True, device="cpu", **kw)
-
-
-def _bytes(t):
-    data = t.view(torch.uint8)
-    return data.reshape(data.shape[0], -1)
 
 
 def _pages(locs):
@@ -119,7 +121,7 @@ def reload_scenario(route, mem_layout, draft=False, write_policy="write_through"
 
 def _poison(pool, rows):
     for buffer in pool.kv_buffer:
-        _bytes(buffer)[rows] = POISON
+        byte_rows(buffer)[rows] = POISON
     for buffer in pool.index_k_with_scale_buffer:
         if buffer.numel():
             buffer[_pages_of_rows(rows)] = POISON
@@ -145,7 +147,7 @@ def _pool_bytes(pool, rows):
     """This rank's pool ``rows`` of the latent pool and their pages of the index-K pool, per layer (None: an IndexShare
     layer)."""
     pages = _pages_of_rows(rows)
-    latent = [_bytes(buffer)[rows].clone() for buffer in pool.kv_buffer]
+    latent = [byte_rows(buffer)[rows].clone() for buffer in pool.kv_buffer]
     index_k = [buffer[pages].clone() if buffer.numel() else None for buffer in pool.index_k_with_scale_buffer]
     return latent, index_k
 
