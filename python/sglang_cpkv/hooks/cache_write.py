@@ -34,10 +34,12 @@ def owned_pool_write_locs(plan: CpSharedKvPlan) -> torch.Tensor:
     """``[N]`` pool locations for upstream's cache writes of the all-gathered current chunk.
 
     Row ``t`` (token order) keeps ``out_cache_loc[t]`` when this rank owns its page, else
-    :data:`RESERVED_SKIP_LOC`. Same dtype as ``out_cache_loc``. Compute once per batch.
+    :data:`RESERVED_SKIP_LOC`. int64. Compute once per batch.
     """
     locs = plan.owned_cache_write_locs
-    return torch.where(locs >= 0, locs, torch.full_like(locs, RESERVED_SKIP_LOC))
+    if plan.cp_size == 1:  # this rank owns every page: no -1 to replace
+        return locs
+    return torch.where(locs >= 0, locs, RESERVED_SKIP_LOC)
 
 
 def check_cache_write_rows(plan: CpSharedKvPlan, kv_rows: int, where: str) -> None:

@@ -66,6 +66,13 @@ class ReservedBuffers:
             self._held[key] = held
         return tuple(held)
 
+    def row_numbers(self, name: str, rows: int, device: torch.device) -> torch.Tensor:
+        """int64 ``0..rows-1`` on ``device`` under ``name``, made once (a batch slices the locations it needs)."""
+        key = (name, rows, torch.device(device))
+        if key not in self._held:
+            self._held[key] = [torch.arange(rows, dtype=torch.int64, device=device)]
+        return self._held[key][0]
+
     def held_bytes(self, prefix: str) -> int:
         """Bytes of the buffers held under names starting with ``prefix`` (``"latent"``: its views and scratch)."""
         return sum(b.nbytes for key, held in self._held.items() if key[0].startswith(prefix) for b in held)
@@ -148,7 +155,8 @@ class BackendState:
                 f"{LATENT}/scratch", reservation.chunk_tokens + 1, first[0].numel(), first.dtype, first.device, 1
             )
             scratch = held[: plan.num_tokens + 1].view(-1, *first.shape[1:])
-            scratch_locs = torch.arange(1, plan.num_tokens + 1, dtype=torch.int64, device=plan.device)
+            rows = self.buffers.row_numbers(f"{LATENT}/scratch locations", reservation.chunk_tokens + 1, plan.device)
+            scratch_locs = rows[1 : plan.num_tokens + 1]
         self.batches_begun += 1
         self.batch = ExtendBatch(
             number=self.batches_begun,

@@ -39,7 +39,7 @@ def pool_page_table(
     token-level ``req_to_token`` (the location of a page's first token, divided by the page size)."""
     width = -(-max(int(n) for n in seq_lens) // page_size)
     first_locs = req_to_token[req_pool_indices.to(req_to_token.device), : width * page_size : page_size]
-    return torch.div(first_locs.to(torch.int64), page_size, rounding_mode="floor")
+    return torch.div(first_locs, page_size, rounding_mode="floor")  # upstream's dtype (int32): C fits
 
 
 def on_extend_metadata(

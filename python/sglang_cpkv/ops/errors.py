@@ -19,13 +19,14 @@ import torch
 ERR_PAGE_OUT_OF_RANGE = 0  # a page id outside [0, capacity), or twice in one request (or a page index outside src/dst)
 ERR_REQ_OUT_OF_RANGE = 1  # a request id outside [0, batch_rows) other than the padding id -1
 ERR_LOC_OUT_OF_RANGE = 2  # a destination row outside the destination tensor
-ERR_FOREIGN_SLOT = 3  # a current token whose dense slot is not its request's own (runtime.plan, every mode)
+ERR_CURRENT_LOC_MISMATCH = 3  # a current token's out_cache_loc is not its page-table location (runtime.plan)
 NUM_ERROR_KINDS = 4
 ERROR_NAMES = (
     "page id out of range or repeated in a request",
     "request id out of range",
     "destination row out of range",
-    "current token located outside its request's own slots (out_cache_loc disagrees with its page table)",
+    "current token whose out_cache_loc is not the location its page table gives it (out_cache_loc disagrees "
+    "with the page table)",
 )
 
 

@@ -106,7 +106,6 @@ def check_plan(plan: CpSharedKvPlan) -> None:
         raise CpSharedKvError(
             "current tokens do not land at their own request's position (token, request, dense loc, expected): "
             f"{[(t, int(req[t]), int(dense[t]), int(expected[t])) for t in wrong[:8]]}"
-            " - out_cache_loc disagrees with the page table"
         )
     if dense.unique().numel() != dense.numel():
         raise CpSharedKvError("two current tokens write the same dense location")

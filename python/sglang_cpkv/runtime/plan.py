@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from sglang_cpkv import ops
-from sglang_cpkv.ops.errors import ERR_FOREIGN_SLOT, ERR_LOC_OUT_OF_RANGE, CpSharedKvError
+from sglang_cpkv.ops.errors import ERR_CURRENT_LOC_MISMATCH, ERR_LOC_OUT_OF_RANGE, NUM_ERROR_KINDS, CpSharedKvError
 from sglang_cpkv.runtime import checked as checked_mode
 from sglang_cpkv.runtime.buckets import round_dense_slots
 from sglang_cpkv.runtime.cp_split import CpSplit
@@ -86,7 +86,8 @@ class CpSharedKvPlan:
         inverse: the per-request inverse (``ops.build_page_inverse`` of every entry's slot): a hash table of
             ``ops.inverse_bytes(entries)`` bytes, whatever ``C``.
         token_req_id: int64 ``[N]``, request row of each current token (token order).
-        current_dense_locs: int64 ``[N]``, dense location of each current token (fill target: own slots only).
+        current_dense_locs: int64 ``[N]``, dense location of each current token, from its position (an own slot of
+            its request; ``out_cache_loc`` is checked against it, ``ERR_CURRENT_LOC_MISMATCH``).
         pool_copy_pages, pool_copy_slots: int32, the pages of this rank's pool copied into the view and their
             slots: at cp 1 every history-region page and every own entry's history page (page id = pool page);
             under CP the pages of this rank's block (at :func:`~.ownership.owner_pool_page`).
@@ -328,21 +329,25 @@ def _in_range_or_capacity(ids, capacity: int):
 def _entry_pages(table: torch.Tensor, flat_entries: torch.Tensor, capacity: int) -> torch.Tensor:
     """int32 page id of every entry, gathered on the table's device (``flat_entries``: ``r * W + j`` of the
     ``[R, W]`` table)."""
-    pages = table.reshape(-1).index_select(0, flat_entries).to(torch.int64)
+    pages = table.reshape(-1).index_select(0, flat_entries)
     return _in_range_or_capacity(pages, capacity).to(torch.int32)
 
 
-def _own_slots_only(
-    dense_locs: torch.Tensor, token_req: torch.Tensor, slot_req: torch.Tensor, page_size: int, errors: torch.Tensor
-) -> torch.Tensor:
-    """The current tokens' dense locations with every one outside its request's own slots dropped (-1) and counted
-    (``ERR_FOREIGN_SLOT``), on the device, without a host sync. An ``out_cache_loc`` that disagrees with its
-    request's page table (a caller's bug: upstream's agree) can name a page the request reads as history only, whose
-    slot is a shared history slot: its write would change another request's view."""
-    slot = torch.div(dense_locs.clamp(min=0), page_size, rounding_mode="floor")
-    foreign = (dense_locs >= 0) & (slot_req[slot] != token_req)
-    errors[ERR_FOREIGN_SLOT] += foreign.sum(dtype=errors.dtype)
-    return dense_locs.masked_fill(foreign, PADDING_ID)
+def _count_location_mismatches(
+    out_cache_loc: torch.Tensor,
+    token_req: torch.Tensor,
+    inverse: ops.PageInverse,
+    current_dense_locs: torch.Tensor,
+    page_size: int,
+    errors: torch.Tensor,
+) -> None:
+    """Count (``ERR_CURRENT_LOC_MISMATCH``, on the device, no host sync) every current token whose ``out_cache_loc``
+    its request's inverse maps elsewhere than the location its position gives it. The dense view never depends on it
+    (current rows land at their positions' locations, own slots by construction); a mismatch is a caller whose
+    ``out_cache_loc`` disagrees with its page table (upstream's agree), whose pool writes would then not be what
+    the tables read."""
+    through_table = ops.remap_locs(out_cache_loc, token_req, inverse, page_size, errors)
+    errors.narrow(0, ERR_CURRENT_LOC_MISMATCH, 1).add_((through_table != current_dense_locs).sum(dtype=errors.dtype))
 
 
 @dataclass(frozen=True)
@@ -489,6 +494,19 @@ def _history_copies(layout: _Layout, cp_size: int, cp_rank: int) -> tuple[np.nda
     return pool_pages, np.arange(start, start + count), layout.own_history_sources, layout.own_history_slots
 
 
+def _current_dense_locs(
+    entry_slots: np.ndarray, entry_starts: np.ndarray, prefix: np.ndarray, extend: np.ndarray, page_size: int
+) -> np.ndarray:
+    """int64 ``[N]``: each current token's dense location, from its position. A request's current tokens fill its
+    entries from page index ``prefix // page_size`` to its last, all own slots (each takes current tokens), numbered
+    in entry order: consecutive slots, so the request's current tokens are consecutive dense locations from the
+    first one's."""
+    writers = np.flatnonzero(extend)
+    first = entry_slots[entry_starts[writers] + prefix[writers] // page_size] * page_size + prefix[writers] % page_size
+    token_starts = np.cumsum(extend) - extend
+    return np.repeat(first - token_starts[writers], extend[writers]) + np.arange(int(extend.sum()), dtype=np.int64)
+
+
 def _owned_cache_write_locs(out_cache_loc: torch.Tensor, page_size: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     """int64 ``[N]``: the row of this rank's pool of each current token whose page it owns, else -1."""
     locs = out_cache_loc.to(torch.int64)
@@ -547,7 +565,6 @@ def build_plan(
     entries = _entries(table, prefix_np, extend_np, page_size, capacity)
     _check_current_locations(out_cache_loc, num_tokens, capacity, page_size)
     device = out_cache_loc.device
-    errors = ops.new_error_counter(device)
 
     # The page ids on the host: a host table's, or the one host copy of a device table when some request has history
     # (module docstring: the layout is a function of them). Without history every entry is its own slot whatever its
@@ -572,16 +589,22 @@ def build_plan(
     rounding = np.full(num_slots - needed, PADDING_ID, dtype=np.int64)
     token_req = np.repeat(np.arange(num_requests, dtype=np.int64), extend_np)
 
-    # Every host value the device work needs, in one staging; each slot's page (the region's, then each own slot's
-    # entry's, then the rounding) from the host ids, or from the entries gathered on the device.
-    int64s = [np.concatenate([layout.slot_req, rounding]), entries.req, token_req]
-    int32s = [layout.entry_slots, *_history_copies(layout, cp_size, cp_rank)]
+    # Every host value the device work needs, in one staging (the error counter's zeros too); each slot's page (the
+    # region's, then each own slot's entry's, then the rounding) from the host ids, or from the entries gathered on
+    # the device.
+    int64s = [
+        np.concatenate([layout.slot_req, rounding]),
+        entries.req,
+        token_req,
+        _current_dense_locs(layout.entry_slots, entries.starts, prefix_np, extend_np, page_size),
+    ]
+    int32s = [np.zeros(NUM_ERROR_KINDS, dtype=np.int32), layout.entry_slots, *_history_copies(layout, cp_size, cp_rank)]
     if pages_on_host:
         int32s += [pages, np.concatenate([region, pages[layout.own_entries], rounding])]
     else:
         int64s.append(entries.req * table.shape[1] + entries.j)
-    (slot_req, entry_req, token_req_id, *flat_entries), (entry_slots, *int32_dev) = _stage(device, int64s, int32s)
-    pool_copy_pages, pool_copy_slots, view_src, view_dst, *host_pages = int32_dev
+    (slot_req, entry_req, token_req_id, current_dense_locs, *flat_entries), int32_dev = _stage(device, int64s, int32s)
+    errors, entry_slots, pool_copy_pages, pool_copy_slots, view_src, view_dst, *host_pages = int32_dev
     if pages_on_host:
         entry_pages, slot_pages = host_pages
     else:  # no history: every entry is its own slot, in entry order
@@ -590,13 +613,7 @@ def build_plan(
             [entry_pages, torch.full((rounding.size,), PADDING_ID, dtype=torch.int32, device=device)]
         )
     inverse = ops.build_page_inverse(entry_pages, entry_req, num_requests, capacity, errors, entry_slots=entry_slots)
-    current_dense_locs = _own_slots_only(
-        ops.remap_locs(out_cache_loc, token_req_id, inverse, page_size, errors).to(torch.int64),
-        token_req_id,
-        slot_req,
-        page_size,
-        errors,
-    )
+    _count_location_mismatches(out_cache_loc, token_req_id, inverse, current_dense_locs, page_size, errors)
 
     plan = CpSharedKvPlan(
         num_requests=num_requests,

@@ -15,7 +15,7 @@ target's, and a speculative draft's, which has its own backend and pool):
 * ``S = round_dense_slots(ceil(max_batch_tokens / page_size))`` dense slots;
 * per kind (latent KV; DSA index K): ``views`` dense buffers of ``S`` pages (two with the layer-ahead
   history, else one); under CP the history all-gather writes them in place (no exchange buffer);
-* the current-row scratch: ``chunk_tokens + 1`` rows of the latent row format;
+* the current-row scratch: ``chunk_tokens + 1`` rows of the latent row format, and their int64 locations;
 * the batch plan (:mod:`.plan`): what one batch's plan holds on the device: the per-request inverse's table for
   the most entries a batch may have (``ops.inverse_bytes``; its build allocates nothing else), and per page-table
   entry (the staged entries), per dense slot and per current token. A batch
@@ -39,11 +39,13 @@ SETTING = "--cp-shared-kv-max-batch-tokens"
 # Device bytes of a batch plan (runtime/plan.py) besides its inverse: per page-table entry its page id (int32), slot
 # (int32) and request (int64) as staged; per dense slot its page (int32), request (int64), own entry (int64),
 # region page (int32) and its pool / view copy pairs (4 x int32); per current token its request, dense location
-# (int64 each, and the int32 remap before the cast), split request, location and token index, gather index and
+# (int64 each, and the int32 remap of out_cache_loc that checks it), split request, location and token index, gather index and
 # owned cache row (int64 each).
 PLAN_BYTES_PER_ENTRY = 4 + 4 + 8
 PLAN_BYTES_PER_SLOT = 4 + 8 + 8 + 4 + 4 * 4
 PLAN_BYTES_PER_TOKEN = 8 + 8 + 4 + 8 * 5
+# Each scratch row's location (int64), made once with the scratch.
+SCRATCH_LOC_BYTES = 8
 
 
 def page_rounded(tokens: int, page_size: int) -> int:
@@ -121,7 +123,7 @@ class Reservation:
                 continue
             page_bytes = page_tokens * token_bytes
             parts[f"{kind} dense views"] = self.views_per_kind * self.dense_slots * page_bytes
-        parts["current-row scratch"] = (self.chunk_tokens + 1) * self.latent_token_bytes
+        parts["current-row scratch"] = (self.chunk_tokens + 1) * (self.latent_token_bytes + SCRATCH_LOC_BYTES)
         parts["batch plan"] = (
             inverse_bytes(self.max_batch_entries)
             + self.max_batch_entries * PLAN_BYTES_PER_ENTRY

@@ -39,7 +39,7 @@ import torch
 from sglang_cpkv import ops
 from sglang_cpkv.ops import reference
 from sglang_cpkv.ops.errors import (
-    ERR_FOREIGN_SLOT,
+    ERR_CURRENT_LOC_MISMATCH,
     ERR_LOC_OUT_OF_RANGE,
     ERR_PAGE_OUT_OF_RANGE,
     ERR_REQ_OUT_OF_RANGE,
@@ -373,11 +373,11 @@ def random_topk(case: BatchCase, k: int, seed: int) -> tuple[torch.Tensor, torch
     )
 
 
-def error_counts(page: int = 0, req: int = 0, loc: int = 0, foreign: int = 0) -> list[int]:
+def error_counts(page: int = 0, req: int = 0, loc: int = 0, mismatch: int = 0) -> list[int]:
     """An error counter's values by kind, in its layout (what ``errors.tolist()`` reads after these drops)."""
     counts = [0] * NUM_ERROR_KINDS
-    kinds = (ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE, ERR_LOC_OUT_OF_RANGE, ERR_FOREIGN_SLOT)
-    for kind, count in zip(kinds, (page, req, loc, foreign)):
+    kinds = (ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE, ERR_LOC_OUT_OF_RANGE, ERR_CURRENT_LOC_MISMATCH)
+    for kind, count in zip(kinds, (page, req, loc, mismatch)):
         counts[kind] = count
     return counts
 

@@ -26,7 +26,7 @@ namespace sglang_cpkv {
 constexpr int kErrPageOutOfRange = 0;
 constexpr int kErrReqOutOfRange = 1;
 constexpr int kErrLocOutOfRange = 2;
-constexpr int kErrForeignSlot = 3;  // counted by the batch plan's own-slot check (torch), no kernel here
+constexpr int kErrCurrentLocMismatch = 3;  // counted by the batch plan's out_cache_loc check (torch), no kernel here
 constexpr int kNumErrorKinds = 4;
 
 // The per-request inverse: the canonical table of reference.build_page_inverse (the cells that inserting the distinct

@@ -106,7 +106,7 @@ def test_the_limit_sizes_the_reservation(monkeypatch):
     ]
     parts = reserved.parts()
     assert parts["latent dense views"] + parts["index_k dense views"] == views
-    assert parts["current-row scratch"] == (reserved.chunk_tokens + 1) * reserved.latent_token_bytes
+    assert parts["current-row scratch"] == (reserved.chunk_tokens + 1) * (reserved.latent_token_bytes + 8)
 
 
 if __name__ == "__main__":

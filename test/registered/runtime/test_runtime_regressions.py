@@ -23,6 +23,7 @@ from sglang_cpkv.testing.batches import (
     REACHABLE,
     BatchCase,
     check_against_truth,
+    error_counts,
     host_plan,
     inverse_table,
     make_pool_and_current,
@@ -107,9 +108,10 @@ SHARED_HISTORY = BatchCase(
 @pytest.mark.parametrize("checked", [False, True], ids=["unchecked", "checked"])
 def test_a_current_row_never_lands_in_a_shared_slot(checked):
     """B's out_cache_loc disagrees with its page table: its two current tokens name page 5, which B (and A) read
-    as history only, so their dense slot is the shared history slot of page 5. The tokens are dropped and counted on
-    the device (outside checked mode with no host sync: the plan refuses nothing), and A's view keeps page 5's
-    history; checked mode raises, naming the kind."""
+    as history only, so their dense slot through the inverse would be the shared history slot of page 5. Current rows
+    land at their positions' locations (B's own page 3), and the disagreement is counted on the device (outside
+    checked mode with no host sync: the plan refuses nothing): A's view keeps page 5's history, B's view is its
+    page table's; checked mode raises, naming the kind."""
     case = SHARED_HISTORY
     locs = torch.tensor(case.out_cache_loc(), dtype=torch.int64)
     assert locs[2:].tolist() == [3 * 4 + 0, 3 * 4 + 1]
@@ -118,23 +120,23 @@ def test_a_current_row_never_lands_in_a_shared_slot(checked):
         capacity=case.capacity, page_size=4, split=build_cp_split("none", case.extend_lens, 1, 0), checked=checked
     )
     build = lambda: build_plan([list(t) for t in case.page_tables], case.prefix_lens, case.extend_lens, locs, **kw)  # noqa: E731
+    message = "current token whose out_cache_loc is not the location its page table gives it"
     if checked:
-        with pytest.raises(CpSharedKvError, match="current token located outside its request's own slots"):
+        with pytest.raises(CpSharedKvError, match=message):
             build()
         return
     plan = build()
     shared_5 = int(plan.request_slots(0)[1])
     assert shared_5 == int(plan.request_slots(1)[1]) < plan.history_region_slots
-    assert plan.errors.tolist() == [0, 0, 0, 2]
-    assert plan.current_dense_locs.tolist()[2:] == [-1, -1]
+    assert plan.errors.tolist() == error_counts(mismatch=2)
+    assert plan.current_dense_locs.tolist()[2:] == [plan.dense_location(1, 8), plan.dense_location(1, 9)]
     pool, current = make_pool_and_current(case, torch.bfloat16, 8, seed=3)
     dense = _pipeline(plan, pool).dense_view("kv", 0, current)
     truth = truth_rows(case, pool, current)
-    for p in range(10):  # A: its history (pages 1 and 5) and its chunk, as alone
-        assert same_bytes(dense[plan.dense_location(0, p)], truth[0][p]), p
-    for p in range(8):  # B's history too; its dropped chunk is written nowhere
-        assert same_bytes(dense[plan.dense_location(1, p)], truth[1][p]), p
-    with pytest.raises(CpSharedKvError, match="2 x current token located outside its request's own slots"):
+    for r, tokens in ((0, 10), (1, 10)):  # A: its history (pages 1 and 5) and its chunk; B: its history and chunk
+        for p in range(tokens):
+            assert same_bytes(dense[plan.dense_location(r, p)], truth[r][p]), (r, p)
+    with pytest.raises(CpSharedKvError, match=f"2 x {message}"):
         plan.raise_if_errors()
 
 
@@ -298,7 +300,7 @@ def test_checked_mode_raises_at_the_op(monkeypatch):
     with pytest.raises(CpSharedKvError, match="request id out of range"):
         _pipeline(plan, torch.zeros(64, 8)).remap(torch.tensor([[21]]), torch.tensor([7]))
     # out_cache_loc that disagrees with the page table (token 0 claims page 9 of request 1).
-    with pytest.raises(CpSharedKvError, match="do not land at their own request's position"):
+    with pytest.raises(CpSharedKvError, match="out_cache_loc disagrees with the page table"):
         _build(SHARED_5, out_cache_loc=torch.tensor([37, 22, 21, 22]))
     monkeypatch.setenv(CHECKED_ENV_VAR, "0")
     assert not _build(SHARED_5).checked
