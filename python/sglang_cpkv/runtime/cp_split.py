@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -94,10 +95,12 @@ class CpSplit:
         num_tokens: ``N``.
         per_rank_logical: real local rows of each rank (upstream's ``per_rank_logical_token``).
         physical_rows: padded local rows, the same on every rank (``per_rank_actual_token``).
+        extend_lens: the requests' current tokens (zigzag cuts each request; the other strategies use their sum).
         local_token_index: host int64 ``[per_rank_logical[cp_rank]]``, the global token index of
-            each real local row of this rank, in local row order.
+            each real local row of this rank, in local row order (made on first use: the serving hooks take
+            upstream's own split and never ask).
         gather_index: host int64 ``[N]``; row ``t`` of the rank-major all-gather
-            ``[cp_size * physical_rows, ...]`` that holds token ``t`` (for ``"none"``, rank 0's).
+            ``[cp_size * physical_rows, ...]`` that holds token ``t`` (for ``"none"``, rank 0's); made on first use.
     """
 
     strategy: CpStrategy
@@ -106,8 +109,21 @@ class CpSplit:
     num_tokens: int
     per_rank_logical: tuple[int, ...]
     physical_rows: int
-    local_token_index: torch.Tensor
-    gather_index: torch.Tensor
+    extend_lens: tuple[int, ...]
+
+    @cached_property
+    def local_token_index(self) -> torch.Tensor:
+        return _rank_token_indices(self.strategy, self.extend_lens, self.cp_size, self.cp_rank)
+
+    @cached_property
+    def gather_index(self) -> torch.Tensor:
+        if self.strategy == "none":
+            return torch.arange(self.num_tokens, dtype=torch.int64)
+        gather_index = torch.empty(self.num_tokens, dtype=torch.int64)
+        for rank in range(self.cp_size):
+            tokens = _rank_token_indices(self.strategy, self.extend_lens, self.cp_size, rank)
+            gather_index[tokens] = rank * self.physical_rows + torch.arange(tokens.numel(), dtype=torch.int64)
+        return gather_index
 
     def shard(self, x: torch.Tensor, pad_value: float | int, local_index: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's padded local rows of a token-major tensor.
@@ -168,11 +184,16 @@ def build_cp_split(strategy: CpStrategy, extend_lens: Sequence[int], cp_size: in
             "(upstream runs such a batch un-split): build the plan with strategy='none'"
         )
     effective = "none" if cp_size == 1 else strategy
-    per_rank = [_rank_token_indices(effective, extend_lens, cp_size, r) for r in range(cp_size)]
     if effective == "none":
-        return _assembled("none", per_rank, total, cp_rank)
+        return CpSplit("none", cp_size, cp_rank, total, (total,) * cp_size, total, tuple(extend_lens))
+    if effective == "interleave":
+        logical = [len(range(r, total, cp_size)) for r in range(cp_size)]
+    else:
+        blocks = [_zigzag_block_sizes(n, cp_size) for n in extend_lens]
+        logical = [sum(b[r] + b[2 * cp_size - 1 - r] for b in blocks) for r in range(cp_size)]
     align = 2 * cp_size if effective == "zigzag" else cp_size
-    return _assembled(effective, per_rank, -(-max(t.numel() for t in per_rank) // align) * align, cp_rank)
+    physical = -(-max(logical) // align) * align
+    return CpSplit(effective, cp_size, cp_rank, total, tuple(logical), physical, tuple(extend_lens))
 
 
 def upstream_interleave_split(
@@ -211,26 +232,4 @@ def upstream_interleave_split(
             f"per_rank_logical_token {logical} (interleave: {interleave}), per_rank_actual_token "
             f"{list(per_rank_physical)}"
         )
-    per_rank = [torch.arange(r, num_tokens, cp_size, dtype=torch.int64) for r in range(cp_size)]
-    return _assembled("interleave", per_rank, physical.pop(), cp_rank)
-
-
-def _assembled(strategy: CpStrategy, per_rank: list[torch.Tensor], physical: int, cp_rank: int) -> CpSplit:
-    """The split whose rank ``r`` holds tokens ``per_rank[r]`` (in local order), padded to ``physical`` rows."""
-    total = sum(int(t.numel()) for t in per_rank) if strategy != "none" else int(per_rank[0].numel())
-    if strategy == "none":
-        gather_index = torch.arange(total, dtype=torch.int64)
-    else:
-        gather_index = torch.empty(total, dtype=torch.int64)
-        for rank, tokens in enumerate(per_rank):
-            gather_index[tokens] = rank * physical + torch.arange(tokens.numel(), dtype=torch.int64)
-    return CpSplit(
-        strategy=strategy,
-        cp_size=len(per_rank),
-        cp_rank=cp_rank,
-        num_tokens=total,
-        per_rank_logical=tuple(int(t.numel()) for t in per_rank),
-        physical_rows=physical,
-        local_token_index=per_rank[cp_rank],
-        gather_index=gather_index,
-    )
+    return CpSplit("interleave", cp_size, cp_rank, num_tokens, tuple(logical), physical.pop(), (num_tokens,))
