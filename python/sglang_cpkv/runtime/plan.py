@@ -230,13 +230,11 @@ def _stage(device: torch.device, int64s: Sequence[np.ndarray], int32s: Sequence[
     cost). Returns the int64 tensors and the int32 tensors, in the order given."""
     sizes64, sizes32 = [int(a.size) for a in int64s], [int(a.size) for a in int32s]
     split = 8 * sum(sizes64)
-    packed = np.empty(split + 4 * sum(sizes32), dtype=np.uint8)
+    host = torch.empty(split + 4 * sum(sizes32), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    packed = host.numpy()  # the values are written straight into the (pinned) buffer the copy reads
     for arrays, dtype, out in ((int64s, np.int64, packed[:split]), (int32s, np.int32, packed[split:])):
         if arrays:
             np.concatenate(arrays, out=out.view(dtype), casting="same_kind")
-    host = torch.from_numpy(packed)
-    if device.type == "cuda":
-        host = host.pin_memory()
     staged = host.to(device, non_blocking=True)
     return (
         list(staged[:split].view(torch.int64).split(sizes64)),
