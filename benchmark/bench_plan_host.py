@@ -2,11 +2,15 @@
 
 The plan is what the mode adds to upstream's ``init_forward_metadata`` (the DSA backend's per-batch metadata, with
 the mode's hook inside it: the plan, the batch's pipeline, the remapped tables). For each request count a
-:class:`~sglang_cpkv.testing.dsa_kit.KitWorld` (upstream's kit runner, pools and backend) runs
-``init_forward_metadata`` on a batch of ``--history`` + ``--extend`` tokens per request, with the mode off and on
-(layer-ahead and synchronous), and reports the median host time per call (``time.perf_counter`` around the call,
-the device synchronized before the clock starts) and, on a GPU, the CUDA-event time of the same window. ``--profile``
-adds, for each configuration, the functions of ``sglang_cpkv`` and the torch calls that take the most host time (cProfile).
+:class:`~sglang_cpkv.testing.dsa_kit.KitWorld` (upstream's kit runner, pools and backend) per configuration (mode off,
+mode on with the layer-ahead history, mode on synchronous) runs ``init_forward_metadata`` on a batch of ``--history`` +
+``--extend`` tokens per request. The configurations take turns call by call in one process (each call is made the
+process's configuration first: the flag and the reservation are process-wide), so a drift of the host's speed
+reaches all of them alike; each is timed with ``time.perf_counter`` around the call, the device synchronized before
+the clock starts, and, on a GPU, with CUDA events over the same window. Reported: each configuration's median host
+time and the median over rounds of its difference from mode off in the same round (the increment). ``--profile``
+adds, for each configuration, the functions of ``sglang_cpkv`` and the torch calls that take the most host time
+(cProfile).
 
     python benchmark/bench_plan_host.py --device cuda [--requests 1,8,16,32,64 --history 8192 --extend 1024] \\
         [--backend flashmla_kv --fp8] [--profile] --out plan.json
@@ -27,27 +31,35 @@ import torch
 
 from sglang_cpkv.testing.batches import BatchCase
 from sglang_cpkv.testing.dsa_kit import PAGE, KitRoute, KitWorld, distinct_page_tables, kit_capacity
+from sglang_cpkv.testing.upstream_env import set_cp_shared_kv_flag
 
 CONFIGS = (("mode off", False, "0"), ("mode on, layer-ahead", True, "1"), ("mode on, synchronous", True, "0"))
 
 
-def _time(world: KitWorld, forward_batch, reps: int) -> tuple[float, float | None]:
-    """Median host ms and (on a GPU) median CUDA-event ms of ``init_forward_metadata``."""
+def _activate(world: KitWorld, mode_on: bool, layer_ahead: str, requests: int, longest: int) -> None:
+    """Make ``world``'s configuration the process's: the flag, and (mode on) its reservation with ``layer_ahead``."""
+    os.environ["SGLANG_CPKV_LAYER_AHEAD"] = layer_ahead
+    set_cp_shared_kv_flag(mode_on)
+    if mode_on:
+        world._reserve(requests, longest)
+
+
+def _timed_call(world: KitWorld, forward_batch) -> tuple[float, float | None]:
+    """Host ms and (on a GPU) CUDA-event ms of one ``init_forward_metadata``."""
     cuda = world.device.type == "cuda"
-    host, device = [], []
-    for _ in range(reps + 2):  # two warm-up calls
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t = time.perf_counter()
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t = time.perf_counter()
+    with world.up["context"](world.backend):
         world.backend.init_forward_metadata(forward_batch)
-        host.append((time.perf_counter() - t) * 1e3)
-        if cuda:
-            end.record()
-            torch.cuda.synchronize()
-            device.append(start.elapsed_time(end))
-    return statistics.median(host[2:]), statistics.median(device[2:]) if cuda else None
+    host = (time.perf_counter() - t) * 1e3
+    if not cuda:
+        return host, None
+    end.record()
+    torch.cuda.synchronize()
+    return host, start.elapsed_time(end)
 
 
 def _profile(world: KitWorld, forward_batch, reps: int) -> str:
@@ -91,23 +103,41 @@ def main(argv=None) -> int:
         capacity = kit_capacity(requests, longest)
         tables = distinct_page_tables([longest] * requests, capacity, seed=0)
         case = BatchCase(PAGE, capacity, tables, (args.history,) * requests, (args.extend,) * requests)
+        worlds = []
         for label, mode_on, layer_ahead in CONFIGS:
             os.environ["SGLANG_CPKV_LAYER_AHEAD"] = layer_ahead
             world = KitWorld(route, max_requests=requests, longest=longest, mode_on=mode_on, device=args.device)
-            forward_batch = world._extend_batch(case)[0]
-            with torch.no_grad(), world.up["context"](world.backend):
-                host_ms, device_ms = _time(world, forward_batch, args.reps)
-                if args.profile:
-                    profiles[f"{requests} requests, {label}"] = _profile(world, forward_batch, args.reps)
-            rows.append({"requests": requests, "config": label, "host_ms": host_ms, "device_ms": device_ms})
-            del world
+            worlds.append((label, mode_on, layer_ahead, world, world._extend_batch(case)[0]))
+        times: dict[str, list[tuple[float, float | None]]] = {label: [] for label, *_ in worlds}
+        with torch.no_grad():
+            for round_ in range(args.reps + 2):  # two warm-up rounds; the order turns each round
+                for label, mode_on, layer_ahead, world, forward_batch in worlds[round_ % 3 :] + worlds[: round_ % 3]:
+                    _activate(world, mode_on, layer_ahead, requests, longest)
+                    times[label].append(_timed_call(world, forward_batch))
+            if args.profile:
+                for label, mode_on, layer_ahead, world, forward_batch in worlds:
+                    _activate(world, mode_on, layer_ahead, requests, longest)
+                    with world.up["context"](world.backend):
+                        profiles[f"{requests} requests, {label}"] = _profile(world, forward_batch, args.reps)
+        off = [host for host, _ in times["mode off"][2:]]
+        for label, *_ in worlds:
+            host = [h for h, _ in times[label][2:]]
+            device = [d for _, d in times[label][2:]]
+            rows.append(
+                {
+                    "requests": requests,
+                    "config": label,
+                    "host_ms": statistics.median(host),
+                    "device_ms": None if device[0] is None else statistics.median(device),
+                    "host_minus_off_ms": statistics.median(h - o for h, o in zip(host, off)),
+                }
+            )
+        del worlds
     print(
         f"init_forward_metadata, {args.backend}, {'FP8' if args.fp8 else 'bf16'} pool, {args.device}: requests x "
         f"({args.history} history + {args.extend} extend), median of {args.reps}"
     )
     for row in rows:
-        off = next(r for r in rows if r["requests"] == row["requests"] and r["config"] == "mode off")
-        row["host_minus_off_ms"] = row["host_ms"] - off["host_ms"]
         device = "" if row["device_ms"] is None else f"  device window {row['device_ms']:7.3f} ms"
         print(
             f"  {row['requests']:3d} requests  {row['config']:21s} host {row['host_ms']:7.3f} ms "
