@@ -46,6 +46,7 @@ from sglang_cpkv.capacity.planner import MEASURED_LAYERS  # noqa: E402
 from sglang_cpkv.capacity.presets import GPUS, MODELS  # noqa: E402
 from sglang_cpkv.capacity.traffic import layer_traffic  # noqa: E402
 from sglang_cpkv.capacity.upstream import playing_gpu, prefill_cp_server, size_node  # noqa: E402
+from sglang_cpkv.runtime.reservation import SCRATCH_LOC_BYTES  # noqa: E402
 from sglang_cpkv.testing.dsa_kit import PAGE, kit_reservation, write_dsa_model_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
@@ -104,16 +105,18 @@ def test_the_glm51_cp8_reservation_row_is_reproduced():
     with playing_gpu((10, 0)):
         on = size_node({**server, "enable_cp_shared_kv": True}, layers=78, budget_bytes=budget)
         off = size_node(server, layers=78, budget_bytes=budget)
-    # The row was recorded before the reservation charged the batch plan (issue 33): its views and scratch, and
-    # upstream's pool without the mode, are reproduced; the plan part adds its bytes and takes their pool tokens.
+    # The row was recorded before the reservation charged the batch plan (issue 33) and the scratch rows' held
+    # locations: its views and scratch rows, and upstream's pool without the mode, are reproduced; the later parts add
+    # their bytes and take their pool tokens.
     parts = on.reservation.parts()
-    plan_part = parts.pop("batch plan")
+    added = parts.pop("batch plan") + (on.reservation.chunk_tokens + 1) * SCRATCH_LOC_BYTES
+    parts["current-row scratch"] -= (on.reservation.chunk_tokens + 1) * SCRATCH_LOC_BYTES
     assert {k: round(v / 2**20, 1) for k, v in parts.items()} == row["parts_mib_per_backend"]
-    assert round((on.reservation.total_bytes - plan_part) / GIB, 3) == row["reserved_gib"]
+    assert round((on.reservation.total_bytes - added) / GIB, 3) == row["reserved_gib"]
     assert on.reservation.dense_slots == row["dense_slots"]
     assert off.pool_tokens == row["pool_tokens_off"]
     per_token = on.cell_bytes
-    assert row["pool_tokens_on"] - plan_part // per_token - 2 * PAGE <= on.pool_tokens <= row["pool_tokens_on"]
+    assert row["pool_tokens_on"] - added // per_token - 2 * PAGE <= on.pool_tokens <= row["pool_tokens_on"]
 
 
 def test_every_per_batch_byte_of_the_glm51_b300_batch_is_inside_the_charge():

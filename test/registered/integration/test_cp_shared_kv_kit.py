@@ -685,12 +685,14 @@ def test_cp2_the_dropped_request_is_on_one_rank_only(gloo_results):
 
 # Host reads of tensor values the serving code makes in a forward: only the plan's, and of those only the one
 # copy of the history page ids under CP reads data a GPU would hold. The others read host memory: validation of
-# host inputs (a server hands the plan device tensors, so on a GPU they do not run) and the previous batch's error
-# counter, read from its pinned host copy once the copy's event has completed. None in any layer.
+# host inputs (a server hands the plan device tensors, so on a GPU they do not run), the plan's own host staging
+# buffer as it writes it, and the previous batch's error counter, read from its pinned host copy once the copy's
+# event has completed. None in any layer.
 HOST_MEMORY_READS = {
     "runtime.plan:_validate_host_ids",
     "runtime.plan:_validate_host_locations",
     "runtime.plan:_host_array",  # numpy of a host tensor (``.numpy()`` refuses a device tensor)
+    "runtime.plan:_stage",  # numpy of the host staging buffer it writes (before the one copy to the device)
     "ops.errors:describe_errors",
 }
 
