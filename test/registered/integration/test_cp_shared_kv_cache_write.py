@@ -114,14 +114,20 @@ def _gathered_kv(n):
 
 def test_the_split_taken_from_upstreams_metadata_is_the_independent_one(up):
     """The serving path takes upstream's split from its padded metadata; our own interleave split (the tests'
-    independent one) agrees with it row for row, padding included."""
+    independent one) agrees with it row for row, padding included, and both cut a token-major tensor into the rows
+    upstream's strategy gives each rank, in its order."""
     md = _metadata(up)
     assert md.per_rank_logical_token == [64] * 5 + [63] * 3 and md.per_rank_actual_token == [64] * 8
+    tokens = torch.arange(1, sum(EXTEND) + 1)
     for rank in (0, 5):
         theirs, ours = _plan(rank, md).split, _plan(rank).split
         assert (theirs.per_rank_logical, theirs.physical_rows) == (ours.per_rank_logical, ours.physical_rows)
         assert torch.equal(theirs.local_token_index, ours.local_token_index)
         assert torch.equal(theirs.gather_index, ours.gather_index)
+        with up.parallel().override(attn_cp_rank=rank):
+            upstream_rows = up.strategy.shard_hidden_states(tokens, SimpleNamespace(attn_cp_metadata=md))
+        real = ours.per_rank_logical[rank]
+        assert torch.equal(theirs.shard(tokens, -1)[:real], upstream_rows[:real])
 
 
 def test_metadata_that_is_not_an_interleave_split_is_named(up):
