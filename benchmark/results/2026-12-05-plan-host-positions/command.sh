@@ -6,6 +6,8 @@ python3 benchmark/bench_plan_host.py --requests 1,8,16,32,64 --reps 20 --out pla
 python3 benchmark/bench_kit_layer.py --backend flashmla_kv --fp8 --heads 64 --topk 2048 --requests 8 \
     --history 32768 --extend 1024 --sharing distinct,shared --layers 4 --reps 5 --processes 3 \
     --out forward_flashmla_kv_fp8_h200.json
+python3 benchmark/bench_plan_host.py --requests 1,8 --reps 10 --profile --out plan_profile_flashmla_kv_h200.json
+#   (the same warm H200, the same tree: 87 top-level torch ops per call with the mode on at 1 request, 35 off)
 #
 # call 6 (two calls), one H100 80GB HBM3 (nvidia-h100-x1: no H200 could be started), the tree of 9938e0e (the
 # CP split's host index tensors on first use, the staging written in place, bench_plan_host interleaving configs):
