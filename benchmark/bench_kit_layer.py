@@ -4,8 +4,10 @@ Through :class:`sglang_cpkv.testing.dsa_kit.KitWorld` (upstream's kit runner, po
 ``forward_extend``): a batch of requests with long histories, ``--layers`` kit layers; per configuration - the mode
 off, on with the layer-ahead history prefetch, on with each layer materializing its own history
 (``SGLANG_CPKV_LAYER_AHEAD=0``) - CUDA events time the plan (upstream's ``init_forward_metadata``, the mode's plan
-inside it) and the layer loop (attention only; inputs prepared before the clock starts), medians of ``--reps``
-forwards after a warm-up. The figure that matters is the **forward**: the plan plus ``--model-layers`` (78, GLM-5.1)
+inside it) and the layer loop (attention only; inputs prepared before the clock starts) of ``--reps`` forwards after
+a warm-up. The three configurations take turns forward by forward in one process (the order turns each round), so a
+drift of the GPU's or the host's speed reaches them alike: each time is the median over the rounds, and each ratio
+(difference) to mode off the median of the same-round ratios (differences). The figure that matters is the **forward**: the plan plus ``--model-layers`` (78, GLM-5.1)
 times the layer, since the plan runs once per batch and the layer once per model layer. Needs the GPU test
 environment (``scripts/gpu_env/install.sh``; the ``flashmla_*`` backends need its ``flash_mla`` library).
 
@@ -58,7 +60,10 @@ def _case(args, history: int, cp: int, shared: bool) -> BatchCase:
 
 
 def measure(args, cp: int = 1, rank: int = 0, model_dir: str = "") -> list[dict]:
-    """Every configuration at every history length and sharing on this rank: a fresh kit world each, timed."""
+    """Every configuration at every history length and sharing on this rank: a kit world per configuration, the
+    configurations taking turns forward by forward (the order turns each round), so that a drift of the GPU's or
+    the host's speed reaches them alike. Each row holds its configuration's ``rounds``: ``(plan ms, ms per layer)``
+    of each timed forward, round by round."""
     from sglang_cpkv.testing.dsa_kit import publish_prefill_cp_server_args
 
     route = KitRoute(args.backend, fp8=args.fp8, skip_topk_layers=(False,) * args.layers)
@@ -66,8 +71,9 @@ def measure(args, cp: int = 1, rank: int = 0, model_dir: str = "") -> list[dict]
     for history in args.history:
         for sharing in args.sharing:
             case = _case(args, history, cp, sharing == "shared")
+            worlds = []
             for label, mode_on, layer_ahead in CONFIGS:
-                os.environ["SGLANG_CPKV_LAYER_AHEAD"] = layer_ahead
+                os.environ["SGLANG_CPKV_LAYER_AHEAD"] = layer_ahead  # read once, into the world's reservation
                 if cp > 1:
                     publish_prefill_cp_server_args(model_dir, cp, mode_on=mode_on)
                 world = KitWorld(
@@ -82,21 +88,22 @@ def measure(args, cp: int = 1, rank: int = 0, model_dir: str = "") -> list[dict]
                     topk=args.topk,
                 )
                 world.write_history(case)
-                plan_ms, layer_ms = world.time_layers(case, args.reps)
-                rows.append(
-                    {
-                        "history": history,
-                        "sharing": sharing,
-                        "config": label,
-                        "kernel": world.backend.dsa_prefill_impl,
-                        "plan_ms": plan_ms,
-                        "layer_ms": layer_ms,
-                    }
-                )
+                worlds.append((label, mode_on, world, world.prepare_timing(case)))
+            rounds: dict[str, list[tuple[float, float]]] = {label: [] for label, *_ in worlds}
+            for round_ in range(args.reps + 1):  # the first round warms every kernel and buffer
+                for label, mode_on, world, timing in worlds[round_ % 3 :] + worlds[: round_ % 3]:
+                    if cp > 1:
+                        publish_prefill_cp_server_args(model_dir, cp, mode_on=mode_on)
+                    world.make_current()
+                    rounds[label].append(world.timed_forward(timing))
+            for label, _, world, _ in worlds:
+                row = {"history": history, "sharing": sharing, "config": label, "rounds": rounds[label][1:]}
+                rows.append(dict(row, kernel=world.backend.dsa_prefill_impl))
                 if args.profile:
+                    world.make_current()
                     rows[-1]["kernels"] = _profile(world, case)
-                del world
-                torch.cuda.empty_cache()
+            del worlds
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -122,21 +129,23 @@ def _one_process(args) -> list[dict]:
             mp.spawn(_rank, args=(args, tmp), nprocs=args.cp, join=True)
             per_rank = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(args.cp)]
         # The critical path of a layer is its slowest rank's.
+        # A round's plan and layer are its slowest rank's (the critical path).
         rows = [
-            dict(
-                row,
-                layer_ms=max(r[i]["layer_ms"] for r in per_rank),
-                rank_layer_ms=[r[i]["layer_ms"] for r in per_rank],
-            )
+            dict(row, rounds=[tuple(map(max, zip(*ranks))) for ranks in zip(*(r[i]["rounds"] for r in per_rank))])
             for i, row in enumerate(per_rank[0])
         ]
     for row in rows:
-        row["forward_ms"] = row["plan_ms"] + args.model_layers * row["layer_ms"]
-    for row in rows:
         off = next(r for r in rows if _key(r)[:2] == _key(row)[:2] and r["config"] == "mode off")
-        row["forward_vs_off"] = row["forward_ms"] / off["forward_ms"]
-        row["layer_vs_off"] = row["layer_ms"] / off["layer_ms"]
-        row["plan_minus_off_ms"] = row["plan_ms"] - off["plan_ms"]
+        mine, theirs = row["rounds"], off["rounds"]
+        forward = [plan + args.model_layers * layer for plan, layer in mine]
+        forward_off = [plan + args.model_layers * layer for plan, layer in theirs]
+        row["plan_ms"] = statistics.median(plan for plan, _ in mine)
+        row["layer_ms"] = statistics.median(layer for _, layer in mine)
+        row["forward_ms"] = statistics.median(forward)
+        # Ratios and differences to mode off: medians of the same round's.
+        row["forward_vs_off"] = statistics.median(f / o for f, o in zip(forward, forward_off))
+        row["layer_vs_off"] = statistics.median(m[1] / o[1] for m, o in zip(mine, theirs))
+        row["plan_minus_off_ms"] = statistics.median(m[0] - o[0] for m, o in zip(mine, theirs))
     return rows
 
 

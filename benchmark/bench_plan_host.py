@@ -31,17 +31,8 @@ import torch
 
 from sglang_cpkv.testing.batches import BatchCase
 from sglang_cpkv.testing.dsa_kit import PAGE, KitRoute, KitWorld, distinct_page_tables, kit_capacity
-from sglang_cpkv.testing.upstream_env import set_cp_shared_kv_flag
 
 CONFIGS = (("mode off", False, "0"), ("mode on, layer-ahead", True, "1"), ("mode on, synchronous", True, "0"))
-
-
-def _activate(world: KitWorld, mode_on: bool, layer_ahead: str, requests: int, longest: int) -> None:
-    """Make ``world``'s configuration the process's: the flag, and (mode on) its reservation with ``layer_ahead``."""
-    os.environ["SGLANG_CPKV_LAYER_AHEAD"] = layer_ahead
-    set_cp_shared_kv_flag(mode_on)
-    if mode_on:
-        world._reserve(requests, longest)
 
 
 def _timed_call(world: KitWorld, forward_batch) -> tuple[float, float | None]:
@@ -107,16 +98,16 @@ def main(argv=None) -> int:
         for label, mode_on, layer_ahead in CONFIGS:
             os.environ["SGLANG_CPKV_LAYER_AHEAD"] = layer_ahead
             world = KitWorld(route, max_requests=requests, longest=longest, mode_on=mode_on, device=args.device)
-            worlds.append((label, mode_on, layer_ahead, world, world._extend_batch(case)[0]))
+            worlds.append((label, world, world._extend_batch(case)[0]))
         times: dict[str, list[tuple[float, float | None]]] = {label: [] for label, *_ in worlds}
         with torch.no_grad():
             for round_ in range(args.reps + 2):  # two warm-up rounds; the order turns each round
-                for label, mode_on, layer_ahead, world, forward_batch in worlds[round_ % 3 :] + worlds[: round_ % 3]:
-                    _activate(world, mode_on, layer_ahead, requests, longest)
+                for label, world, forward_batch in worlds[round_ % 3 :] + worlds[: round_ % 3]:
+                    world.make_current()
                     times[label].append(_timed_call(world, forward_batch))
             if args.profile:
-                for label, mode_on, layer_ahead, world, forward_batch in worlds:
-                    _activate(world, mode_on, layer_ahead, requests, longest)
+                for label, world, forward_batch in worlds:
+                    world.make_current()
                     with world.up["context"](world.backend):
                         profiles[f"{requests} requests, {label}"] = _profile(world, forward_batch, args.reps)
         off = [host for host, _ in times["mode off"][2:]]

@@ -95,12 +95,13 @@ class ExtendBatch:
 
 
 class _ErrorsInTransit:
-    """A batch's device error counter on its way to the host, without a synchronization."""
+    """A batch's device error counter on its way to the host, without a synchronization, into ``host`` (a pinned
+    buffer of the counter's shape, reused once the counter has been read)."""
 
-    def __init__(self, batch: ExtendBatch) -> None:
+    def __init__(self, batch: ExtendBatch, host: torch.Tensor) -> None:
         errors = batch.plan.errors
         self.where = f"CP shared-KV extend batch {batch.number} ({batch.plan.num_requests} requests)"
-        self.host = torch.empty(errors.shape, dtype=errors.dtype, pin_memory=errors.is_cuda)
+        self.host = host
         self.host.copy_(errors, non_blocking=True)
         self.event = None
         if errors.is_cuda:
@@ -120,6 +121,8 @@ class BackendState:
         self.batch: ExtendBatch | None = None
         self.batches_begun = 0
         self._in_transit: list[_ErrorsInTransit] = []
+        self._kinds_made: dict[tuple, list[PagedKind]] = {}
+        self._read_counters: list[torch.Tensor] = []  # pinned host counters already read: the next transits' buffers
 
     def surface_errors(self) -> None:
         """Raise, once, for the earlier batches whose counters have reached the host and show dropped ids; the
@@ -128,6 +131,7 @@ class BackendState:
         arrived = [errors for errors, done in zip(self._in_transit, landed) if done]
         self._in_transit = [errors for errors, done in zip(self._in_transit, landed) if not done]
         messages = [m for m in (describe_errors(errors.host, errors.where) for errors in arrived) if m]
+        self._read_counters.extend(errors.host for errors in arrived)
         if messages:
             raise CpSharedKvError("; ".join(messages))
 
@@ -136,17 +140,22 @@ class BackendState:
     ) -> ExtendBatch:
         """End the previous batch (its counter goes to the host) and begin this one in the reserved buffers."""
         if self.batch is not None:
-            self._in_transit.append(_ErrorsInTransit(self.batch))
+            errors = self.batch.plan.errors
+            if self._read_counters:  # every counter of a backend has one shape and device
+                host = self._read_counters.pop()
+            else:
+                host = torch.empty(errors.shape, dtype=errors.dtype, pin_memory=errors.is_cuda)
+            self._in_transit.append(_ErrorsInTransit(self.batch, host))
             self.batch = None
         self.surface_errors()
         pool = backend.token_to_kv_pool
         latent = reads_dense_latent(backend, forward_batch)
-        kinds = [self._latent_kind(pool, plan, reservation)] if latent else []
-        index_k = self._index_k_kind(pool, plan, reservation)
-        if index_k is not None:
-            kinds.append(index_k)
         pipeline = LayerPipeline(
-            plan, group, kinds, layer_ahead=reservation.layer_ahead, stream=_side_stream(plan.device)
+            plan,
+            group,
+            self._kinds(pool, plan, reservation, latent),
+            layer_ahead=reservation.layer_ahead,
+            stream=_side_stream(plan.device),
         )
         scratch = scratch_locs = None
         if latent:
@@ -169,6 +178,18 @@ class BackendState:
         )
         return self.batch
 
+    def _kinds(self, pool: Any, plan: CpSharedKvPlan, reservation: Reservation, latent: bool) -> list[PagedKind]:
+        """The kinds a batch materializes (the latent KV when it reads a dense latent view, the index K): the same
+        for every batch of the backend under one reservation, so made once."""
+        key = (reservation, plan.page_size, latent)
+        if key not in self._kinds_made:
+            kinds = [self._latent_kind(pool, plan, reservation)] if latent else []
+            index_k = self._index_k_kind(pool, plan, reservation)
+            if index_k is not None:
+                kinds.append(index_k)
+            self._kinds_made[key] = kinds
+        return self._kinds_made[key]
+
     def _views(self, name: str, reservation: Reservation, page: torch.Tensor, token_bytes: int):
         """The reserved dense views of one kind whose pool pages look like ``page`` (under CP the history all-gather
         lands in them: no exchange buffer)."""
@@ -182,14 +203,14 @@ class BackendState:
         return self.buffers.get(name, reservation.dense_slots, *shape, reservation.views_per_kind)
 
     def _latent_kind(self, pool: Any, plan: CpSharedKvPlan, reservation: Reservation) -> PagedKind:
-        first = pool.kv_buffer[0]
-        page = first[: plan.page_size]
+        first, page_size = pool.kv_buffer[0], plan.page_size
+        page = first[:page_size]
         views = self._views(LATENT, reservation, page, reservation.latent_token_bytes)
         return PagedKind(
             name=LATENT,
             layers=tuple(range(pool.start_layer, pool.start_layer + pool.layer_num)),
             pool_pages=after_layer_load(
-                pool, lambda layer: as_pages(pool.kv_buffer[layer - pool.start_layer], plan.page_size, "KV pool")
+                pool, lambda layer: as_pages(pool.kv_buffer[layer - pool.start_layer], page_size, "KV pool")
             ),
             buffers=views,
             row_shape=tuple(first.shape[1:]),

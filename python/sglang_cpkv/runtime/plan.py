@@ -270,18 +270,16 @@ def _host_page_table(page_table: torch.Tensor | Sequence[Sequence[int]], num_req
     return table
 
 
-def _validate_lengths(
-    prefix_lens: Sequence[int], extend_lens: Sequence[int]
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    prefix = tuple(int(n) for n in prefix_lens)
-    extend = tuple(int(n) for n in extend_lens)
-    if len(prefix) != len(extend):
-        raise CpSharedKvError(f"prefix_lens has {len(prefix)} entries, extend_lens {len(extend)}")
-    if not prefix:
+def _validate_lengths(prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The host lengths as int64 arrays, after checking them."""
+    prefix, extend = np.asarray(prefix_lens, dtype=np.int64), np.asarray(extend_lens, dtype=np.int64)
+    if prefix.ndim != 1 or prefix.shape != extend.shape:
+        raise CpSharedKvError(f"prefix_lens has {prefix.size} entries, extend_lens {extend.size}")
+    if not prefix.size:
         raise CpSharedKvError("empty batch: no requests")
     for name, lens in (("prefix_lens", prefix), ("extend_lens", extend)):
-        bad = [(r, n) for r, n in enumerate(lens) if n < 0]
-        if bad:
+        if (lens < 0).any():
+            bad = [(int(r), int(lens[r])) for r in np.flatnonzero(lens < 0)]
             raise CpSharedKvError(f"{name} must be >= 0: (request, length) {bad}")
     return prefix, extend
 
@@ -379,10 +377,11 @@ def _dense_layout(
     pages are flags over the page ids (``C + 1``: the last is the bad-id bucket), not sorts of the entries: every
     step is linear in the entries and the page ids, in numpy (a few microseconds a step where torch's host ops take
     tens)."""
-    first_row = entry_j * page_size
-    prefix_of = prefix[entry_req]
-    history_rows = np.minimum(np.maximum(prefix_of - first_row, 0), page_size)  # rows of history in the page
-    writes = np.minimum(prefix_of + extend[entry_req] - first_row, page_size) > history_rows  # takes current tokens
+    # Per request: its entries from page index prefix // page_size on take current tokens (none without current
+    # tokens); those below ceil(prefix / page_size) hold history rows.
+    first_writing = np.where(extend > 0, prefix // page_size, np.iinfo(np.int64).max)
+    writes = entry_j >= first_writing[entry_req]  # takes current tokens
+    has_history = entry_j < (-(-prefix // page_size))[entry_req]
     fetchable = pages < capacity
     written = np.zeros(capacity + 1, dtype=bool)
     written[pages[writes]] = True  # the page takes current tokens of some request
@@ -393,7 +392,7 @@ def _dense_layout(
     # straight from the pool, so the region holds the shared entries' pages only; under CP it comes from the gathered
     # region, so the region holds every page read as history.
     in_region = np.zeros(capacity + 1, dtype=bool)
-    in_region[pages[shared if cp_size == 1 else history_rows > 0]] = True
+    in_region[pages[shared if cp_size == 1 else has_history]] = True
     region = np.flatnonzero(in_region[:capacity])
     blocks: tuple[tuple[int, int], ...] = ()
     if cp_size > 1 and region.size:
@@ -409,7 +408,7 @@ def _dense_layout(
     entry_slots[shared] = region_slot[pages[shared]]
     entry_slots[own_entries] = region.size + np.arange(own_entries.size)
     slot_req = np.concatenate([np.full(region.size, PADDING_ID, dtype=np.int64), entry_req[own_entries]])
-    own_history = ~shared & (history_rows > 0) & fetchable
+    own_history = ~shared & has_history & fetchable
     own_history_pages = pages[own_history]
     sources = region_slot[own_history_pages] if cp_size > 1 else np.full(own_history_pages.size, PADDING_ID)
     return _Layout(
@@ -442,6 +441,7 @@ class _Entries:
 
     pages_needed: np.ndarray  # [R] n_r, the entries of each request
     starts: np.ndarray  # [R] the index of each request's first entry
+    in_table: np.ndarray  # bool [R, W]: the cells of the page table that are entries (row-major: entry order)
     req: np.ndarray  # [E] r of every entry
     j: np.ndarray  # [E] j of every entry
 
@@ -456,17 +456,16 @@ def _entries(table: torch.Tensor, prefix: np.ndarray, extend: np.ndarray, page_s
             f"a request's dense view needs {longest} slots x page_size {page_size} = {longest * page_size} locations, "
             f"more than int32 holds ({INT32_MAX}): split the batch"
         )
-    too_long = [(r, n) for r, n in enumerate(pages_needed.tolist()) if n > table.shape[1]]
-    if too_long:
+    if longest > table.shape[1]:
+        too_long = [(r, n) for r, n in enumerate(pages_needed.tolist()) if n > table.shape[1]]
         raise CpSharedKvError(
             f"page_table has {table.shape[1]} columns but (request, pages needed) {too_long} do not fit"
         )
-    starts = np.cumsum(pages_needed) - pages_needed
-    req = np.repeat(np.arange(pages_needed.size, dtype=np.int64), pages_needed)
-    j = np.arange(req.size, dtype=np.int64) - starts[req]
+    in_table = np.arange(table.shape[1]) < pages_needed[:, None]
+    req, j = np.nonzero(in_table)
     if table.device.type == "cpu":
-        _validate_host_ids(_host_array(table)[req, j], req, j, capacity)
-    return _Entries(pages_needed, starts, req, j)
+        _validate_host_ids(_host_array(table)[in_table], req, j, capacity)
+    return _Entries(pages_needed, np.cumsum(pages_needed) - pages_needed, in_table, req, j)
 
 
 def _check_current_locations(out_cache_loc: torch.Tensor, num_tokens: int, capacity: int, page_size: int) -> None:
@@ -492,17 +491,25 @@ def _history_copies(layout: _Layout, cp_size: int, cp_rank: int) -> tuple[np.nda
     return pool_pages, np.arange(start, start + count), layout.own_history_sources, layout.own_history_slots
 
 
-def _current_dense_locs(
+def _current_token_offsets(
     entry_slots: np.ndarray, entry_starts: np.ndarray, prefix: np.ndarray, extend: np.ndarray, page_size: int
 ) -> np.ndarray:
-    """int64 ``[N]``: each current token's dense location, from its position. A request's current tokens fill its
-    entries from page index ``prefix // page_size`` to its last, all own slots (each takes current tokens), numbered
-    in entry order: consecutive slots, so the request's current tokens are consecutive dense locations from the
-    first one's."""
-    writers = np.flatnonzero(extend)
-    first = entry_slots[entry_starts[writers] + prefix[writers] // page_size] * page_size + prefix[writers] % page_size
-    token_starts = np.cumsum(extend) - extend
-    return np.repeat(first - token_starts[writers], extend[writers]) + np.arange(int(extend.sum()), dtype=np.int64)
+    """int64 ``[R]``: per request, the dense location of its first current token minus that token's index in the
+    batch (0 for a request without current tokens), so that current token ``t`` of request ``r`` lies at
+    ``offset[r] + t``. A request's current tokens fill its entries from page index ``prefix // page_size`` to its last,
+    all own slots (each takes current tokens), numbered in entry order: consecutive slots, so its current tokens are
+    consecutive dense locations."""
+    first_entry = np.minimum(entry_starts + prefix // page_size, entry_slots.size - 1)  # in range without tokens too
+    first = entry_slots[first_entry] * page_size + prefix % page_size
+    return np.where(extend > 0, first - (np.cumsum(extend) - extend), 0)
+
+
+def _current_tokens(offsets: torch.Tensor, extend: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(token_req_id, current_dense_locs)``, int64 ``[N]``, made on the device from the per-request ``offsets``
+    (:func:`_current_token_offsets`) and ``extend`` (staged): no token-length array is built on the host or staged."""
+    token_req = torch.repeat_interleave(extend, output_size=num_tokens)
+    locs = torch.arange(num_tokens, dtype=torch.int64, device=offsets.device)
+    return token_req, locs.add_(offsets.index_select(0, token_req))
 
 
 def _owned_cache_write_locs(out_cache_loc: torch.Tensor, page_size: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -550,15 +557,15 @@ def build_plan(
     """
     cp_size, cp_rank = split.cp_size, split.cp_rank
     _check_page_ids(capacity, page_size, cp_size)
-    prefix, extend = _validate_lengths(prefix_lens, extend_lens)
-    num_requests = len(prefix)
-    num_tokens = sum(extend)
+    prefix_np, extend_np = _validate_lengths(prefix_lens, extend_lens)
+    num_requests = prefix_np.size
+    num_tokens = int(extend_np.sum())
     if split.num_tokens != num_tokens:
         raise CpSharedKvError(f"the CP split is of {split.num_tokens} tokens, the batch extends {num_tokens}")
     if num_tokens == 0:
         # Every per-layer op fills or persists current rows; upstream never runs an extend without them.
-        raise CpSharedKvError(f"the batch has no current tokens (extend_lens {list(extend)}): nothing to extend")
-    prefix_np, extend_np = np.array(prefix, dtype=np.int64), np.array(extend, dtype=np.int64)
+        raise CpSharedKvError(f"the batch has no current tokens (extend_lens {extend_np.tolist()}): nothing to extend")
+    has_history = bool(prefix_np.any())
     table = _host_page_table(page_table, num_requests)
     entries = _entries(table, prefix_np, extend_np, page_size, capacity)
     _check_current_locations(out_cache_loc, num_tokens, capacity, page_size)
@@ -567,10 +574,10 @@ def build_plan(
     # The page ids on the host: a host table's, or the one host copy of a device table when some request has history
     # (module docstring: the layout is a function of them). Without history every entry is its own slot whatever its
     # page id, so a device table's ids stay on the device.
-    pages_on_host = table.device.type == "cpu" or any(prefix)
+    pages_on_host = table.device.type == "cpu" or has_history
     if pages_on_host:
-        host = table.cpu() if any(prefix) else table
-        pages = _in_range_or_capacity(_host_array(host)[entries.req, entries.j], capacity)
+        host = table.cpu() if has_history else table
+        pages = _in_range_or_capacity(_host_array(host)[entries.in_table], capacity)
     else:
         pages = np.full(entries.req.size, capacity, dtype=np.int64)
     layout = _dense_layout(
@@ -585,7 +592,6 @@ def build_plan(
             f"locations, more than int32 holds ({INT32_MAX}): split the batch"
         )
     rounding = np.full(num_slots - needed, PADDING_ID, dtype=np.int64)
-    token_req = np.repeat(np.arange(num_requests, dtype=np.int64), extend_np)
 
     # Every host value the device work needs, in one staging (the error counter's zeros too); each slot's page (the
     # region's, then each own slot's entry's, then the rounding) from the host ids, or from the entries gathered on
@@ -593,15 +599,16 @@ def build_plan(
     int64s = [
         np.concatenate([layout.slot_req, rounding]),
         entries.req,
-        token_req,
-        _current_dense_locs(layout.entry_slots, entries.starts, prefix_np, extend_np, page_size),
+        extend_np,
+        _current_token_offsets(layout.entry_slots, entries.starts, prefix_np, extend_np, page_size),
     ]
     int32s = [np.zeros(NUM_ERROR_KINDS, dtype=np.int32), layout.entry_slots, *_history_copies(layout, cp_size, cp_rank)]
     if pages_on_host:
         int32s += [pages, np.concatenate([region, pages[layout.own_entries], rounding])]
     else:
-        int64s.append(entries.req * table.shape[1] + entries.j)
-    (slot_req, entry_req, token_req_id, current_dense_locs, *flat_entries), int32_dev = _stage(device, int64s, int32s)
+        int64s.append(np.flatnonzero(entries.in_table))
+    (slot_req, entry_req, extend_dev, offsets, *flat_entries), int32_dev = _stage(device, int64s, int32s)
+    token_req_id, current_dense_locs = _current_tokens(offsets, extend_dev, num_tokens)
     errors, entry_slots, pool_copy_pages, pool_copy_slots, view_src, view_dst, *host_pages = int32_dev
     if pages_on_host:
         entry_pages, slot_pages = host_pages
@@ -617,8 +624,8 @@ def build_plan(
         num_requests=num_requests,
         capacity=capacity,
         page_size=page_size,
-        prefix_lens=prefix,
-        extend_lens=extend,
+        prefix_lens=tuple(prefix_np.tolist()),
+        extend_lens=tuple(extend_np.tolist()),
         request_pages=tuple(entries.pages_needed.tolist()),
         entry_starts=tuple(entries.starts.tolist()),
         entry_slots_host=torch.from_numpy(layout.entry_slots),

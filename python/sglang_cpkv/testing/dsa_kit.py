@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from sglang_cpkv.hooks.reservation import publish as publish_reservation
 from sglang_cpkv.runtime.ownership import owner_pool_loc, page_owner
 from sglang_cpkv.testing.batches import BatchCase, same_bytes
 from sglang_cpkv.testing.upstream_env import set_cp_shared_kv_flag
@@ -426,8 +427,9 @@ class KitWorld:
             skip_topk_layers=list(route.skip_topk_layers),
         )
         self.runner, self.pool = runner, runner.token_to_kv_pool
+        self.reservation = self._reservation(max_requests, longest) if mode_on else None
         if mode_on:
-            self._reserve(max_requests, longest)
+            publish_reservation(self.reservation)
         self.backend = up["backends"]["dsa"](runner)
         self.backend.use_fused_topk = route.fused_topk
         if published is not None and cp_size > 1:
@@ -492,23 +494,27 @@ class KitWorld:
     def _keys(self, locs: torch.Tensor, layer: int) -> torch.Tensor:
         return _values(locs, 5000 * self.seed + layer, INDEX_HEAD_DIM, self.capacity, self.device)
 
-    def _reserve(self, max_requests: int, longest: int) -> None:
-        """Publish the mode's reservation for this world, as the pool-sizing hook does at a server's start-up:
-        a batch of up to ``max_requests`` requests of up to ``longest`` tokens (row sizes from the pool)."""
-        from sglang_cpkv.hooks.reservation import publish
-
+    def _reservation(self, max_requests: int, longest: int):
+        """The mode's reservation for this world, as the pool-sizing hook makes it at a server's start-up: a batch of
+        up to ``max_requests`` requests of up to ``longest`` tokens (row sizes from the pool; the layer-ahead
+        setting in force now)."""
         pool = self.pool
         kv = pool.kv_buffer[0]
         index_k_layer = next(i for i, skip in enumerate(self.route.skip_topk_layers) if not skip)
-        publish(
-            kit_reservation(
-                max_requests,
-                longest,
-                self.cp_size,
-                latent_token_bytes=kv[0].numel() * kv.element_size(),
-                index_k_token_bytes=pool.get_index_k_with_scale_buffer(index_k_layer).shape[1] // PAGE,
-            )
+        return kit_reservation(
+            max_requests,
+            longest,
+            self.cp_size,
+            latent_token_bytes=kv[0].numel() * kv.element_size(),
+            index_k_token_bytes=pool.get_index_k_with_scale_buffer(index_k_layer).shape[1] // PAGE,
         )
+
+    def make_current(self) -> None:
+        """Make this world's configuration the process's again (the flag and, mode on, its reservation, which are
+        process-wide): a caller that runs several worlds in turn calls it before each one's forward."""
+        set_cp_shared_kv_flag(self.mode_on)
+        if self.reservation is not None:
+            publish_reservation(self.reservation)
 
     def pool_rows(self, locs: torch.Tensor) -> torch.Tensor:
         """The rows of this rank's pool that hold token locations ``locs`` (owned ones, with the mode on under CP:
@@ -604,15 +610,22 @@ class KitWorld:
         return KitRun(kernel_reads, index_reads, local_tokens, pool_after)
 
     def time_layers(self, case: BatchCase, reps: int) -> tuple[float, float]:
-        """``(plan ms, ms per layer)`` of ``reps`` forwards of ``case`` with the route's real kernel and no capture
-        (on a GPU): CUDA events around ``init_forward_metadata`` and around the layer loop (attention only; inputs
-        prepared before the clock starts), medians."""
+        """``(plan ms, ms per layer)``: medians of ``reps`` forwards of ``case`` (:meth:`timed_forward`) after a
+        warm-up forward."""
+        timing = self.prepare_timing(case)
+        times = [self.timed_forward(timing) for _ in range(reps + 1)][1:]  # the first warms every kernel and buffer
+        return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+
+    def prepare_timing(self, case: BatchCase) -> LayerTiming:
+        """What :meth:`timed_forward` runs for ``case`` with the route's real kernel and no capture (on a GPU): the
+        forward batch, each layer's inputs and the top-k, made before any clock starts (the top-k after one
+        ``init_forward_metadata``: it depends on the batch's tables only)."""
         up, route, device, backend = self.up, self.route, self.device, self.backend
         if device.type != "cuda":
-            raise ValueError("time_layers runs the route's real kernel on a GPU")
+            raise ValueError("timed forwards run the route's real kernel on a GPU")
         missing = missing_kernel_library(route)
         if missing:
-            raise ValueError(f"time_layers: {route.prefill_backend} needs the {missing} library, not installed here")
+            raise ValueError(f"timed forwards: {route.prefill_backend} needs the {missing} library, not installed here")
         forward_batch, cur_locs, local_tokens, metadata_cp = self._extend_batch(case)
         inputs = []
         for module in self.modules:
@@ -620,28 +633,45 @@ class KitWorld:
             q_nope, q_rope = module.project_q(hidden[local_tokens.to(device)])
             k_nope, k_rope = _project_current_k(module, hidden, local_tokens, metadata_cp)
             inputs.append((_pad_rows(q_nope, metadata_cp), _pad_rows(q_rope, metadata_cp), k_nope, k_rope))
-        plan_ms, layer_ms = [], []
         with torch.no_grad(), up["context"](backend):
-            backend.init_forward_metadata(forward_batch)  # the top-k below depends on the batch's tables only
+            backend.init_forward_metadata(forward_batch)
             rows = inputs[0][0].shape[0]
             topk = _fused_topk(
                 backend, backend.forward_metadata, case, local_tokens, rows, route, device, up["extend"], self.topk
             )
-            for _ in range(reps + 1):  # the first forward warms every kernel and buffer
-                torch.cuda.synchronize()
-                start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-                start.record()
-                backend.init_forward_metadata(forward_batch)
-                mid.record()
-                for module, (q_nope, q_rope, k_local, k_rope_local) in zip(self.modules, inputs):
-                    # Under CP upstream's all-gather of the current KV is on the critical path (the clock runs).
-                    k_nope, k_rope = _gather_current_kv(module, k_local, k_rope_local, forward_batch, metadata_cp)
-                    module.attn(q_nope, k_nope, k_nope, forward_batch, k_rope=k_rope, q_rope=q_rope, topk_indices=topk)
-                end.record()
-                torch.cuda.synchronize()
-                plan_ms.append(start.elapsed_time(mid))
-                layer_ms.append(mid.elapsed_time(end) / len(self.modules))
-        return statistics.median(plan_ms[1:]), statistics.median(layer_ms[1:])
+        return LayerTiming(forward_batch, metadata_cp, inputs, topk)
+
+    def timed_forward(self, timing: LayerTiming) -> tuple[float, float]:
+        """``(plan ms, ms per layer)`` of one forward: CUDA events around ``init_forward_metadata`` and around the
+        layer loop (attention only), the device synchronized before the clock starts. The mode's flag and
+        reservation in force are the process's (a caller timing several worlds in turn sets them for each)."""
+        forward_batch, metadata_cp = timing.forward_batch, timing.metadata_cp
+        with torch.no_grad(), self.up["context"](self.backend):
+            torch.cuda.synchronize()
+            start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            start.record()
+            self.backend.init_forward_metadata(forward_batch)
+            mid.record()
+            for module, (q_nope, q_rope, k_local, k_rope_local) in zip(self.modules, timing.inputs):
+                # Under CP upstream's all-gather of the current KV is on the critical path (the clock runs).
+                k_nope, k_rope = _gather_current_kv(module, k_local, k_rope_local, forward_batch, metadata_cp)
+                module.attn(
+                    q_nope, k_nope, k_nope, forward_batch, k_rope=k_rope, q_rope=q_rope, topk_indices=timing.topk
+                )
+            end.record()
+            torch.cuda.synchronize()
+        return start.elapsed_time(mid), mid.elapsed_time(end) / len(self.modules)
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    """A case made ready for :meth:`KitWorld.timed_forward`: its forward batch, ``attn_cp_metadata`` (None un-split),
+    each layer's ``(q_nope, q_rope, k_nope, k_rope)`` and the top-k."""
+
+    forward_batch: Any
+    metadata_cp: Any
+    inputs: list
+    topk: torch.Tensor
 
 
 def _act_quant():
