@@ -491,25 +491,18 @@ def _history_copies(layout: _Layout, cp_size: int, cp_rank: int) -> tuple[np.nda
     return pool_pages, np.arange(start, start + count), layout.own_history_sources, layout.own_history_slots
 
 
-def _current_token_offsets(
+def _current_dense_locs(
     entry_slots: np.ndarray, entry_starts: np.ndarray, prefix: np.ndarray, extend: np.ndarray, page_size: int
 ) -> np.ndarray:
-    """int64 ``[R]``: per request, the dense location of its first current token minus that token's index in the
-    batch (0 for a request without current tokens), so that current token ``t`` of request ``r`` lies at
-    ``offset[r] + t``. A request's current tokens fill its entries from page index ``prefix // page_size`` to its last,
-    all own slots (each takes current tokens), numbered in entry order: consecutive slots, so its current tokens are
-    consecutive dense locations."""
-    first_entry = np.minimum(entry_starts + prefix // page_size, entry_slots.size - 1)  # in range without tokens too
-    first = entry_slots[first_entry] * page_size + prefix % page_size
-    return np.where(extend > 0, first - (np.cumsum(extend) - extend), 0)
-
-
-def _current_tokens(offsets: torch.Tensor, extend: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(token_req_id, current_dense_locs)``, int64 ``[N]``, made on the device from the per-request ``offsets``
-    (:func:`_current_token_offsets`) and ``extend`` (staged): no token-length array is built on the host or staged."""
-    token_req = torch.repeat_interleave(extend, output_size=num_tokens)
-    locs = torch.arange(num_tokens, dtype=torch.int64, device=offsets.device)
-    return token_req, locs.add_(offsets.index_select(0, token_req))
+    """int64 ``[N]``: each current token's dense location, from its position. A request's current tokens fill its
+    entries from page index ``prefix // page_size`` to its last, all own slots (each takes current tokens), numbered
+    in entry order: consecutive slots, so the request's current tokens are consecutive dense locations from the
+    first one's. (Made on the host and staged: at the chunk sizes a prefill batch has, three numpy steps and the
+    bytes cost less host time than the device ops that would make it from per-request values.)"""
+    writers = np.flatnonzero(extend)
+    first = entry_slots[entry_starts[writers] + prefix[writers] // page_size] * page_size + prefix[writers] % page_size
+    token_starts = np.cumsum(extend) - extend
+    return np.repeat(first - token_starts[writers], extend[writers]) + np.arange(int(extend.sum()), dtype=np.int64)
 
 
 def _owned_cache_write_locs(out_cache_loc: torch.Tensor, page_size: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -599,16 +592,15 @@ def build_plan(
     int64s = [
         np.concatenate([layout.slot_req, rounding]),
         entries.req,
-        extend_np,
-        _current_token_offsets(layout.entry_slots, entries.starts, prefix_np, extend_np, page_size),
+        np.repeat(np.arange(num_requests, dtype=np.int64), extend_np),
+        _current_dense_locs(layout.entry_slots, entries.starts, prefix_np, extend_np, page_size),
     ]
     int32s = [np.zeros(NUM_ERROR_KINDS, dtype=np.int32), layout.entry_slots, *_history_copies(layout, cp_size, cp_rank)]
     if pages_on_host:
         int32s += [pages, np.concatenate([region, pages[layout.own_entries], rounding])]
     else:
         int64s.append(np.flatnonzero(entries.in_table))
-    (slot_req, entry_req, extend_dev, offsets, *flat_entries), int32_dev = _stage(device, int64s, int32s)
-    token_req_id, current_dense_locs = _current_tokens(offsets, extend_dev, num_tokens)
+    (slot_req, entry_req, token_req_id, current_dense_locs, *flat_entries), int32_dev = _stage(device, int64s, int32s)
     errors, entry_slots, pool_copy_pages, pool_copy_slots, view_src, view_dst, *host_pages = int32_dev
     if pages_on_host:
         entry_pages, slot_pages = host_pages
