@@ -25,7 +25,6 @@ import json
 import os
 import pstats
 import statistics
-import time
 
 import torch
 
@@ -33,24 +32,6 @@ from sglang_cpkv.testing.batches import BatchCase
 from sglang_cpkv.testing.dsa_kit import PAGE, KitRoute, KitWorld, distinct_page_tables, kit_capacity
 
 CONFIGS = (("mode off", False, "0"), ("mode on, layer-ahead", True, "1"), ("mode on, synchronous", True, "0"))
-
-
-def _timed_call(world: KitWorld, forward_batch) -> tuple[float, float | None]:
-    """Host ms and (on a GPU) CUDA-event ms of one ``init_forward_metadata``."""
-    cuda = world.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    t = time.perf_counter()
-    with world.up["context"](world.backend):
-        world.backend.init_forward_metadata(forward_batch)
-    host = (time.perf_counter() - t) * 1e3
-    if not cuda:
-        return host, None
-    end.record()
-    torch.cuda.synchronize()
-    return host, start.elapsed_time(end)
 
 
 def _profile(world: KitWorld, forward_batch, reps: int) -> str:
@@ -104,7 +85,7 @@ def main(argv=None) -> int:
             for round_ in range(args.reps + 2):  # two warm-up rounds; the order turns each round
                 for label, world, forward_batch in worlds[round_ % 3 :] + worlds[: round_ % 3]:
                     world.make_current()
-                    times[label].append(_timed_call(world, forward_batch))
+                    times[label].append(world.timed_metadata(forward_batch))
             if args.profile:
                 for label, world, forward_batch in worlds:
                     world.make_current()

@@ -104,19 +104,13 @@ def main(argv=None) -> int:
             forward_batch = world._extend_batch(case)[0]
             world.make_current()
             host, window = [], []
-            with torch.no_grad(), world.up["context"](world.backend):
+            with torch.no_grad():
                 for call in range(args.reps + 3):
                     if call == 3:
                         times.clear()
-                    torch.cuda.synchronize()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    t = time.perf_counter()
-                    world.backend.init_forward_metadata(forward_batch)
-                    host.append((time.perf_counter() - t) * 1e3)
-                    end.record()
-                    torch.cuda.synchronize()
-                    window.append(start.elapsed_time(end))
+                    host_ms, window_ms = world.timed_metadata(forward_batch)
+                    host.append(host_ms)
+                    window.append(window_ms)
             phases = {label: statistics.median(v) * 1e3 for label, v in times.items()} if mode_on else {}
             results[f"{requests} requests, {config}"] = {
                 "host_ms": statistics.median(host[3:]),

@@ -47,6 +47,7 @@ import importlib.util
 import json
 import os
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -608,6 +609,24 @@ class KitWorld:
         ]
         self.forward_batch = forward_batch
         return KitRun(kernel_reads, index_reads, local_tokens, pool_after)
+
+    def timed_metadata(self, forward_batch: Any) -> tuple[float, float | None]:
+        """Host ms and (on a GPU) CUDA-event ms of one ``init_forward_metadata`` of ``forward_batch`` (the plan hook
+        inside it), the device synchronized before the clock starts."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t = time.perf_counter()
+        with self.up["context"](self.backend):
+            self.backend.init_forward_metadata(forward_batch)
+        host = (time.perf_counter() - t) * 1e3
+        if not cuda:
+            return host, None
+        end.record()
+        torch.cuda.synchronize()
+        return host, start.elapsed_time(end)
 
     def time_layers(self, case: BatchCase, reps: int) -> tuple[float, float]:
         """``(plan ms, ms per layer)``: medians of ``reps`` forwards of ``case`` (:meth:`timed_forward`) after a
