@@ -85,6 +85,11 @@ def _rank_token_indices(strategy: CpStrategy, extend_lens: Sequence[int], cp_siz
     return torch.cat(prev + nxt) if prev else torch.empty(0, dtype=torch.int64)
 
 
+def _interleave_rows(num_tokens: int, cp_size: int) -> list[int]:
+    """Real local rows of each rank under interleave (token ``t`` on rank ``t % cp``)."""
+    return [len(range(r, num_tokens, cp_size)) for r in range(cp_size)]
+
+
 @dataclass(frozen=True)
 class CpSplit:
     """The split of one batch's ``N`` current tokens over ``cp_size`` ranks, seen from ``cp_rank``.
@@ -187,7 +192,7 @@ def build_cp_split(strategy: CpStrategy, extend_lens: Sequence[int], cp_size: in
     if effective == "none":
         return CpSplit("none", cp_size, cp_rank, total, (total,) * cp_size, total, tuple(extend_lens))
     if effective == "interleave":
-        logical = [len(range(r, total, cp_size)) for r in range(cp_size)]
+        logical = _interleave_rows(total, cp_size)
     else:
         blocks = [_zigzag_block_sizes(n, cp_size) for n in extend_lens]
         logical = [sum(b[r] + b[2 * cp_size - 1 - r] for b in blocks) for r in range(cp_size)]
@@ -218,7 +223,7 @@ def upstream_interleave_split(
     cp_size = len(per_rank_logical)
     logical = [int(n) for n in per_rank_logical]
     physical = {int(n) for n in per_rank_physical}
-    interleave = [len(range(r, num_tokens, cp_size)) for r in range(cp_size)]
+    interleave = _interleave_rows(num_tokens, cp_size)
     if (
         cp_size < 2
         or len(per_rank_physical) != cp_size
