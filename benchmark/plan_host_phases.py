@@ -48,11 +48,11 @@ PHASES = (
     (torch.Tensor, "cpu", "build_plan / Tensor.cpu (the page table's host read)"),
     (plan, "_in_range_or_capacity", "build_plan / _in_range_or_capacity"),
     (plan, "_dense_layout", "build_plan / _dense_layout"),
-    (plan, "_current_dense_locs", "build_plan / _current_dense_locs"),
+    (plan, "_current_token_offsets", "build_plan / _current_token_offsets"),
     (plan, "_history_copies", "build_plan / _history_copies"),
     (plan, "_stage", "build_plan / _stage"),
     (plan.ops, "build_page_inverse", "build_plan / build_page_inverse"),
-    (plan, "_count_location_mismatches", "build_plan / _count_location_mismatches"),
+    (plan.ops, "current_dense_locs", "build_plan / current_dense_locs"),
     (plan, "_owned_cache_write_locs", "build_plan / _owned_cache_write_locs"),
 )
 

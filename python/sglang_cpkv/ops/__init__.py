@@ -168,6 +168,14 @@ def _remap_device(locs, req_id, inverse, page_size, errors):
     return locs.device
 
 
+@implements(reference.current_dense_locs)
+def _current_locs_device(token_ends, dense_offsets, out_cache_loc, slot_pages, page_size, errors):
+    reference.check_current_locs(token_ends, dense_offsets, out_cache_loc, slot_pages)
+    if page_size < 1:
+        raise CpSharedKvError(f"page_size must be >= 1, got {page_size}")
+    return out_cache_loc.device
+
+
 @implements(reference.copy_pages)
 def _page_copy_device(src, src_page, dst, dst_page, errors):
     reference.check_ids(src_page, "src_page")
@@ -191,6 +199,7 @@ def _fill_device(pool, src_page, dense, dst_page, current, dst_loc, errors):
 
 build_page_inverse = _dispatched(reference.build_page_inverse, _inverse_build_device)
 remap_locs = _dispatched(reference.remap_locs, _remap_device)
+current_dense_locs = _dispatched(reference.current_dense_locs, _current_locs_device)
 copy_pages = _dispatched(reference.copy_pages, _page_copy_device)
 scatter_rows = _dispatched(reference.scatter_rows, _row_scatter_device)
 materialize_and_fill = _dispatched(reference.materialize_and_fill, _fill_device)
@@ -206,6 +215,7 @@ __all__ = [
     "PageInverse",
     "build_page_inverse",
     "copy_pages",
+    "current_dense_locs",
     "inverse_bytes",
     "materialize_and_fill",
     "new_error_counter",

@@ -1,7 +1,7 @@
 """CUDA backend of the CP shared-KV ops: thin launchers of ``torch.ops.sglang_cpkv.*``.
 
 The kernels live in ``sgl-kernel/csrc/cp_shared_kv`` (shipped in this package as ``sglang_cpkv/csrc``); their
-host launchers are declared, with shapes, in ``cp_shared_kv.h`` and registered in ``torch_bindings.cc``. The five
+host launchers are declared, with shapes, in ``cp_shared_kv.h`` and registered in ``torch_bindings.cc``. The six
 ops have the signatures and meaning of :mod:`sglang_cpkv.ops.reference`, bad ids included (-1 skipped silently;
 other out-of-range ids dropped and counted in ``errors``), and never synchronize with the host, so they can be
 captured in a CUDA graph. :func:`materialize_and_fill` is the per-layer ``copy_pages`` + ``scatter_rows`` in one
@@ -33,7 +33,14 @@ from sglang_cpkv.ops import cuda_build, reference
 from sglang_cpkv.ops.errors import new_error_counter
 from sglang_cpkv.ops.reference import PageInverse, implements
 
-OP_NAMES = ("build_page_inverse", "remap_locs", "copy_pages", "scatter_rows", "materialize_and_fill")
+OP_NAMES = (
+    "build_page_inverse",
+    "remap_locs",
+    "current_dense_locs",
+    "copy_pages",
+    "scatter_rows",
+    "materialize_and_fill",
+)
 
 logger = logging.getLogger(__name__)
 _loaded = False
@@ -57,6 +64,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("sglang_cpkv::remap_locs")
     def _remap_locs_fake(locs, req_id, inverse_keys, inverse_slots, num_requests, capacity, page_size, errors):
         return torch.empty_like(locs, dtype=torch.int32, memory_format=torch.contiguous_format)
+
+    @torch.library.register_fake("sglang_cpkv::current_dense_locs")
+    def _current_dense_locs_fake(token_ends, dense_offsets, out_cache_loc, slot_pages, page_size, errors):
+        return out_cache_loc.new_empty((out_cache_loc.numel(),), dtype=torch.int64)
 
     @torch.library.register_fake("sglang_cpkv::copy_pages")
     def _copy_pages_fake(src, src_page, dst, dst_page, errors):
@@ -126,6 +137,12 @@ def _probe() -> str | None:
     dst_page = torch.tensor([0, 1, 2, 3, 3], dtype=torch.int32, device=device)
     current = -torch.arange(3 * width, dtype=torch.int32, device=device).view(3, width) - 1
     dst_loc = torch.tensor([6, 99, 13], dtype=torch.int64, device=device)  # 99: a bad dense row
+    # Three requests of 2, 0 and 3 current tokens over slots holding pages 5, 9 and none (dense locations 2, 3 and
+    # 6, 7, 8): one token whose location is not its slot's, one on the slot that holds no page.
+    token_ends = torch.tensor([2, 2, 5], dtype=torch.int64, device=device)
+    dense_offsets = torch.tensor([2, 0, 4], dtype=torch.int64, device=device)
+    out_cache_loc = torch.tensor([22, 23, 38, 31, 40], dtype=torch.int32, device=device)
+    slot_pages = torch.tensor([5, 9, -1], dtype=torch.int32, device=device)
     module = sys.modules[__name__]
     results = {}
     for name in ("reference", "cuda", "cuda fused"):
@@ -133,6 +150,7 @@ def _probe() -> str | None:
         errors = new_error_counter(device)
         inverse = ops.build_page_inverse(entry_pages, entry_req, 2, capacity, errors, entry_slots)
         dense_locs = ops.remap_locs(locs, req_id, inverse, page_size, errors)
+        current_locs = ops.current_dense_locs(token_ends, dense_offsets, out_cache_loc, slot_pages, page_size, errors)
         dense = torch.full((4, page_size * width), 7, dtype=torch.int32, device=device)
         if name == "cuda fused":
             materialize_and_fill(pool, src_page, dense, dst_page, current, dst_loc, errors)
@@ -143,6 +161,7 @@ def _probe() -> str | None:
             "inverse keys": inverse.keys,
             "inverse slots": inverse.slots,
             "dense locs": dense_locs,
+            "current dense locs": current_locs,
             "dense": dense,
             "errors": errors,
         }
@@ -190,6 +209,11 @@ def remap_locs(locs, req_id, inverse, page_size, errors) -> torch.Tensor:
     return _ops().remap_locs(
         locs, req_id, inverse.keys, inverse.slots, inverse.num_requests, inverse.capacity, page_size, errors
     )
+
+
+@implements(reference.current_dense_locs)
+def current_dense_locs(token_ends, dense_offsets, out_cache_loc, slot_pages, page_size, errors) -> torch.Tensor:
+    return _ops().current_dense_locs(token_ends, dense_offsets, out_cache_loc, slot_pages, page_size, errors)
 
 
 @implements(reference.copy_pages)

@@ -44,6 +44,7 @@ CACHE_ENV = "SGLANG_CPKV_CUDA_CACHE"
 SOURCES = (
     "build_page_inverse.cu",
     "remap_locs.cu",
+    "current_dense_locs.cu",
     "copy_pages.cu",
     "scatter_rows.cu",
     "materialize_and_fill.cu",

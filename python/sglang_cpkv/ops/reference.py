@@ -6,13 +6,15 @@ each entry's slot explicitly: a shared history slot several requests' entries po
 the plan, :mod:`sglang_cpkv.runtime.plan`, lays them out), per-request inverse (:class:`PageInverse`: sized by the
 batch's entries, not by ``R * C``).
 
-Five ops cover every hot path of the runtime:
+Six ops cover every hot path of the runtime:
 
 * :func:`build_page_inverse` - per batch: every (request, page) entry's dense slot -> per-request inverse
   (a hash table keyed by ``(request, page id)``: memory O(entries), a lookup in one or two probes).
 * :func:`remap_locs` - per batch (current locs) and per layer (top-k locs): token locations of a
   request -> dense locations, through the per-request inverse. Request ids are compact: one per
   row of ``locs`` (a ``[tokens, topk]`` tensor takes ``[tokens]`` ids), never broadcast.
+* :func:`current_dense_locs` - per batch: each current token's dense location (from per-request values: no
+  per-token host array), and the count of tokens whose ``out_cache_loc`` is not the location the layout gives them.
 * :func:`copy_pages` - per layer: whole pages from one paged tensor to another (history pool pages into
   dense slots: at cp 1 all of them, under CP this rank's owned block of the history region before the in-place
   all-gather; the region's pages into own slots that hold history rows).
@@ -39,7 +41,13 @@ from typing import TypeVar
 
 import torch
 
-from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, ERR_PAGE_OUT_OF_RANGE, ERR_REQ_OUT_OF_RANGE, CpSharedKvError
+from sglang_cpkv.ops.errors import (
+    ERR_CURRENT_LOC_MISMATCH,
+    ERR_LOC_OUT_OF_RANGE,
+    ERR_PAGE_OUT_OF_RANGE,
+    ERR_REQ_OUT_OF_RANGE,
+    CpSharedKvError,
+)
 
 PADDING_ID = -1
 
@@ -356,6 +364,77 @@ def remap_locs(
     slot[ok] = lookup_slots(inverse, req[ok], page[ok])
     dense = torch.where(slot >= 0, slot * page_size + loc % page_size, PADDING_ID)
     return dense.to(torch.int32).reshape(locs.shape)
+
+
+def check_current_locs(
+    token_ends: torch.Tensor, dense_offsets: torch.Tensor, out_cache_loc: torch.Tensor, slot_pages: torch.Tensor
+) -> None:
+    """The operands of :func:`current_dense_locs`: dtypes and shapes (never values: that would synchronize)."""
+    for t, name in ((token_ends, "token_ends"), (dense_offsets, "dense_offsets")):
+        if t.dtype != torch.int64 or t.dim() != 1:
+            raise CpSharedKvError(f"{name} must be an int64 [R] tensor, got {t.dtype}{tuple(t.shape)}")
+    if dense_offsets.shape != token_ends.shape or not token_ends.numel():
+        raise CpSharedKvError(
+            f"token_ends and dense_offsets must hold one value per request (R >= 1), got "
+            f"{tuple(token_ends.shape)} and {tuple(dense_offsets.shape)}"
+        )
+    check_ids(out_cache_loc, "out_cache_loc")
+    if out_cache_loc.dim() != 1:
+        raise CpSharedKvError(f"out_cache_loc must be 1-D [N], got shape {tuple(out_cache_loc.shape)}")
+    if slot_pages.dtype != torch.int32 or slot_pages.dim() != 1:
+        raise CpSharedKvError(
+            f"slot_pages must be an int32 [S] tensor, got {slot_pages.dtype}{tuple(slot_pages.shape)}"
+        )
+
+
+def current_dense_locs(
+    token_ends: torch.Tensor,
+    dense_offsets: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    slot_pages: torch.Tensor,
+    page_size: int,
+    errors: torch.Tensor,
+) -> torch.Tensor:
+    """Per batch: each current token's dense location, from its request and its place in the batch, and the check
+    that its pool location is the one the dense layout puts there.
+
+    Token ``t`` (of ``N = out_cache_loc.numel()``, request-major) belongs to request ``r``, the number of requests
+    whose tokens end at or before it (``token_ends`` is nondecreasing, so a request without current tokens is never
+    one); its dense location is ``d = dense_offsets[r] + t``. The location its pool row must have is
+    ``slot_pages[d // page_size] * page_size + d % page_size`` (the page the layout put in that slot); a token whose
+    ``out_cache_loc`` differs, or whose ``d`` is outside ``[0, S * page_size)`` or on a slot holding no page (-1),
+    counts one :data:`~sglang_cpkv.ops.errors.ERR_CURRENT_LOC_MISMATCH` (its location is returned all the same: the
+    dense view never depends on ``out_cache_loc``).
+
+    Args:
+        token_ends: int64 ``[R]``, ``cumsum(extend_lens)``: request ``r``'s current tokens are
+            ``[token_ends[r - 1], token_ends[r])`` (``token_ends[-1] == N``).
+        dense_offsets: int64 ``[R]``: request ``r``'s token ``t`` is at dense location ``dense_offsets[r] + t``.
+        out_cache_loc: int32 or int64 ``[N]``, the current tokens' pool locations.
+        slot_pages: int32 ``[S]``, the page id each dense slot holds (-1: none).
+        page_size: tokens per page.
+        errors: int32 counter (``ERR_CURRENT_LOC_MISMATCH``).
+
+    Returns:
+        int64 ``[N]``: the dense location of every current token (-1 for a token past ``token_ends[-1]``).
+    """
+    check_current_locs(token_ends, dense_offsets, out_cache_loc, slot_pages)
+    if page_size < 1:
+        raise CpSharedKvError(f"page_size must be >= 1, got {page_size}")
+    device = out_cache_loc.device
+    tokens = torch.arange(out_cache_loc.numel(), dtype=torch.int64, device=device)
+    req = torch.searchsorted(token_ends, tokens, right=True)
+    found = req < token_ends.numel()
+    dense = torch.where(found, dense_offsets[req.clamp(max=token_ends.numel() - 1)] + tokens, PADDING_ID)
+    slot = torch.div(dense, page_size, rounding_mode="floor")
+    in_view = (dense >= 0) & (slot < slot_pages.numel())
+    no_page = torch.full(
+        (1,), PADDING_ID, dtype=torch.int64, device=device
+    )  # at index S: what a location off the view reads
+    page = torch.cat([slot_pages.to(torch.int64), no_page])[torch.where(in_view, slot, slot_pages.numel())]
+    agrees = in_view & (page >= 0) & (page * page_size + dense % page_size == out_cache_loc.to(torch.int64))
+    errors[ERR_CURRENT_LOC_MISMATCH] += (~agrees).sum().to(torch.int32)
+    return dense
 
 
 def copy_pages(

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from sglang_cpkv import ops
-from sglang_cpkv.ops.errors import ERR_CURRENT_LOC_MISMATCH, ERR_LOC_OUT_OF_RANGE, NUM_ERROR_KINDS, CpSharedKvError
+from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, NUM_ERROR_KINDS, CpSharedKvError
 from sglang_cpkv.runtime import checked as checked_mode
 from sglang_cpkv.runtime.buckets import round_dense_slots
 from sglang_cpkv.runtime.cp_split import CpSplit
@@ -85,9 +85,9 @@ class CpSharedKvPlan:
             request writes, or a rounding slot).
         inverse: the per-request inverse (``ops.build_page_inverse`` of every entry's slot): a hash table of
             ``ops.inverse_bytes(entries)`` bytes, whatever ``C``.
-        token_req_id: int64 ``[N]``, request row of each current token (token order).
         current_dense_locs: int64 ``[N]``, dense location of each current token, from its position (an own slot of
-            its request; ``out_cache_loc`` is checked against it, ``ERR_CURRENT_LOC_MISMATCH``).
+            its request; ``out_cache_loc`` is checked against it, ``ERR_CURRENT_LOC_MISMATCH``): made on the device
+            by ``ops.current_dense_locs`` from per-request values.
         pool_copy_pages, pool_copy_slots: int32, the pages of this rank's pool copied into the view and their
             slots: at cp 1 every history-region page and every own entry's history page (page id = pool page);
             under CP the pages of this rank's block (at :func:`~.ownership.owner_pool_page`).
@@ -98,9 +98,9 @@ class CpSharedKvPlan:
             it owns (:func:`~.ownership.page_owner`, :func:`~.ownership.owner_pool_loc`), else -1.
         errors: int32 ``[NUM_ERROR_KINDS]`` device error counter shared by every op of the batch.
 
-    This rank's side of the CP split (made on first use: the serving hooks take upstream's own split, the harness and
-    the tests ask for these): :attr:`local_req_id`, :attr:`local_out_cache_loc`, :attr:`local_token_index`,
-    :attr:`current_gather_index`.
+    Made on first use (the serving path never asks; checked mode, the harness and the tests do):
+    :attr:`token_req_id`, and this rank's side of the CP split (the serving hooks take upstream's own split):
+    :attr:`local_req_id`, :attr:`local_out_cache_loc`, :attr:`local_token_index`, :attr:`current_gather_index`.
     """
 
     num_requests: int
@@ -121,7 +121,6 @@ class CpSharedKvPlan:
     slot_pages: torch.Tensor
     slot_req: torch.Tensor
     inverse: ops.PageInverse
-    token_req_id: torch.Tensor
     current_dense_locs: torch.Tensor
     pool_copy_pages: torch.Tensor
     pool_copy_slots: torch.Tensor
@@ -130,6 +129,12 @@ class CpSharedKvPlan:
     out_cache_loc: torch.Tensor
     owned_cache_write_locs: torch.Tensor
     errors: torch.Tensor
+
+    @cached_property
+    def token_req_id(self) -> torch.Tensor:
+        """int64 ``[N]``: the request row of each current token (token order)."""
+        requests = torch.arange(self.num_requests, dtype=torch.int64)
+        return _on_device(requests.repeat_interleave(torch.tensor(self.extend_lens)), self.device)
 
     @cached_property
     def local_token_index(self) -> torch.Tensor:
@@ -247,11 +252,6 @@ def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
-def _host_array(host: torch.Tensor) -> np.ndarray:
-    """A host tensor's values as int64 numpy (``.numpy()`` refuses a device tensor: this never synchronizes)."""
-    return host.numpy().astype(np.int64, copy=False)
-
-
 def _host_page_table(page_table: torch.Tensor | Sequence[Sequence[int]], num_requests: int) -> torch.Tensor:
     if isinstance(page_table, torch.Tensor):
         if page_table.dim() != 2:
@@ -327,23 +327,6 @@ def _entry_pages(table: torch.Tensor, flat_entries: torch.Tensor, capacity: int)
     ``[R, W]`` table)."""
     pages = table.reshape(-1).index_select(0, flat_entries)
     return _in_range_or_capacity(pages, capacity).to(torch.int32)
-
-
-def _count_location_mismatches(
-    out_cache_loc: torch.Tensor,
-    token_req: torch.Tensor,
-    inverse: ops.PageInverse,
-    current_dense_locs: torch.Tensor,
-    page_size: int,
-    errors: torch.Tensor,
-) -> None:
-    """Count (``ERR_CURRENT_LOC_MISMATCH``, on the device, no host sync) every current token whose ``out_cache_loc``
-    its request's inverse maps elsewhere than the location its position gives it. The dense view never depends on it
-    (current rows land at their positions' locations, own slots by construction); a mismatch is a caller whose
-    ``out_cache_loc`` disagrees with its page table (upstream's agree), whose pool writes would then not be what
-    the tables read."""
-    through_table = ops.remap_locs(out_cache_loc, token_req, inverse, page_size, errors)
-    errors.narrow(0, ERR_CURRENT_LOC_MISMATCH, 1).add_((through_table != current_dense_locs).sum(dtype=errors.dtype))
 
 
 @dataclass(frozen=True)
@@ -441,9 +424,12 @@ class _Entries:
 
     pages_needed: np.ndarray  # [R] n_r, the entries of each request
     starts: np.ndarray  # [R] the index of each request's first entry
-    in_table: np.ndarray  # bool [R, W]: the cells of the page table that are entries (row-major: entry order)
     req: np.ndarray  # [E] r of every entry
     j: np.ndarray  # [E] j of every entry
+
+    def page_ids(self, table: torch.Tensor) -> np.ndarray:
+        """int64 ``[E]``: the page id of every entry in a host table (no copy of the table)."""
+        return table.numpy()[self.req, self.j].astype(np.int64, copy=False)
 
 
 def _entries(table: torch.Tensor, prefix: np.ndarray, extend: np.ndarray, page_size: int, capacity: int) -> _Entries:
@@ -461,11 +447,12 @@ def _entries(table: torch.Tensor, prefix: np.ndarray, extend: np.ndarray, page_s
         raise CpSharedKvError(
             f"page_table has {table.shape[1]} columns but (request, pages needed) {too_long} do not fit"
         )
-    in_table = np.arange(table.shape[1]) < pages_needed[:, None]
-    req, j = np.nonzero(in_table)
+    starts = np.cumsum(pages_needed) - pages_needed
+    req = np.repeat(np.arange(pages_needed.size, dtype=np.int64), pages_needed)
+    entries = _Entries(pages_needed, starts, req, np.arange(req.size, dtype=np.int64) - starts[req])
     if table.device.type == "cpu":
-        _validate_host_ids(_host_array(table)[in_table], req, j, capacity)
-    return _Entries(pages_needed, np.cumsum(pages_needed) - pages_needed, in_table, req, j)
+        _validate_host_ids(entries.page_ids(table), entries.req, entries.j, capacity)
+    return entries
 
 
 def _check_current_locations(out_cache_loc: torch.Tensor, num_tokens: int, capacity: int, page_size: int) -> None:
@@ -491,18 +478,19 @@ def _history_copies(layout: _Layout, cp_size: int, cp_rank: int) -> tuple[np.nda
     return pool_pages, np.arange(start, start + count), layout.own_history_sources, layout.own_history_slots
 
 
-def _current_dense_locs(
+def _current_token_offsets(
     entry_slots: np.ndarray, entry_starts: np.ndarray, prefix: np.ndarray, extend: np.ndarray, page_size: int
-) -> np.ndarray:
-    """int64 ``[N]``: each current token's dense location, from its position. A request's current tokens fill its
-    entries from page index ``prefix // page_size`` to its last, all own slots (each takes current tokens), numbered
-    in entry order: consecutive slots, so the request's current tokens are consecutive dense locations from the
-    first one's. (Made on the host and staged: at the chunk sizes a prefill batch has, three numpy steps and the
-    bytes cost less host time than the device ops that would make it from per-request values.)"""
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(token_ends, dense_offsets)``, int64 ``[R]``, the operands of ``ops.current_dense_locs``: a request's
+    current tokens fill its entries from page index ``prefix // page_size`` to its last, all own slots (each takes
+    current tokens), numbered in entry order: consecutive slots, so its token ``t`` (batch order) is at dense location
+    ``t`` plus one per-request offset (0 for a request without current tokens, which no token reads)."""
+    token_ends = np.cumsum(extend)
     writers = np.flatnonzero(extend)
     first = entry_slots[entry_starts[writers] + prefix[writers] // page_size] * page_size + prefix[writers] % page_size
-    token_starts = np.cumsum(extend) - extend
-    return np.repeat(first - token_starts[writers], extend[writers]) + np.arange(int(extend.sum()), dtype=np.int64)
+    dense_offsets = np.zeros(extend.size, dtype=np.int64)
+    dense_offsets[writers] = first - (token_ends - extend)[writers]
+    return token_ends, dense_offsets
 
 
 def _owned_cache_write_locs(out_cache_loc: torch.Tensor, page_size: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -570,7 +558,7 @@ def build_plan(
     pages_on_host = table.device.type == "cpu" or has_history
     if pages_on_host:
         host = table.cpu() if has_history else table
-        pages = _in_range_or_capacity(_host_array(host)[entries.in_table], capacity)
+        pages = _in_range_or_capacity(entries.page_ids(host), capacity)
     else:
         pages = np.full(entries.req.size, capacity, dtype=np.int64)
     layout = _dense_layout(
@@ -592,15 +580,14 @@ def build_plan(
     int64s = [
         np.concatenate([layout.slot_req, rounding]),
         entries.req,
-        np.repeat(np.arange(num_requests, dtype=np.int64), extend_np),
-        _current_dense_locs(layout.entry_slots, entries.starts, prefix_np, extend_np, page_size),
+        *_current_token_offsets(layout.entry_slots, entries.starts, prefix_np, extend_np, page_size),
     ]
     int32s = [np.zeros(NUM_ERROR_KINDS, dtype=np.int32), layout.entry_slots, *_history_copies(layout, cp_size, cp_rank)]
     if pages_on_host:
         int32s += [pages, np.concatenate([region, pages[layout.own_entries], rounding])]
     else:
-        int64s.append(np.flatnonzero(entries.in_table))
-    (slot_req, entry_req, token_req_id, current_dense_locs, *flat_entries), int32_dev = _stage(device, int64s, int32s)
+        int64s.append(entries.req * table.shape[1] + entries.j)
+    (slot_req, entry_req, token_ends, dense_offsets, *flat_entries), int32_dev = _stage(device, int64s, int32s)
     errors, entry_slots, pool_copy_pages, pool_copy_slots, view_src, view_dst, *host_pages = int32_dev
     if pages_on_host:
         entry_pages, slot_pages = host_pages
@@ -610,7 +597,7 @@ def build_plan(
             [entry_pages, torch.full((rounding.size,), PADDING_ID, dtype=torch.int32, device=device)]
         )
     inverse = ops.build_page_inverse(entry_pages, entry_req, num_requests, capacity, errors, entry_slots=entry_slots)
-    _count_location_mismatches(out_cache_loc, token_req_id, inverse, current_dense_locs, page_size, errors)
+    current_dense_locs = ops.current_dense_locs(token_ends, dense_offsets, out_cache_loc, slot_pages, page_size, errors)
 
     plan = CpSharedKvPlan(
         num_requests=num_requests,
@@ -631,7 +618,6 @@ def build_plan(
         slot_pages=slot_pages,
         slot_req=slot_req,
         inverse=inverse,
-        token_req_id=token_req_id,
         current_dense_locs=current_dense_locs,
         pool_copy_pages=pool_copy_pages,
         pool_copy_slots=pool_copy_slots,

@@ -308,6 +308,60 @@ def current_locs(case: BatchCase) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(case.out_cache_loc(), dtype=torch.int64), torch.tensor(req, dtype=torch.int64)
 
 
+@dataclass(frozen=True)
+class CurrentLocsCase:
+    """Operands of ``ops.current_dense_locs`` with the answers worked out apart from any op: every request's current
+    tokens in consecutive own slots (from a random offset in its first), after ``history`` slots, each slot holding a
+    distinct random page id and the last one none (a rounding slot); ``disagreeing`` tokens carry another location."""
+
+    token_ends: torch.Tensor
+    dense_offsets: torch.Tensor
+    out_cache_loc: torch.Tensor
+    slot_pages: torch.Tensor
+    page_size: int
+    dense_locs: list[int]  # each token's dense location
+    disagreeing: int  # the tokens whose out_cache_loc is not their slot's location
+
+    def operands(self, device: torch.device | str = "cpu", loc_dtype: torch.dtype = torch.int64) -> tuple:
+        return (
+            self.token_ends.to(device),
+            self.dense_offsets.to(device),
+            self.out_cache_loc.to(loc_dtype).to(device),
+            self.slot_pages.to(device),
+            self.page_size,
+        )
+
+
+def current_locs_case(
+    extend_lens: tuple[int, ...], page_size: int, capacity: int, gen: torch.Generator, history: int = 3
+) -> CurrentLocsCase:
+    offsets, dense, slot, token = [], [], history, 0
+    for n in extend_lens:
+        start = int(torch.randint(0, page_size, (1,), generator=gen)) if n else 0
+        first = slot * page_size + start
+        offsets.append(first - token if n else 0)
+        dense += range(first, first + n)
+        slot += -(-(start + n) // page_size)
+        token += n
+    if slot + 1 > capacity:
+        raise ValueError(f"{slot + 1} slots need more than capacity {capacity} page ids")
+    slot_pages = torch.randperm(capacity, generator=gen)[: slot + 1].to(torch.int32)
+    slot_pages[slot] = -1
+    where = torch.tensor(dense, dtype=torch.int64)
+    locs = slot_pages[where // page_size].to(torch.int64) * page_size + where % page_size
+    moved = torch.rand(locs.shape, generator=gen) < 0.1
+    locs[moved] = (locs[moved] + page_size) % (capacity * page_size)  # another page's row
+    return CurrentLocsCase(
+        token_ends=torch.tensor(extend_lens, dtype=torch.int64).cumsum(0),
+        dense_offsets=torch.tensor(offsets, dtype=torch.int64),
+        out_cache_loc=locs,
+        slot_pages=slot_pages,
+        page_size=page_size,
+        dense_locs=dense,
+        disagreeing=int(moved.sum()),
+    )
+
+
 def topk_locs(
     case: BatchCase, rows: int, topk: int, gen: torch.Generator, *, padding: float = 0.1, absent: float = 0.05
 ) -> tuple[torch.Tensor, torch.Tensor]:

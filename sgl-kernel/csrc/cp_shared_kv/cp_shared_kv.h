@@ -26,7 +26,7 @@ namespace sglang_cpkv {
 constexpr int kErrPageOutOfRange = 0;
 constexpr int kErrReqOutOfRange = 1;
 constexpr int kErrLocOutOfRange = 2;
-constexpr int kErrCurrentLocMismatch = 3;  // counted by the batch plan's out_cache_loc check (torch), no kernel here
+constexpr int kErrCurrentLocMismatch = 3;  // a current token's out_cache_loc is not its dense slot's page location
 constexpr int kNumErrorKinds = 4;
 
 // The per-request inverse: the canonical table of reference.build_page_inverse (the cells that inserting the distinct
@@ -71,6 +71,24 @@ cudaError_t remap_locs(const LocT* locs,         // [N, K], row n at locs + n * 
                        int32_t* dense_locs,      // [N, K] contiguous, written entirely
                        int32_t* errors,          // [kNumErrorKinds]
                        cudaStream_t stream);
+
+// Token t of N belongs to request r = the number of requests with token_ends[r] <= t (token_ends nondecreasing,
+// token_ends[R - 1] == N); dense_locs[t] = dense_offsets[r] + t (-1 for a token past token_ends[R - 1]). A token whose
+// out_cache_loc[t] is not slot_pages[d / page_size] * page_size + d % page_size, or whose d is outside
+// [0, S * page_size) or on a slot holding no page (-1), counts errors[kErrCurrentLocMismatch] (its d is written all
+// the same). LocT: int32_t, int64_t.
+template <typename LocT>
+cudaError_t current_dense_locs(const int64_t* token_ends,     // [R] cumsum of the current tokens per request
+                               const int64_t* dense_offsets,  // [R] dense location of request r's token t, minus t
+                               int64_t num_requests,          // R >= 1
+                               const LocT* out_cache_loc,     // [N] pool locations of the current tokens
+                               int64_t num_tokens,            // N
+                               const int32_t* slot_pages,     // [S] page id of each dense slot, -1: none
+                               int64_t num_slots,             // S
+                               int64_t page_size,             // tokens per page (> 0)
+                               int64_t* dense_locs,           // [N], written entirely
+                               int32_t* errors,               // [kNumErrorKinds]
+                               cudaStream_t stream);
 
 // dst[dst_page[i]] = src[src_page[i]] (page_bytes bytes each) for every i where both ids are >= 0. An id >= its
 // tensor's page count or < -1 counts errors[kErrPageOutOfRange] once per pair and the pair is skipped.

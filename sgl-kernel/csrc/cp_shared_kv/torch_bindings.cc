@@ -427,6 +427,50 @@ void materialize_and_fill(const at::Tensor& pool,
   });
   check_launch(status, "materialize_and_fill");
 }
+at::Tensor current_dense_locs(const at::Tensor& token_ends,
+                              const at::Tensor& dense_offsets,
+                              const at::Tensor& out_cache_loc,
+                              const at::Tensor& slot_pages,
+                              int64_t page_size,
+                              at::Tensor& errors) {
+  check_cuda_tensor(out_cache_loc, "out_cache_loc", out_cache_loc, "out_cache_loc");
+  check_index_vector(out_cache_loc, "out_cache_loc", out_cache_loc.numel(), "current token");
+  const int64_t num_requests = token_ends.numel();
+  CPKV_CHECK(num_requests >= 1, "token_ends must hold one value per request (R >= 1), got none");
+  const std::pair<const at::Tensor*, const char*> per_request[] = {{&token_ends, "token_ends"},
+                                                                   {&dense_offsets, "dense_offsets"}};
+  for (const auto& [part, name] : per_request) {
+    check_cuda_tensor(*part, name, out_cache_loc, "out_cache_loc");
+    CPKV_CHECK(part->scalar_type() == at::kLong, name, " must be int64, got ", part->scalar_type());
+    check_index_vector(*part, name, num_requests, "request of token_ends");
+  }
+  check_cuda_tensor(slot_pages, "slot_pages", out_cache_loc, "out_cache_loc");
+  CPKV_CHECK(slot_pages.scalar_type() == at::kInt, "slot_pages must be int32, got ", slot_pages.scalar_type());
+  check_index_vector(slot_pages, "slot_pages", slot_pages.numel(), "dense slot");
+  CPKV_CHECK(page_size > 0, "page_size must be > 0, got ", page_size);
+  check_error_counter(errors, out_cache_loc, "out_cache_loc");
+  const c10::cuda::CUDAGuard device_guard(out_cache_loc.device());
+  at::Tensor dense_locs = at::empty({out_cache_loc.numel()}, out_cache_loc.options().dtype(at::kLong));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  check_launch(dispatch_index_type(out_cache_loc,
+                                   [&](auto loc) {
+                                     using LocT = decltype(loc);
+                                     return sglang_cpkv::current_dense_locs<LocT>(token_ends.data_ptr<int64_t>(),
+                                                                                  dense_offsets.data_ptr<int64_t>(),
+                                                                                  num_requests,
+                                                                                  out_cache_loc.data_ptr<LocT>(),
+                                                                                  out_cache_loc.numel(),
+                                                                                  slot_pages.data_ptr<int32_t>(),
+                                                                                  slot_pages.numel(),
+                                                                                  page_size,
+                                                                                  dense_locs.data_ptr<int64_t>(),
+                                                                                  errors.data_ptr<int32_t>(),
+                                                                                  stream);
+                                   }),
+               "current_dense_locs");
+  return dense_locs;
+}
+
 
 }  // namespace torch_ops
 }  // namespace sglang_cpkv
@@ -442,6 +486,11 @@ TORCH_LIBRARY(sglang_cpkv, m) {
   m.def(
       "remap_locs(Tensor locs, Tensor req_id, Tensor inverse_keys, Tensor inverse_slots, int num_requests, "
       "int capacity, int page_size, Tensor(a!) errors) -> Tensor");
+  // Per batch: each current token's dense location (int64) from per-request token ends and offsets; counts the
+  // tokens whose out_cache_loc is not their dense slot's page location.
+  m.def(
+      "current_dense_locs(Tensor token_ends, Tensor dense_offsets, Tensor out_cache_loc, Tensor slot_pages, "
+      "int page_size, Tensor(a!) errors) -> Tensor");
   // Per layer: dst[dst_page[i]] = src[src_page[i]], whole pages, in place.
   m.def("copy_pages(Tensor src, Tensor src_page, Tensor(a!) dst, Tensor dst_page, Tensor(b!) errors) -> ()");
   // Per layer: dst[dst_loc[i]] = src[i], rows, in place.
@@ -455,6 +504,7 @@ TORCH_LIBRARY(sglang_cpkv, m) {
 TORCH_LIBRARY_IMPL(sglang_cpkv, CUDA, m) {
   m.impl("build_page_inverse", &sglang_cpkv::torch_ops::build_page_inverse);
   m.impl("remap_locs", &sglang_cpkv::torch_ops::remap_locs);
+  m.impl("current_dense_locs", &sglang_cpkv::torch_ops::current_dense_locs);
   m.impl("copy_pages", &sglang_cpkv::torch_ops::copy_pages);
   m.impl("scatter_rows", &sglang_cpkv::torch_ops::scatter_rows);
   m.impl("materialize_and_fill", &sglang_cpkv::torch_ops::materialize_and_fill);

@@ -29,7 +29,14 @@ from sglang_cpkv.ops.errors import (
     new_error_counter,
 )
 from sglang_cpkv.ops.reference import PageInverse
-from sglang_cpkv.testing.batches import ROW_LAYOUTS, assert_same_inverse, error_counts, flat_slots, inverse_table
+from sglang_cpkv.testing.batches import (
+    ROW_LAYOUTS,
+    assert_same_inverse,
+    current_locs_case,
+    error_counts,
+    flat_slots,
+    inverse_table,
+)
 from sglang_cpkv.testing.ci_register import register_cuda_ci
 
 register_cuda_ci(est_time=120, stage="cpkv", runner_config="1-gpu")
@@ -348,6 +355,22 @@ def test_remap_locs_page_size_not_power_of_two(cuda_ops):
     assert torch.equal(have, want) and have_errors.tolist() == want_errors.tolist()
 
 
+@pytest.mark.parametrize("loc_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("rows", BATCH_ROWS + [64])
+def test_current_dense_locs(cuda_ops, rows, page_size, loc_dtype):
+    """Requests of 0 to 1100 current tokens (zeros among them: no token reads their offset), more than one block of
+    threads; about a tenth of the tokens carry another page's location."""
+    gen = _gen("current", rows, page_size, loc_dtype)
+    extend = tuple(int(n) if r % 3 != 1 else 0 for r, n in enumerate(torch.randint(1, 1100, (rows,), generator=gen)))
+    case = current_locs_case(extend, page_size, 8 * sum(extend) // page_size + 64, gen)
+    operands = case.operands(DEVICE, loc_dtype)
+    want, want_errors = _run(reference, "current_dense_locs", *operands)
+    have, have_errors = _run(cuda_ops, "current_dense_locs", *operands)
+    assert have.dtype == torch.int64 and torch.equal(have, want) and have.tolist() == case.dense_locs
+    assert have_errors.tolist() == want_errors.tolist() == error_counts(mismatch=case.disagreeing)
+
+
 def _pairs(count: int, src_pages: int, dst_pages: int, gen: torch.Generator, dtype: torch.dtype, bad_ids: bool):
     """Page pairs with distinct destinations, -1 on either side, and (with ``bad_ids``) ids out of range."""
     src = torch.randint(0, src_pages, (count,), generator=gen)
@@ -562,6 +585,10 @@ def test_opcheck(cuda_ops):
             3,
             CAPACITY,
             16,
+            new_error_counter(DEVICE),
+        ),
+        "current_dense_locs": (
+            *current_locs_case((5, 0, 40), 16, CAPACITY, gen).operands(DEVICE),
             new_error_counter(DEVICE),
         ),
         "copy_pages": (pool, src_page, dense, dst_page, new_error_counter(DEVICE)),

@@ -32,6 +32,7 @@ from sglang_cpkv.testing.batches import (
     assert_same_inverse,
     check_against_truth,
     current_locs,
+    current_locs_case,
     error_counts,
     flat_slots,
     inverse_table,
@@ -280,6 +281,54 @@ def test_remap_takes_compact_request_ids_only():
             4,
             new_error_counter("cpu"),
         )
+
+
+# --- current_dense_locs ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loc_dtype", INDEX_DTYPES)
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("block", [0, 4])  # auto (one program), or many with a ragged last one
+@pytest.mark.parametrize("extend_lens", [(7,), (5, 0, 9, 0, 1, 30), (0, 3), (4, 0)], ids=str)
+def test_current_dense_locs_matches_reference_and_the_case(extend_lens, block, page_size, loc_dtype):
+    case = current_locs_case(extend_lens, page_size, 64, _gen(sum(extend_lens) * page_size))
+    (ref, ref_err), (tri, tri_err) = _both("current_dense_locs", *case.operands(loc_dtype=loc_dtype), block=block)
+    assert tri.dtype == torch.int64 and torch.equal(ref, tri) and torch.equal(ref_err, tri_err)
+    assert tri.tolist() == case.dense_locs
+    assert tri_err.tolist() == error_counts(mismatch=case.disagreeing)
+
+
+@pytest.mark.parametrize("impl", [reference, triton_ops], ids=["torch", "triton"])
+def test_current_dense_locs_counts_every_disagreement(impl):
+    """Requests of 2, 0 and 3 tokens over slots holding pages 5, 9 and none (page size 4): the second request's
+    offset is never read; token 3 names page 7 instead of 9, token 4 lands on the slot that holds no page; a
+    `token_ends` that stops short of the tokens leaves the last ones without a request (-1, counted)."""
+    errors = new_error_counter("cpu")
+    token_ends, offsets = torch.tensor([2, 2, 5]), torch.tensor([2, 1000, 4])
+    slot_pages = torch.tensor([5, 9, -1], dtype=torch.int32)
+    locs = torch.tensor([22, 23, 38, 31, 40], dtype=torch.int32)
+    assert impl.current_dense_locs(token_ends, offsets, locs, slot_pages, 4, errors).tolist() == [2, 3, 6, 7, 8]
+    assert errors.tolist() == error_counts(mismatch=2)
+    short = impl.current_dense_locs(torch.tensor([2, 2, 3]), offsets, locs, slot_pages, 4, errors)
+    assert short.tolist() == [2, 3, 6, -1, -1] and errors.tolist() == error_counts(mismatch=4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_current_dense_locs_refuses_bad_operands(backend, monkeypatch):
+    monkeypatch.setenv(ops.BACKEND_ENV, backend)
+    errors = new_error_counter("cpu")
+    ends, pages, locs = torch.tensor([2]), torch.tensor([3], dtype=torch.int32), torch.tensor([12, 13])
+    for args, named in (
+        ((ends.int(), ends, locs, pages, 4), r"token_ends must be an int64 \[R\] tensor, got torch\.int32"),
+        ((ends, torch.tensor([0, 0]), locs, pages, 4), "one value per request"),
+        ((ends[:0], ends[:0], locs, pages, 4), r"R >= 1"),
+        ((ends, ends, locs.float(), pages, 4), "out_cache_loc must be int32 or int64"),
+        ((ends, ends, locs, pages.long(), 4), r"slot_pages must be an int32 \[S\] tensor"),
+        ((ends, ends, locs, pages, 0), "page_size must be >= 1"),
+    ):
+        with pytest.raises(CpSharedKvError, match=named):
+            ops.current_dense_locs(*args, errors)
+    assert errors.tolist() == error_counts()
 
 
 # --- copy_pages / scatter_rows ---------------------------------------------------------------

@@ -9,6 +9,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from sglang_cpkv.ops.triton.build_page_inverse import _insert_keys_kernel, build_page_inverse
 from sglang_cpkv.ops.triton.copy_pages import copy_pages
+from sglang_cpkv.ops.triton.current_dense_locs import current_dense_locs
 from sglang_cpkv.ops.triton.materialize_and_fill import materialize_and_fill
 from sglang_cpkv.ops.triton.remap_locs import remap_locs
 from sglang_cpkv.ops.triton.scatter_rows import scatter_rows
@@ -16,4 +17,12 @@ from sglang_cpkv.ops.triton.scatter_rows import scatter_rows
 # triton.jit picks the interpreter when a kernel is defined, so ask a kernel, not the environment.
 INTERPRETED = isinstance(_insert_keys_kernel, InterpretedFunction)
 
-__all__ = ["INTERPRETED", "build_page_inverse", "copy_pages", "materialize_and_fill", "remap_locs", "scatter_rows"]
+__all__ = [
+    "INTERPRETED",
+    "build_page_inverse",
+    "copy_pages",
+    "current_dense_locs",
+    "materialize_and_fill",
+    "remap_locs",
+    "scatter_rows",
+]
