@@ -7,8 +7,10 @@ off, on with the layer-ahead history prefetch, on with each layer materializing 
 inside it) and the layer loop (attention only; inputs prepared before the clock starts) of ``--reps`` forwards after
 a warm-up. The three configurations take turns forward by forward in one process (the order turns each round), so a
 drift of the GPU's or the host's speed reaches them alike: each time is the median over the rounds, and each ratio
-(difference) to mode off the median of the same-round ratios (differences). The figure that matters is the **forward**: the plan plus ``--model-layers`` (78, GLM-5.1)
-times the layer, since the plan runs once per batch and the layer once per model layer. Needs the GPU test
+(difference) to mode off the median of the same-round ratios (differences). The figure that matters is the **forward**: the plan, the first layer and
+``--model-layers`` (78, GLM-5.1) - 1 times the mean of the later timed layers, since the plan runs once per batch and a
+layer once per model layer, and the first layer's window also holds the device's wait for the host to issue it after
+the plan (once per forward; counting it in every layer would charge it 78 times). Needs the GPU test
 environment (``scripts/gpu_env/install.sh``; the ``flashmla_*`` backends need its ``flash_mla`` library).
 
     python benchmark/bench_kit_layer.py --backend flashmla_kv --fp8 --heads 64 --topk 2048 --requests 8 \\
@@ -62,8 +64,8 @@ def _case(args, history: int, cp: int, shared: bool) -> BatchCase:
 def measure(args, cp: int = 1, rank: int = 0, model_dir: str = "") -> list[dict]:
     """Every configuration at every history length and sharing on this rank: a kit world per configuration, the
     configurations taking turns forward by forward (the order turns each round), so that a drift of the GPU's or
-    the host's speed reaches them alike. Each row holds its configuration's ``rounds``: ``(plan ms, ms per layer)``
-    of each timed forward, round by round."""
+    the host's speed reaches them alike. Each row holds its configuration's ``rounds``: ``(plan ms, first layer ms,
+    later layers' mean ms)`` of each timed forward, round by round."""
     from sglang_cpkv.testing.dsa_kit import publish_prefill_cp_server_args
 
     route = KitRoute(args.backend, fp8=args.fp8, skip_topk_layers=(False,) * args.layers)
@@ -89,13 +91,14 @@ def measure(args, cp: int = 1, rank: int = 0, model_dir: str = "") -> list[dict]
                 )
                 world.write_history(case)
                 worlds.append((label, mode_on, world, world.prepare_timing(case)))
-            rounds: dict[str, list[tuple[float, float]]] = {label: [] for label, *_ in worlds}
+            rounds: dict[str, list[tuple[float, float, float]]] = {label: [] for label, *_ in worlds}
             for round_ in range(args.reps + 1):  # the first round warms every kernel and buffer
                 for label, mode_on, world, timing in worlds[round_ % 3 :] + worlds[: round_ % 3]:
                     if cp > 1:
                         publish_prefill_cp_server_args(model_dir, cp, mode_on=mode_on)
                     world.make_current()
-                    rounds[label].append(world.timed_forward(timing))
+                    time = world.timed_forward(timing)
+                    rounds[label].append((time.plan_ms, time.layer_ms[0], time.later_layer_ms))
             for label, _, world, _ in worlds:
                 row = {"history": history, "sharing": sharing, "config": label, "rounds": rounds[label][1:]}
                 rows.append(dict(row, kernel=world.backend.dsa_prefill_impl))
@@ -137,14 +140,15 @@ def _one_process(args) -> list[dict]:
     for row in rows:
         off = next(r for r in rows if _key(r)[:2] == _key(row)[:2] and r["config"] == "mode off")
         mine, theirs = row["rounds"], off["rounds"]
-        forward = [plan + args.model_layers * layer for plan, layer in mine]
-        forward_off = [plan + args.model_layers * layer for plan, layer in theirs]
-        row["plan_ms"] = statistics.median(plan for plan, _ in mine)
-        row["layer_ms"] = statistics.median(layer for _, layer in mine)
+        forward = [plan + first + (args.model_layers - 1) * later for plan, first, later in mine]
+        forward_off = [plan + first + (args.model_layers - 1) * later for plan, first, later in theirs]
+        row["plan_ms"] = statistics.median(plan for plan, _, _ in mine)
+        row["first_layer_ms"] = statistics.median(first for _, first, _ in mine)
+        row["layer_ms"] = statistics.median(later for _, _, later in mine)
         row["forward_ms"] = statistics.median(forward)
         # Ratios and differences to mode off: medians of the same round's.
         row["forward_vs_off"] = statistics.median(f / o for f, o in zip(forward, forward_off))
-        row["layer_vs_off"] = statistics.median(m[1] / o[1] for m, o in zip(mine, theirs))
+        row["layer_vs_off"] = statistics.median(m[2] / o[2] for m, o in zip(mine, theirs))
         row["plan_minus_off_ms"] = statistics.median(m[0] - o[0] for m, o in zip(mine, theirs))
     return rows
 
@@ -160,7 +164,15 @@ def _summary(processes: list[list[dict]]) -> list[dict]:
         runs = [rows[i] for rows in processes]
         assert all(_key(r) == _key(first) for r in runs), "the processes measured different sweeps"
         row = {k: first[k] for k in ("history", "sharing", "config", "kernel", "kernels") if k in first}
-        for name in ("plan_ms", "layer_ms", "forward_ms", "forward_vs_off", "layer_vs_off", "plan_minus_off_ms"):
+        for name in (
+            "plan_ms",
+            "first_layer_ms",
+            "layer_ms",
+            "forward_ms",
+            "forward_vs_off",
+            "layer_vs_off",
+            "plan_minus_off_ms",
+        ):
             values = [r[name] for r in runs]
             row[name] = statistics.median(values)
             row[name + "_spread"] = [min(values), max(values)]
@@ -172,7 +184,7 @@ def _print(args, summary: list[dict], processes: int) -> None:
     print(
         f"kit layers, {args.backend}, {'FP8 656-byte' if args.fp8 else 'bf16'} pool, cp {args.cp}: {args.requests} "
         f"requests x history + {args.extend} extend, {args.layers} layers timed, {args.heads} heads, top-k "
-        f"{args.topk}; forward = plan + {args.model_layers} x layer; median of {args.reps} forwards per process"
+        f"{args.topk}; forward = plan + first layer + {args.model_layers - 1} x later layer; median of {args.reps} forwards per process"
         + (f", median [min-max] over {processes} processes" if processes > 1 else "")
         + (", the slowest rank's" if args.cp > 1 else "")
     )
@@ -180,7 +192,7 @@ def _print(args, summary: list[dict], processes: int) -> None:
         lo, hi = row["forward_vs_off_spread"]
         print(
             f"  history {row['history']:6d} {row['sharing']:8s} {row['config']:21s} ({row['kernel']}) "
-            f"plan {row['plan_ms']:7.3f} ms  layer {row['layer_ms']:7.3f} ms  forward {row['forward_ms']:8.2f} ms  "
+            f"plan {row['plan_ms']:7.3f} ms  first {row['first_layer_ms']:7.3f} ms  later {row['layer_ms']:7.3f} ms  forward {row['forward_ms']:8.2f} ms  "
             f"x{row['forward_vs_off']:.4f} [{lo:.4f}-{hi:.4f}]  plan +{row['plan_minus_off_ms']:.3f} ms"
         )
     for row in summary if args.profile else []:
@@ -196,7 +208,7 @@ def main(argv=None) -> int:
     parser.add_argument("--history", type=lambda t: [int(x) for x in t.split(",")], default=[8192], help="sweep")
     parser.add_argument("--sharing", type=lambda t: t.split(","), default=["distinct"], help="distinct,shared")
     parser.add_argument("--extend", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=4, help="kit layers timed")
+    parser.add_argument("--layers", type=int, default=4, help="kit layers timed (at least 2)")
     parser.add_argument("--model-layers", type=int, default=78, help="layers of the model (GLM-5.1: 78)")
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--fp8", action="store_true", help="the 656-byte FP8 pool")
@@ -207,6 +219,8 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true", help="per-kernel GPU time of one forward, per config")
     parser.add_argument("--out", help="write the figures here (json)")
     args = parser.parse_args(argv)
+    if args.layers < 2:
+        parser.error("--layers must be >= 2: the later layers' mean is the steady layer time")
     if args.cp > torch.cuda.device_count():
         parser.error(f"--cp {args.cp} needs {args.cp} GPUs, {torch.cuda.device_count()} visible")
     bad = sorted(set(args.sharing) - set(SHARING))

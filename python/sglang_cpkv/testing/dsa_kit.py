@@ -44,6 +44,7 @@ only on a CPU-only machine, to build the backend as on Hopper).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import statistics
@@ -629,11 +630,11 @@ class KitWorld:
         return host, start.elapsed_time(end)
 
     def time_layers(self, case: BatchCase, reps: int) -> tuple[float, float]:
-        """``(plan ms, ms per layer)``: medians of ``reps`` forwards of ``case`` (:meth:`timed_forward`) after a
-        warm-up forward."""
+        """``(plan ms, ms per layer)``: medians of ``reps`` forwards of ``case`` (:meth:`timed_forward`; the layer
+        is the mean over the timed layers) after a warm-up forward."""
         timing = self.prepare_timing(case)
         times = [self.timed_forward(timing) for _ in range(reps + 1)][1:]  # the first warms every kernel and buffer
-        return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+        return statistics.median(t.plan_ms for t in times), statistics.median(t.mean_layer_ms for t in times)
 
     def prepare_timing(self, case: BatchCase) -> LayerTiming:
         """What :meth:`timed_forward` runs for ``case`` with the route's real kernel and no capture (on a GPU): the
@@ -660,26 +661,53 @@ class KitWorld:
             )
         return LayerTiming(forward_batch, metadata_cp, inputs, topk)
 
-    def timed_forward(self, timing: LayerTiming) -> tuple[float, float]:
-        """``(plan ms, ms per layer)`` of one forward: CUDA events around ``init_forward_metadata`` and around the
-        layer loop (attention only), the device synchronized before the clock starts. The mode's flag and
-        reservation in force are the process's (a caller timing several worlds in turn sets them for each)."""
+    def timed_forward(self, timing: LayerTiming) -> ForwardTime:
+        """One forward's times: CUDA events around ``init_forward_metadata`` and after each layer (attention only),
+        the device synchronized before the clock starts. The mode's flag and reservation in force are the
+        process's (a caller timing several worlds in turn sets them for each)."""
         forward_batch, metadata_cp = timing.forward_batch, timing.metadata_cp
         with torch.no_grad(), self.up["context"](self.backend):
             torch.cuda.synchronize()
-            start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-            start.record()
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(len(self.modules) + 2)]
+            events[0].record()
             self.backend.init_forward_metadata(forward_batch)
-            mid.record()
-            for module, (q_nope, q_rope, k_local, k_rope_local) in zip(self.modules, timing.inputs):
+            events[1].record()
+            for module, (q_nope, q_rope, k_local, k_rope_local), done in zip(self.modules, timing.inputs, events[2:]):
                 # Under CP upstream's all-gather of the current KV is on the critical path (the clock runs).
                 k_nope, k_rope = _gather_current_kv(module, k_local, k_rope_local, forward_batch, metadata_cp)
                 module.attn(
                     q_nope, k_nope, k_nope, forward_batch, k_rope=k_rope, q_rope=q_rope, topk_indices=timing.topk
                 )
-            end.record()
+                done.record()
             torch.cuda.synchronize()
-        return start.elapsed_time(mid), mid.elapsed_time(end) / len(self.modules)
+        return ForwardTime(
+            events[0].elapsed_time(events[1]), [a.elapsed_time(b) for a, b in itertools.pairwise(events[1:])]
+        )
+
+
+@dataclass(frozen=True)
+class ForwardTime:
+    """One timed forward: the plan's window and each layer's, in ms (GPU clock). The first layer's window also holds
+    the time the device waits for the host to issue it after the plan (once per forward, not once per layer), so a
+    model's forward is the plan, the first layer and its other layers at the later layers' mean
+    (:meth:`model_forward_ms`)."""
+
+    plan_ms: float
+    layer_ms: list[float]
+
+    @property
+    def mean_layer_ms(self) -> float:
+        return statistics.fmean(self.layer_ms)
+
+    @property
+    def later_layer_ms(self) -> float:
+        """The mean of the layers after the first (the steady state of a forward's layers)."""
+        if len(self.layer_ms) < 2:
+            raise ValueError("the steady layer time needs at least two timed layers")
+        return statistics.fmean(self.layer_ms[1:])
+
+    def model_forward_ms(self, model_layers: int) -> float:
+        return self.plan_ms + self.layer_ms[0] + (model_layers - 1) * self.later_layer_ms
 
 
 @dataclass(frozen=True)
