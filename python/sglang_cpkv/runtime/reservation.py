@@ -38,12 +38,12 @@ SETTING = "--cp-shared-kv-max-batch-tokens"
 
 # Device bytes of a batch plan (runtime/plan.py) besides its inverse: per page-table entry its page id (int32), slot
 # (int32) and request (int64) as staged; per dense slot its page (int32), request (int64), own entry (int64),
-# region page (int32) and its pool / view copy pairs (4 x int32); per current token its request, dense location
-# (int64 each, and the int32 remap of out_cache_loc that checks it), split request, location and token index,
-# gather index and owned cache row (int64 each).
+# region page (int32) and its pool / view copy pairs (4 x int32); per current token its dense location and its
+# request (made on first use: checked mode), split request, location and token index, gather index and owned cache
+# row (int64 each).
 PLAN_BYTES_PER_ENTRY = 4 + 4 + 8
 PLAN_BYTES_PER_SLOT = 4 + 8 + 8 + 4 + 4 * 4
-PLAN_BYTES_PER_TOKEN = 8 + 8 + 4 + 8 * 5
+PLAN_BYTES_PER_TOKEN = 8 + 8 + 8 * 5
 # Each scratch row's location (int64), made once with the scratch.
 SCRATCH_LOC_BYTES = 8
 
