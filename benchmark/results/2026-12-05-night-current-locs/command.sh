@@ -22,3 +22,9 @@ python3 benchmark/plan_host_phases.py --requests 1,8,64 --out plan_phases_flashm
 python3 benchmark/bench_kit_layer.py --backend flashmla_kv --fp8 --heads 64 --topk 2048 --requests 8 \
   --history 32768 --extend 1024 --sharing distinct,shared --layers 6 --reps 8 --processes 3 --out forward_flashmla_kv_fp8_h100b_layers.json
 # before 1, after 1, before 2, after 2 (taking turns), the commands of call 11 with h100b in the file names.
+#
+# call 13, one H100 80GB HBM3 ("h100c"; asked for an H200), the tree of 43540be:
+# the serving harness with the before library's AOT build beside it (cut by its 150 s timeout after its first test):
+SGLANG_CPKV_REQUIRE_UPSTREAM=1 timeout 150 python3 -m pytest -q test/registered/harness/test_serving_harness_cuda.py
+python3 benchmark/bench_kit_layer.py --backend flashmla_kv --fp8 --heads 64 --topk 2048 --requests 8 \
+  --history 8192 --extend 1024 --sharing distinct,shared --layers 6 --reps 8 --processes 3 --out forward_flashmla_kv_fp8_h100c_layers_8k.json
