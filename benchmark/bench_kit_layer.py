@@ -97,8 +97,8 @@ def measure(args, cp: int = 1, rank: int = 0, model_dir: str = "") -> list[dict]
                     if cp > 1:
                         publish_prefill_cp_server_args(model_dir, cp, mode_on=mode_on)
                     world.make_current()
-                    time = world.timed_forward(timing)
-                    rounds[label].append((time.plan_ms, time.layer_ms[0], time.later_layer_ms))
+                    timed = world.timed_forward(timing)
+                    rounds[label].append((timed.plan_ms, timed.layer_ms[0], timed.later_layer_ms))
             for label, _, world, _ in worlds:
                 row = {"history": history, "sharing": sharing, "config": label, "rounds": rounds[label][1:]}
                 rows.append(dict(row, kernel=world.backend.dsa_prefill_impl))

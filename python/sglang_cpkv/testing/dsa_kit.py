@@ -690,7 +690,7 @@ class ForwardTime:
     """One timed forward: the plan's window and each layer's, in ms (GPU clock). The first layer's window also holds
     the time the device waits for the host to issue it after the plan (once per forward, not once per layer), so a
     model's forward is the plan, the first layer and its other layers at the later layers' mean
-    (:meth:`model_forward_ms`)."""
+    (``benchmark/bench_kit_layer.py``)."""
 
     plan_ms: float
     layer_ms: list[float]
@@ -705,9 +705,6 @@ class ForwardTime:
         if len(self.layer_ms) < 2:
             raise ValueError("the steady layer time needs at least two timed layers")
         return statistics.fmean(self.layer_ms[1:])
-
-    def model_forward_ms(self, model_layers: int) -> float:
-        return self.plan_ms + self.layer_ms[0] + (model_layers - 1) * self.later_layer_ms
 
 
 @dataclass(frozen=True)
