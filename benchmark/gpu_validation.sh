@@ -57,6 +57,7 @@ fi
 step "AOT build of the CUDA ops (${AOT_ARCHS:=90a,100a,103a})"
 python3 -m sglang_cpkv.ops.cuda_build --aot --arch "$AOT_ARCHS" --out /tmp/cpkv_aot 2>&1 | tee "$OUT/aot.log" | tail -3
 export SGLANG_CPKV_CUDA_LIB=/tmp/cpkv_aot
+python3 -m sglang_cpkv.runtime.host_layout_build || status=1
 python3 -c "from sglang_cpkv.ops import cuda; assert cuda.is_available(), cuda.unavailable_reason(); print('CUDA ops loaded from the AOT library')" || status=1
 
 if want suite; then

@@ -52,8 +52,10 @@ import torch
 from sglang_cpkv import ops
 from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, NUM_ERROR_KINDS, CpSharedKvError
 from sglang_cpkv.runtime import checked as checked_mode
+from sglang_cpkv.runtime import host_layout
 from sglang_cpkv.runtime.buckets import round_dense_slots
 from sglang_cpkv.runtime.cp_split import CpSplit
+from sglang_cpkv.runtime.host_layout import CompiledLayout
 from sglang_cpkv.runtime.ownership import owner_pool_loc, owner_pool_page, page_owner, pool_pages_per_rank
 
 PADDING_ID = -1
@@ -229,17 +231,14 @@ class CpSharedKvPlan:
         ops.raise_if_errors(self.errors, where)
 
 
-def _stage(device: torch.device, int64s: Sequence[np.ndarray], int32s: Sequence[np.ndarray]):
-    """Host arrays on ``device`` as int64 and int32 tensors, without a host sync: packed into one byte buffer, pinned
-    and copied once (on a GPU each staging is a pinned allocation and a copy launch, a large part of the plan's host
-    cost). Returns the int64 tensors and the int32 tensors, in the order given."""
-    sizes64, sizes32 = [int(a.size) for a in int64s], [int(a.size) for a in int32s]
+def _stage(device: torch.device, layout: _NumpyLayout | CompiledLayout, num_slots: int):
+    """The layout's staging on ``device`` as int64 and int32 tensors, without a host sync: written into one byte
+    buffer, pinned, and copied once (on a GPU each staging is a pinned allocation and a copy launch). Returns the
+    int64 tensors and the int32 tensors, in :meth:`_NumpyLayout.stage_sizes`'s order."""
+    sizes64, sizes32 = layout.stage_sizes(num_slots, NUM_ERROR_KINDS)
     split = 8 * sum(sizes64)
     host = torch.empty(split + 4 * sum(sizes32), dtype=torch.uint8, pin_memory=device.type == "cuda")
-    packed = host.numpy()  # the values are written straight into the (pinned) buffer the copy reads
-    for arrays, dtype, out in ((int64s, np.int64, packed[:split]), (int32s, np.int32, packed[split:])):
-        if arrays:
-            np.concatenate(arrays, out=out.view(dtype), casting="same_kind")
+    layout.fill(host, num_slots, NUM_ERROR_KINDS)
     staged = host.to(device, non_blocking=True)
     return (
         list(staged[:split].view(torch.int64).split(sizes64)),
@@ -434,9 +433,9 @@ class _Entries:
         return np.take(table.numpy().reshape(-1), self.cells).astype(np.int64, copy=False)
 
 
-def _entries(table: torch.Tensor, prefix: np.ndarray, extend: np.ndarray, page_size: int, capacity: int) -> _Entries:
-    """Every entry of the batch, after checking that each request's view fits int32 locations and the table's
-    columns; a host table's page ids are validated here."""
+def _pages_needed(width: int, prefix: np.ndarray, extend: np.ndarray, page_size: int) -> np.ndarray:
+    """int64 ``[R]``: ``n_r``, the entries of each request, after checking that each request's view fits int32
+    locations and the table's ``width`` columns."""
     pages_needed = -(-(prefix + extend) // page_size)
     longest = int(pages_needed.max())
     if longest * page_size > INT32_MAX:
@@ -444,18 +443,104 @@ def _entries(table: torch.Tensor, prefix: np.ndarray, extend: np.ndarray, page_s
             f"a request's dense view needs {longest} slots x page_size {page_size} = {longest * page_size} locations, "
             f"more than int32 holds ({INT32_MAX}): split the batch"
         )
-    if longest > table.shape[1]:
-        too_long = [(r, n) for r, n in enumerate(pages_needed.tolist()) if n > table.shape[1]]
-        raise CpSharedKvError(
-            f"page_table has {table.shape[1]} columns but (request, pages needed) {too_long} do not fit"
-        )
+    if longest > width:
+        too_long = [(r, n) for r, n in enumerate(pages_needed.tolist()) if n > width]
+        raise CpSharedKvError(f"page_table has {width} columns but (request, pages needed) {too_long} do not fit")
+    return pages_needed
+
+
+def _entries(pages_needed: np.ndarray, width: int) -> _Entries:
+    """Every entry of the batch (``width``: the page table's columns)."""
     starts = np.cumsum(pages_needed) - pages_needed
     req = np.repeat(np.arange(pages_needed.size, dtype=np.int64), pages_needed)
     j = np.arange(req.size, dtype=np.int64) - starts[req]
-    entries = _Entries(pages_needed, starts, req, j, req * table.shape[1] + j)
-    if table.device.type == "cpu":
-        _validate_host_ids(entries.page_ids(table), entries.req, entries.j, capacity)
-    return entries
+    return _Entries(pages_needed, starts, req, j, req * width + j)
+
+
+class _NumpyLayout:
+    """A batch's dense layout and staging in numpy: the reference of the compiled layout
+    (:class:`~.host_layout.CompiledLayout`, the same attributes and staging), used where that is not built."""
+
+    def __init__(
+        self,
+        table: torch.Tensor | None,
+        width: int,
+        prefix: np.ndarray,
+        extend: np.ndarray,
+        pages_needed: np.ndarray,
+        *,
+        page_size: int,
+        cp_size: int,
+        cp_rank: int,
+        capacity: int,
+        validate: bool,
+    ):
+        """``table``: the host page table, or None when its ids are not on the host (a device table, no history:
+        every entry its own slot); ``validate``: check the host table's ids."""
+        entries = _entries(pages_needed, width)
+        if validate:
+            _validate_host_ids(entries.page_ids(table), entries.req, entries.j, capacity)
+        self.pages_known = table is not None
+        if self.pages_known:
+            pages = _in_range_or_capacity(entries.page_ids(table), capacity)
+        else:
+            pages = np.full(entries.req.size, capacity, dtype=np.int64)
+        layout = _dense_layout(
+            pages, entries.req, entries.j, prefix, extend, page_size=page_size, cp_size=cp_size, capacity=capacity
+        )
+        self.num_entries = int(entries.req.size)
+        self.entry_starts = entries.starts
+        self.entry_slots = layout.entry_slots
+        self.region_slots = int(layout.region_pages.size)
+        self.own_slots = int(layout.own_entries.size)
+        self.gather_blocks = layout.gather_blocks
+        self.bad_request = None  # a bad host id raised above
+        offsets = _current_token_offsets(layout.entry_slots, entries.starts, prefix, extend, page_size)
+        self._slot_req = layout.slot_req
+        self._int64s = [entries.req, *offsets] + ([] if self.pages_known else [entries.cells])
+        self._int32s = [layout.entry_slots, *_history_copies(layout, cp_size, cp_rank)]
+        self._pages = pages
+        self._slot_pages = np.concatenate([layout.region_pages, pages[layout.own_entries]])
+
+    def stage_sizes(self, num_slots: int, num_errors: int) -> tuple[list[int], list[int]]:
+        """Elements of each staged array: int64 ``slot_req [num_slots]``, ``entry_req [E]``, ``token_ends [R]``,
+        ``dense_offsets [R]`` (then the entries' cells ``r * W + j`` when the ids are not on the host); int32 the
+        error counter ``[num_errors]``, ``entry_slots [E]``, the pool copies' pages and slots, the view copies' sources
+        and destinations (then the entries' page ids and ``slot_pages [num_slots]`` when the ids are on the host)."""
+        sizes64 = [num_slots] + [a.size for a in self._int64s]
+        sizes32 = (
+            [num_errors] + [a.size for a in self._int32s] + ([self.num_entries, num_slots] if self.pages_known else [])
+        )
+        return sizes64, sizes32
+
+    def fill(self, buffer: torch.Tensor, num_slots: int, num_errors: int) -> None:
+        """Write the staging into the host byte tensor ``buffer`` (int64 arrays, then int32; each slot array rounded
+        to ``num_slots`` with -1)."""
+        rounding = np.full(num_slots - self.region_slots - self.own_slots, PADDING_ID, dtype=np.int64)
+        int64s = [np.concatenate([self._slot_req, rounding]), *self._int64s]
+        int32s = [np.zeros(num_errors, dtype=np.int32), *self._int32s]
+        if self.pages_known:
+            int32s += [self._pages, np.concatenate([self._slot_pages, rounding])]
+        packed = buffer.numpy()  # the values are written straight into the (pinned) buffer the copy reads
+        split = 8 * sum(a.size for a in int64s)
+        np.concatenate(int64s, out=packed[:split].view(np.int64), casting="same_kind")
+        np.concatenate(int32s, out=packed[split:].view(np.int32), casting="same_kind")
+
+
+def _host_layout(
+    table: torch.Tensor | None, width: int, prefix: np.ndarray, extend: np.ndarray, pages_needed: np.ndarray, **kwargs
+) -> _NumpyLayout | CompiledLayout:
+    """The batch's layout, compiled where the library is built (:mod:`.host_layout`), else in numpy. A bad host id
+    is named by the numpy validation either way."""
+    lib = host_layout.library()
+    if lib is None:
+        return _NumpyLayout(table, width, prefix, extend, pages_needed, **kwargs)
+    layout = CompiledLayout(lib, table, width, prefix, extend, pages_needed, **kwargs)
+    if layout.bad_request is not None:
+        entries = _entries(pages_needed, width)
+        _validate_host_ids(entries.page_ids(table), entries.req, entries.j, kwargs["capacity"])
+        raise CpSharedKvError(f"request {layout.bad_request}: a page id outside [0, capacity) or repeated")
+    return layout
 
 
 def _check_current_locations(out_cache_loc: torch.Tensor, num_tokens: int, capacity: int, page_size: int) -> None:
@@ -551,7 +636,7 @@ def build_plan(
         raise CpSharedKvError(f"the batch has no current tokens (extend_lens {extend_np.tolist()}): nothing to extend")
     has_history = bool(prefix_np.any())
     table = _host_page_table(page_table, num_requests)
-    entries = _entries(table, prefix_np, extend_np, page_size, capacity)
+    pages_needed = _pages_needed(table.shape[1], prefix_np, extend_np, page_size)
     _check_current_locations(out_cache_loc, num_tokens, capacity, page_size)
     device = out_cache_loc.device
 
@@ -559,45 +644,36 @@ def build_plan(
     # (module docstring: the layout is a function of them). Without history every entry is its own slot whatever its
     # page id, so a device table's ids stay on the device.
     pages_on_host = table.device.type == "cpu" or has_history
-    if pages_on_host:
-        host = table.cpu() if has_history else table
-        pages = _in_range_or_capacity(entries.page_ids(host), capacity)
-    else:
-        pages = np.full(entries.req.size, capacity, dtype=np.int64)
-    layout = _dense_layout(
-        pages, entries.req, entries.j, prefix_np, extend_np, page_size=page_size, cp_size=cp_size, capacity=capacity
+    layout = _host_layout(
+        (table.cpu() if has_history else table) if pages_on_host else None,
+        table.shape[1],
+        prefix_np,
+        extend_np,
+        pages_needed,
+        page_size=page_size,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        capacity=capacity,
+        validate=table.device.type == "cpu",
     )
-    region = layout.region_pages
-    needed = region.size + layout.own_entries.size
+    needed = layout.region_slots + layout.own_slots
     num_slots = round_dense_slots(needed)
     if num_slots * page_size > INT32_MAX:
         raise CpSharedKvError(
             f"the batch's dense view needs {num_slots} slots x page_size {page_size} = {num_slots * page_size} "
             f"locations, more than int32 holds ({INT32_MAX}): split the batch"
         )
-    rounding = np.full(num_slots - needed, PADDING_ID, dtype=np.int64)
 
-    # Every host value the device work needs, in one staging (the error counter's zeros too); each slot's page (the
-    # region's, then each own slot's entry's, then the rounding) from the host ids, or from the entries gathered on
-    # the device.
-    int64s = [
-        np.concatenate([layout.slot_req, rounding]),
-        entries.req,
-        *_current_token_offsets(layout.entry_slots, entries.starts, prefix_np, extend_np, page_size),
-    ]
-    int32s = [np.zeros(NUM_ERROR_KINDS, dtype=np.int32), layout.entry_slots, *_history_copies(layout, cp_size, cp_rank)]
-    if pages_on_host:
-        int32s += [pages, np.concatenate([region, pages[layout.own_entries], rounding])]
-    else:
-        int64s.append(entries.cells)
-    (slot_req, entry_req, token_ends, dense_offsets, *flat_entries), int32_dev = _stage(device, int64s, int32s)
+    # Every host value the device work needs, in one staging (the error counter's zeros too); each slot's page from
+    # the host ids, or from the entries gathered on the device.
+    (slot_req, entry_req, token_ends, dense_offsets, *flat_entries), int32_dev = _stage(device, layout, num_slots)
     errors, entry_slots, pool_copy_pages, pool_copy_slots, view_src, view_dst, *host_pages = int32_dev
     if pages_on_host:
         entry_pages, slot_pages = host_pages
     else:  # no history: every entry is its own slot, in entry order
         entry_pages = _entry_pages(table, *flat_entries, capacity)
         slot_pages = torch.cat(
-            [entry_pages, torch.full((rounding.size,), PADDING_ID, dtype=torch.int32, device=device)]
+            [entry_pages, torch.full((num_slots - needed,), PADDING_ID, dtype=torch.int32, device=device)]
         )
     inverse = ops.build_page_inverse(entry_pages, entry_req, num_requests, capacity, errors, entry_slots=entry_slots)
     current_dense_locs = ops.current_dense_locs(token_ends, dense_offsets, out_cache_loc, slot_pages, page_size, errors)
@@ -608,10 +684,10 @@ def build_plan(
         page_size=page_size,
         prefix_lens=tuple(prefix_np.tolist()),
         extend_lens=tuple(extend_np.tolist()),
-        request_pages=tuple(entries.pages_needed.tolist()),
-        entry_starts=tuple(entries.starts.tolist()),
+        request_pages=tuple(pages_needed.tolist()),
+        entry_starts=tuple(layout.entry_starts.tolist()),
         entry_slots_host=torch.from_numpy(layout.entry_slots),
-        history_region_slots=int(region.size),
+        history_region_slots=layout.region_slots,
         gather_blocks=layout.gather_blocks,
         needed_slots=needed,
         num_slots=num_slots,

@@ -691,8 +691,8 @@ def test_cp2_the_dropped_request_is_on_one_rank_only(gloo_results):
 HOST_MEMORY_READS = {
     "runtime.plan:_validate_host_ids",
     "runtime.plan:_validate_host_locations",
-    "runtime.plan:page_ids",  # numpy of a host page table (``.numpy()`` refuses a device tensor)
-    "runtime.plan:_stage",  # numpy of the host staging buffer it writes (before the one copy to the device)
+    "runtime.plan:page_ids",  # numpy of a host page table (``.numpy()`` refuses a device tensor; numpy layout)
+    "runtime.plan:fill",  # numpy of the host staging buffer it writes (before the one copy to the device)
     "ops.errors:describe_errors",
 }
 

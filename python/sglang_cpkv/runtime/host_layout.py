@@ -1,0 +1,143 @@
+"""The plan's host layout, compiled: ``csrc/cp_shared_kv_host/plan_layout.cc`` loaded with ctypes.
+
+The dense layout of a batch and its staging buffer are host work on every batch; in numpy they are some forty calls
+(a few microseconds each, two thirds of the mode's per-batch host cost at 64 requests). The compiled layout makes
+the same arrays in one pass and writes the staging buffer in place. :mod:`.plan`'s numpy functions are its
+reference: the tests compare every staged value, and the plan uses them where the library is not built (logged once).
+
+The library is plain C++ (no torch, no Python headers), built once per source by :mod:`.host_layout_build`; its file
+name carries the source's hash, so a library built from other sources is never loaded. Nothing is compiled on the
+serving path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+# cpkv_plan_layout's sizes output, in the order of plan_layout.cc's Size enum.
+SIZE_FIELDS = ("entries", "region", "own", "own_history", "pool_copies", "view_copies", "bad_request")
+
+_I64P = ctypes.POINTER(ctypes.c_int64)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None (logged once) when it is not built for these sources."""
+    # Imported here, so that `python -m sglang_cpkv.runtime.host_layout_build` is not imported by the package first.
+    from sglang_cpkv.runtime.host_layout_build import library_name, prebuilt_dir
+
+    path = prebuilt_dir() / library_name()
+    if not path.is_file():
+        logger.warning(
+            "sglang_cpkv: the plan's compiled host layout is not built (%s is missing): the plan lays batches out "
+            "in numpy (slower on the host); build it with `python -m sglang_cpkv.runtime.host_layout_build`",
+            path,
+        )
+        return None
+    lib = ctypes.CDLL(str(path))
+    lib.cpkv_plan_layout.restype = ctypes.c_int64
+    lib.cpkv_plan_layout.argtypes = [
+        ctypes.c_void_p,
+        *[ctypes.c_int64] * 3,
+        _I64P,
+        _I64P,
+        _I64P,
+        *[ctypes.c_int64] * 5,
+        _I64P,
+        _I64P,
+        _I64P,
+    ]
+    lib.cpkv_plan_pack.restype = ctypes.c_int64
+    lib.cpkv_plan_pack.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, _I64P]
+    return lib
+
+
+def _int64_pointer(array: np.ndarray):
+    return array.ctypes.data_as(_I64P)
+
+
+class CompiledLayout:
+    """One batch's layout made by the library (the same attributes as :class:`~.plan._NumpyLayout`). Its staging
+    reads the library's per-thread scratch: stage it on the thread that made it, before the next layout."""
+
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        table: torch.Tensor | None,
+        width: int,
+        prefix: np.ndarray,
+        extend: np.ndarray,
+        pages_needed: np.ndarray,
+        *,
+        page_size: int,
+        cp_size: int,
+        cp_rank: int,
+        capacity: int,
+        validate: bool,
+    ):
+        """``table``: the host page table (row-major, int32 or int64), or None when the page ids are not on the
+        host; ``width``: its columns (the entries' cells ``r * width + j`` are staged when the ids are not on the host).
+        ``prefix``, ``extend``, ``pages_needed``: int64 ``[R]``."""
+        self._lib = lib
+        num_requests = prefix.size
+        sizes = np.empty(len(SIZE_FIELDS), dtype=np.int64)
+        self.entry_starts = np.empty(num_requests, dtype=np.int64)
+        blocks = np.empty(cp_size, dtype=np.int64)
+        address, itemsize = None, 0
+        if table is not None:
+            table = table.contiguous() if table.element_size() in (4, 8) else table.to(torch.int64)
+            address, itemsize = table.data_ptr(), table.element_size()
+        status = lib.cpkv_plan_layout(
+            address,
+            itemsize,
+            width,
+            num_requests,
+            _int64_pointer(prefix),
+            _int64_pointer(extend),
+            _int64_pointer(pages_needed),
+            page_size,
+            cp_size,
+            cp_rank,
+            capacity,
+            int(validate),
+            _int64_pointer(sizes),
+            _int64_pointer(self.entry_starts),
+            _int64_pointer(blocks),
+        )
+        if status != 0:
+            raise RuntimeError(f"the compiled host layout refused a page table of {itemsize}-byte ids")
+        count = dict(zip(SIZE_FIELDS, sizes.tolist()))
+        self.pages_known = table is not None
+        self.num_entries = count["entries"]
+        self.region_slots = count["region"]
+        self.own_slots = count["own"]
+        self.bad_request = count["bad_request"] if count["bad_request"] >= 0 else None
+        self.gather_blocks: tuple[tuple[int, int], ...] = ()
+        if cp_size > 1 and self.region_slots:
+            counts = blocks.tolist()
+            self.gather_blocks = tuple(zip((np.cumsum(blocks) - blocks).tolist(), counts))
+        self._num_requests = num_requests
+        self._copies = (count["pool_copies"], count["view_copies"])
+        self.entry_slots = np.empty(self.num_entries, dtype=np.int64)
+
+    def stage_sizes(self, num_slots: int, num_errors: int) -> tuple[list[int], list[int]]:
+        """Elements of each staged int64 and int32 array (:meth:`stage`'s order)."""
+        entries, requests = self.num_entries, self._num_requests
+        pool, view = self._copies
+        sizes64 = [num_slots, entries, requests, requests] + ([] if self.pages_known else [entries])
+        sizes32 = [num_errors, entries, pool, pool, view, view] + ([entries, num_slots] if self.pages_known else [])
+        return sizes64, sizes32
+
+    def fill(self, buffer: torch.Tensor, num_slots: int, num_errors: int) -> None:
+        """Write the staging into the host byte tensor ``buffer`` (sized by :meth:`stage_sizes`) and the entries'
+        slots into :attr:`entry_slots`."""
+        written = self._lib.cpkv_plan_pack(num_slots, num_errors, buffer.data_ptr(), _int64_pointer(self.entry_slots))
+        if written != buffer.numel():
+            raise RuntimeError(f"the compiled host layout wrote {written} staging bytes, expected {buffer.numel()}")
