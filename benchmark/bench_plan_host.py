@@ -28,6 +28,7 @@ import statistics
 
 import torch
 
+from sglang_cpkv.runtime import host_layout
 from sglang_cpkv.testing.batches import BatchCase
 from sglang_cpkv.testing.dsa_kit import PAGE, KitRoute, KitWorld, distinct_page_tables, kit_capacity
 
@@ -105,9 +106,10 @@ def main(argv=None) -> int:
                 }
             )
         del worlds
+    layout = "compiled" if host_layout.library() is not None else "numpy"
     print(
         f"init_forward_metadata, {args.backend}, {'FP8' if args.fp8 else 'bf16'} pool, {args.device}: requests x "
-        f"({args.history} history + {args.extend} extend), median of {args.reps}"
+        f"({args.history} history + {args.extend} extend), median of {args.reps}; the plan's host layout: {layout}"
     )
     for row in rows:
         device = "" if row["device_ms"] is None else f"  device window {row['device_ms']:7.3f} ms"
@@ -119,7 +121,7 @@ def main(argv=None) -> int:
         print(f"\n--- {name}\n{text}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "profiles": profiles}, f, indent=1)
+            json.dump({"args": vars(args), "host_layout": layout, "rows": rows, "profiles": profiles}, f, indent=1)
     return 0
 
 

@@ -117,9 +117,10 @@ def main(argv=None) -> int:
             times.clear()
             del world, forward_batch
             torch.cuda.empty_cache()
+    layout = "compiled" if plan.host_layout.library() is not None else "numpy"
     print(
         f"init_forward_metadata, {args.backend}, FP8 pool: requests x ({args.history} + {args.extend}), "
-        f"median of {args.reps} calls; phases (ms per call) with the mode on"
+        f"median of {args.reps} calls; phases (ms per call) with the mode on; the plan's host layout: {layout}"
     )
     for name, row in results.items():
         print(f"  {name:32s} host {row['host_ms']:7.3f} ms  device window {row['device_window_ms']:7.3f} ms")
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
             print(f"      {ms:7.3f}  {label}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
+            json.dump({"args": vars(args), "host_layout": layout, "results": results}, f, indent=1)
     return 0
 
 
