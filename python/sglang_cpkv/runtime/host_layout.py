@@ -24,8 +24,6 @@ logger = logging.getLogger(__name__)
 # cpkv_plan_layout's sizes output, in the order of plan_layout.cc's Size enum.
 SIZE_FIELDS = ("entries", "region", "own", "own_history", "pool_copies", "view_copies", "bad_request")
 
-_I64P = ctypes.POINTER(ctypes.c_int64)
-
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
@@ -43,24 +41,17 @@ def library() -> ctypes.CDLL | None:
         return None
     lib = ctypes.CDLL(str(path))
     lib.cpkv_plan_layout.restype = ctypes.c_int64
-    lib.cpkv_plan_layout.argtypes = [
-        ctypes.c_void_p,
-        *[ctypes.c_int64] * 3,
-        _I64P,
-        _I64P,
-        _I64P,
-        *[ctypes.c_int64] * 5,
-        _I64P,
-        _I64P,
-        _I64P,
-    ]
+    # Arrays go as addresses (c_void_p): an int64 pointer object per array costs twice the call's own overhead.
+    lib.cpkv_plan_layout.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 3]
+    lib.cpkv_plan_layout.argtypes += [*[ctypes.c_int64] * 5, *[ctypes.c_void_p] * 3]
     lib.cpkv_plan_pack.restype = ctypes.c_int64
-    lib.cpkv_plan_pack.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, _I64P]
+    lib.cpkv_plan_pack.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
-def _int64_pointer(array: np.ndarray):
-    return array.ctypes.data_as(_I64P)
+def _address(array: np.ndarray) -> int:
+    """The address of a contiguous int64 array's first element."""
+    return array.ctypes.data
 
 
 class CompiledLayout:
@@ -86,6 +77,8 @@ class CompiledLayout:
         host; ``width``: its columns (the entries' cells ``r * width + j`` are staged when the ids are not on the host).
         ``prefix``, ``extend``, ``pages_needed``: int64 ``[R]``."""
         self._lib = lib
+        # The library reads raw int64 memory: no copy for the plan's own arrays, a copy for anything else.
+        prefix, extend, pages_needed = (np.ascontiguousarray(a, dtype=np.int64) for a in (prefix, extend, pages_needed))
         num_requests = prefix.size
         sizes = np.empty(len(SIZE_FIELDS), dtype=np.int64)
         self.entry_starts = np.empty(num_requests, dtype=np.int64)
@@ -99,17 +92,17 @@ class CompiledLayout:
             itemsize,
             width,
             num_requests,
-            _int64_pointer(prefix),
-            _int64_pointer(extend),
-            _int64_pointer(pages_needed),
+            _address(prefix),
+            _address(extend),
+            _address(pages_needed),
             page_size,
             cp_size,
             cp_rank,
             capacity,
             int(validate),
-            _int64_pointer(sizes),
-            _int64_pointer(self.entry_starts),
-            _int64_pointer(blocks),
+            _address(sizes),
+            _address(self.entry_starts),
+            _address(blocks),
         )
         if status != 0:
             raise RuntimeError(f"the compiled host layout refused a page table of {itemsize}-byte ids")
@@ -138,6 +131,6 @@ class CompiledLayout:
     def fill(self, buffer: torch.Tensor, num_slots: int, num_errors: int) -> None:
         """Write the staging into the host byte tensor ``buffer`` (sized by :meth:`stage_sizes`) and the entries'
         slots into :attr:`entry_slots`."""
-        written = self._lib.cpkv_plan_pack(num_slots, num_errors, buffer.data_ptr(), _int64_pointer(self.entry_slots))
+        written = self._lib.cpkv_plan_pack(num_slots, num_errors, buffer.data_ptr(), _address(self.entry_slots))
         if written != buffer.numel():
             raise RuntimeError(f"the compiled host layout wrote {written} staging bytes, expected {buffer.numel()}")
