@@ -22,7 +22,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 # cpkv_plan_layout's sizes output, in the order of plan_layout.cc's Size enum.
-SIZE_FIELDS = ("entries", "region", "own", "own_history", "pool_copies", "view_copies", "bad_request")
+SIZE_FIELDS = ("entries", "region", "own", "own_history", "pool_copies", "view_copies", "bad_request", "layout_id")
 
 
 @functools.cache
@@ -45,7 +45,7 @@ def library() -> ctypes.CDLL | None:
     lib.cpkv_plan_layout.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 3]
     lib.cpkv_plan_layout.argtypes += [*[ctypes.c_int64] * 5, *[ctypes.c_void_p] * 3]
     lib.cpkv_plan_pack.restype = ctypes.c_int64
-    lib.cpkv_plan_pack.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.cpkv_plan_pack.argtypes = [*[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_void_p]
     return lib
 
 
@@ -118,6 +118,7 @@ class CompiledLayout:
             self.gather_blocks = tuple(zip((np.cumsum(blocks) - blocks).tolist(), counts))
         self._num_requests = num_requests
         self._copies = (count["pool_copies"], count["view_copies"])
+        self._layout_id = count["layout_id"]
         self.entry_slots = np.empty(self.num_entries, dtype=np.int64)
 
     def stage_sizes(self, num_slots: int, num_errors: int) -> tuple[list[int], list[int]]:
@@ -131,6 +132,13 @@ class CompiledLayout:
     def fill(self, buffer: torch.Tensor, num_slots: int, num_errors: int) -> None:
         """Write the staging into the host byte tensor ``buffer`` (sized by :meth:`stage_sizes`) and the entries'
         slots into :attr:`entry_slots`."""
-        written = self._lib.cpkv_plan_pack(num_slots, num_errors, buffer.data_ptr(), _address(self.entry_slots))
+        written = self._lib.cpkv_plan_pack(
+            self._layout_id, num_slots, num_errors, buffer.data_ptr(), _address(self.entry_slots)
+        )
+        if written == -2:
+            raise RuntimeError(
+                "the compiled host layout was staged after another layout was made on this thread (or on another "
+                "thread): stage a layout before making the next"
+            )
         if written != buffer.numel():
             raise RuntimeError(f"the compiled host layout wrote {written} staging bytes, expected {buffer.numel()}")

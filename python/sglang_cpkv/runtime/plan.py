@@ -26,7 +26,8 @@ No slot is written by two requests: the region is written by the history step on
 only. The view has :func:`~.buckets.round_dense_slots` ``(H + own)`` slots (under 3.2% more, so shapes repeat); the
 rounding slots hold no page. Every dense location is checked to fit int32 here.
 
-Synchronization: the layout is host work (numpy); the plan's device work is a handful of ops with no host sync, and
+Synchronization: the layout is host work (:mod:`.host_layout`, compiled; the numpy functions here are its reference
+and its stand-in where it is not built); the plan's device work is a handful of ops with no host sync, and
 every host value it needs goes to the device in one pinned staging. Host-side lengths are validated always (free).
 Page ids and ``out_cache_loc`` are validated on the host when they are host tensors; on a GPU a bad or repeated page
 id is counted in the plan's device error counter instead (the surfacing is the caller's: checked mode raises at

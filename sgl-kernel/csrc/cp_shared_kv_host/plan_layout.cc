@@ -26,6 +26,7 @@ enum Size : int64_t {
   kPoolCopies,   // pool pages copied into the view by this rank
   kViewCopies,   // view-to-view copies (under CP)
   kBadRequest,   // first request with a bad or repeated page id (host validation), else -1
+  kLayoutId,     // this layout's number on its thread: its staging must name it
   kNumSizes,
 };
 
@@ -247,6 +248,7 @@ int64_t cpkv_plan_layout(const void* table,
   s.sizes[kPoolCopies] = cp_size == 1 ? marked + own_history : s.block_counts[cp_rank];
   s.sizes[kViewCopies] = cp_size == 1 ? 0 : own_history;
   s.sizes[kBadRequest] = bad_request;
+  s.sizes[kLayoutId] = gen;
   std::memcpy(sizes, s.sizes, sizeof(s.sizes));
   std::memcpy(block_counts, s.block_counts.data(), sizeof(int64_t) * cp_size);
   return 0;
@@ -262,12 +264,13 @@ int64_t cpkv_plan_layout(const void* table,
 //         [P]          pool copy pages (this rank's pool pages), then [P] their slots
 //         [V]          view copy sources, then [V] destinations (under CP)
 //         [E]          the entries' page ids, then [num_slots] slot_pages (only when the page ids are on the host)
-// and the entries' slots as int64 into `entry_slots_host` [E]. Returns the bytes written, or -1 when `num_slots` is
-// below the layout's slots.
-int64_t cpkv_plan_pack(int64_t num_slots, int64_t num_errors, void* buffer, int64_t* entry_slots_host) {
+// and the entries' slots as int64 into `entry_slots_host` [E]. `layout_id`: the layout's kLayoutId. Returns the bytes
+// written, -1 when `num_slots` is below the layout's slots, -2 when another layout was made on this thread since.
+int64_t cpkv_plan_pack(int64_t layout_id, int64_t num_slots, int64_t num_errors, void* buffer, int64_t* entry_slots_host) {
   const Scratch& s = scratch;
   const int64_t entries = s.sizes[kEntries], region = s.sizes[kRegion], own = s.sizes[kOwn];
   const int64_t requests = s.num_requests, cp_size = s.cp_size;
+  if (layout_id != s.sizes[kLayoutId]) return -2;
   if (num_slots < region + own) return -1;
   const int64_t* pages = s.pages.data();
   const int64_t* entry_slots = s.entry_slots.data();

@@ -128,6 +128,18 @@ def test_a_bad_host_id_is_named_as_the_reference_names_it(lib, tables, message):
     assert compiled.bad_request is None  # validation only where asked (a device table's ids are counted on the device)
 
 
+def test_a_layout_staged_after_the_next_one_is_refused(lib):
+    """The staging reads the library's per-thread scratch of the last layout: staging an earlier one is an error,
+    never another batch's values."""
+    first, second = (BatchCase(4, 64, ((3, 9),), (4,), (n,)) for n in (3, 4))
+    earlier = _layouts(lib, first, 0, padded_page_table(first, 2))[1]
+    later = _layouts(lib, second, 0, padded_page_table(second, 2))[1]
+    num_slots = round_dense_slots(earlier.region_slots + earlier.own_slots)
+    with pytest.raises(RuntimeError, match="staged after another layout was made"):
+        _staged(earlier, num_slots)
+    assert _staged(later, num_slots)  # the last layout still stages
+
+
 def _plan(case: BatchCase, cp_rank: int = 0):
     return build_plan(
         padded_page_table(case, max(len(t) for t in case.page_tables)),
