@@ -242,8 +242,8 @@ def _stage(device: torch.device, layout: _NumpyLayout | CompiledLayout, num_slot
     layout.fill(host, num_slots, NUM_ERROR_KINDS)
     staged = host.to(device, non_blocking=True)
     return (
-        list(staged[:split].view(torch.int64).split(sizes64)),
-        list(staged[split:].view(torch.int32).split(sizes32)),
+        list(torch.split_with_sizes(staged[:split].view(torch.int64), sizes64)),
+        list(torch.split_with_sizes(staged[split:].view(torch.int32), sizes32)),
     )
 
 

@@ -3,8 +3,8 @@
 //
 // The contract is python/sglang_cpkv/runtime/plan.py's numpy layout (module docstring there: the history region,
 // own slots, shared history slots, the pool and view copies, the current tokens' offsets); this file computes the
-// same arrays in one pass over the entries instead of ~40 numpy calls, which at 64 requests were two thirds of the
-// mode's per-batch host cost. The numpy functions stay the reference: the tests compare every staged value.
+// same arrays in a few linear passes over the entries instead of some forty numpy calls (about half of the mode's
+// per-batch host cost at 64 requests). The numpy functions stay the reference: the tests compare every staged byte.
 //
 // cpkv_plan_layout: the layout into this thread's scratch; returns the sizes the caller needs to size the staging.
 // cpkv_plan_pack:   the staging buffer (int64 part, then int32 part) and the host copy of the entries' slots.
