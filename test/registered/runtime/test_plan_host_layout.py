@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from sglang_cpkv.ops.errors import NUM_ERROR_KINDS, CpSharedKvError
-from sglang_cpkv.runtime import build_cp_split, build_plan, host_layout, plan
+from sglang_cpkv.runtime import host_layout, plan
 from sglang_cpkv.runtime.buckets import round_dense_slots
-from sglang_cpkv.testing.batches import BatchCase, padded_page_table, random_case, sparse_case
+from sglang_cpkv.testing.batches import BatchCase, host_plan, padded_page_table, random_case, sparse_case
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=20, suite="cpkv-cpu")
@@ -123,7 +123,7 @@ def test_a_bad_host_id_is_named_as_the_reference_names_it(lib, tables, message):
     with pytest.raises(CpSharedKvError, match=message):
         _layouts(lib, *reference_args)
     with pytest.raises(CpSharedKvError, match=message):
-        _plan(case)
+        host_plan(case, 0)
     compiled = _layouts(lib, case, 0, padded_page_table(case, 2), validate=False)[1]
     assert compiled.bad_request is None  # validation only where asked (a device table's ids are counted on the device)
 
@@ -140,18 +140,6 @@ def test_a_layout_staged_after_the_next_one_is_refused(lib):
     assert _staged(later, num_slots)  # the last layout still stages
 
 
-def _plan(case: BatchCase, cp_rank: int = 0):
-    return build_plan(
-        padded_page_table(case, max(len(t) for t in case.page_tables)),
-        case.prefix_lens,
-        case.extend_lens,
-        torch.tensor(case.out_cache_loc(), dtype=torch.int64),
-        capacity=case.capacity,
-        page_size=case.page_size,
-        split=build_cp_split(case.effective_strategy, case.extend_lens, case.cp_size, cp_rank),
-    )
-
-
 def _plan_values(p) -> dict:
     values = {}
     for name, value in vars(p).items():
@@ -166,9 +154,9 @@ def _plan_values(p) -> dict:
 def test_whole_plans_are_the_same_built_either_way(lib, monkeypatch):
     rng = random.Random(11)
     cases = [random_case(rng, max_requests=8, max_cp=4, page_sizes=(1, 4)) for _ in range(40)]
-    compiled = [_plan_values(_plan(case, rank)) for case in cases for rank in range(case.cp_size)]
+    compiled = [_plan_values(host_plan(case, rank)) for case in cases for rank in range(case.cp_size)]
     monkeypatch.setattr(host_layout, "library", lambda: None)
-    reference = [_plan_values(_plan(case, rank)) for case in cases for rank in range(case.cp_size)]
+    reference = [_plan_values(host_plan(case, rank)) for case in cases for rank in range(case.cp_size)]
     assert compiled == reference
 
 
