@@ -422,7 +422,6 @@ def _check_page_ids(capacity: int, page_size: int, cp_size: int) -> None:
 class _Entries:
     """The batch's page-table entries ``(r, j)``, in that order (host int64)."""
 
-    pages_needed: np.ndarray  # [R] n_r, the entries of each request
     starts: np.ndarray  # [R] the index of each request's first entry
     req: np.ndarray  # [E] r of every entry
     j: np.ndarray  # [E] j of every entry
@@ -455,7 +454,7 @@ def _entries(pages_needed: np.ndarray, width: int) -> _Entries:
     starts = np.cumsum(pages_needed) - pages_needed
     req = np.repeat(np.arange(pages_needed.size, dtype=np.int64), pages_needed)
     j = np.arange(req.size, dtype=np.int64) - starts[req]
-    return _Entries(pages_needed, starts, req, j, req * width + j)
+    return _Entries(starts, req, j, req * width + j)
 
 
 class _NumpyLayout:
