@@ -1,9 +1,9 @@
 """The plan's host layout, compiled: ``csrc/cp_shared_kv_host/plan_layout.cc`` loaded with ctypes.
 
 The dense layout of a batch and its staging buffer are host work on every batch; in numpy they are some forty calls
-(a few microseconds each, two thirds of the mode's per-batch host cost at 64 requests). The compiled layout makes
-the same arrays in one pass and writes the staging buffer in place. :mod:`.plan`'s numpy functions are its
-reference: the tests compare every staged value, and the plan uses them where the library is not built (logged once).
+(a few microseconds each; about half of the mode's per-batch host cost at 64 requests). The compiled layout makes
+the same arrays in a few linear passes and writes the staging buffer in place. :mod:`.plan`'s numpy functions are its
+reference: the tests compare every staged byte, and the plan uses them where the library is not built (logged once).
 
 The library is plain C++ (no torch, no Python headers), built once per source by :mod:`.host_layout_build`; its file
 name carries the source's hash, so a library built from other sources is never loaded. Nothing is compiled on the
@@ -85,6 +85,8 @@ class CompiledLayout:
         blocks = np.empty(cp_size, dtype=np.int64)
         address, itemsize = None, 0
         if table is not None:
+            if table.device.type != "cpu":
+                raise ValueError(f"the compiled host layout reads a host page table, got one on {table.device}")
             table = table.contiguous() if table.element_size() in (4, 8) else table.to(torch.int64)
             address, itemsize = table.data_ptr(), table.element_size()
         status = lib.cpkv_plan_layout(
@@ -122,7 +124,7 @@ class CompiledLayout:
         self.entry_slots = np.empty(self.num_entries, dtype=np.int64)
 
     def stage_sizes(self, num_slots: int, num_errors: int) -> tuple[list[int], list[int]]:
-        """Elements of each staged int64 and int32 array (:meth:`stage`'s order)."""
+        """Elements of each staged int64 and int32 array (the order of :meth:`~.plan._NumpyLayout.stage_sizes`)."""
         entries, requests = self.num_entries, self._num_requests
         pool, view = self._copies
         sizes64 = [num_slots, entries, requests, requests] + ([] if self.pages_known else [entries])
