@@ -140,6 +140,18 @@ def test_a_layout_staged_after_the_next_one_is_refused(lib):
     assert _staged(later, num_slots)  # the last layout still stages
 
 
+def test_the_build_names_the_library_by_its_source_and_removes_other_builds():
+    """A build from other sources is never loaded (its name differs) and a rebuild leaves only its own library."""
+    from sglang_cpkv.runtime import host_layout_build
+
+    stale = host_layout_build.prebuilt_dir() / "libsglang_cpkv_plan_layout-0000000000000000.so"
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_bytes(b"not a library")
+    built = host_layout_build.build()
+    assert built.name == host_layout_build.library_name() and built.is_file()
+    assert sorted(host_layout_build.prebuilt_dir().glob("libsglang_cpkv_plan_layout-*.so")) == [built]
+
+
 def _plan_values(p) -> dict:
     values = {}
     for name, value in vars(p).items():
