@@ -17,7 +17,7 @@ upstream's own value when the flag is off.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
 from typing import Any
 
 import torch
@@ -33,11 +33,12 @@ from sglang_cpkv.runtime.plan import dense_to_pool_locs
 
 
 def pool_page_table(
-    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: Sequence[int], page_size: int
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, longest: int, page_size: int
 ) -> torch.Tensor:
-    """``[R, W]`` page ids of each request (``W = ceil(max seq_len / page_size)``) from upstream's
-    token-level ``req_to_token`` (the location of a page's first token, divided by the page size)."""
-    width = -(-max(int(n) for n in seq_lens) // page_size)
+    """``[R, W]`` page ids of each request (``W = ceil(longest / page_size)``, ``longest`` the batch's longest
+    history + current tokens) from upstream's token-level ``req_to_token`` (the location of a page's first token,
+    divided by the page size)."""
+    width = -(-longest // page_size)
     first_locs = req_to_token[req_pool_indices.to(req_to_token.device), : width * page_size : page_size]
     return torch.div(first_locs, page_size, rounding_mode="floor")  # upstream's dtype (int32): C fits
 
@@ -58,7 +59,6 @@ def on_extend_metadata(
     pool = backend.token_to_kv_pool
     page_size = pool.page_size
     prefix_lens, extend_lens = forward_batch.extend_prefix_lens_cpu, forward_batch.extend_seq_lens_cpu
-    seq_lens = [int(p) + int(e) for p, e in zip(prefix_lens, extend_lens)]
     config = state.config()
     reservation = config.reservation
     # The CP group the reservation was made for: its exchange group under CP (made at start-up), else this rank alone.
@@ -71,7 +71,12 @@ def on_extend_metadata(
     else:  # upstream runs the batch un-split on every rank
         split = build_cp_split("none", extend_lens, group.cp_size, group.cp_rank)
     plan = build_plan(
-        pool_page_table(backend.req_to_token, forward_batch.req_pool_indices, seq_lens, page_size),
+        pool_page_table(
+            backend.req_to_token,
+            forward_batch.req_pool_indices,
+            max(map(operator.add, prefix_lens, extend_lens)),
+            page_size,
+        ),
         prefix_lens,
         extend_lens,
         # Upstream cuts it to the real tokens under CP; an un-split batch may carry MLP-sync padding.
