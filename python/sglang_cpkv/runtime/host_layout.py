@@ -22,7 +22,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 # cpkv_plan_layout's sizes output, in the order of plan_layout.cc's Size enum.
-SIZE_FIELDS = ("entries", "region", "own", "own_history", "pool_copies", "view_copies", "bad_request", "layout_id")
+SIZE_FIELDS = ("entries", "region", "own", "pool_copies", "view_copies", "bad_request", "layout_id")
 
 
 @functools.cache

@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from sglang_cpkv.env import env_text
+
 SOURCE = "plan_layout.cc"
 CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
 
@@ -39,7 +41,7 @@ def prebuilt_dir() -> Path:
 def build() -> Path:
     """Compile the library into :func:`prebuilt_dir` with ``$CXX`` (else ``g++``); returns its path."""
     out_dir = prebuilt_dir()
-    compiler = os.environ.get("CXX") or "g++"
+    compiler = env_text("CXX") or "g++"
     if shutil.which(compiler) is None:
         raise FileNotFoundError(f"C++ compiler {compiler!r} not found (set CXX): the plan's host layout needs one")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,6 @@ enum Size : int64_t {
   kEntries = 0,  // E
   kRegion,       // H: history-region slots
   kOwn,          // O: own slots
-  kOwnHistory,   // M: own entries holding history rows
   kPoolCopies,   // pool pages copied into the view by this rank
   kViewCopies,   // view-to-view copies (under CP)
   kBadRequest,   // first request with a bad or repeated page id (host validation), else -1
@@ -197,23 +196,16 @@ int64_t cpkv_plan_layout(const void* table,
   s.own_history.resize(own_history);
   s.region.resize(marked);
   s.block_counts.assign(cp_size, 0);
-  if (marked) {
-    int64_t* region = s.region.data();
-    int64_t found = 0;
-    if (cp_size == 1) {
-      for (int64_t page = 0; found < marked; ++page) {
-        if (in_region[page] == gen) region[found++] = page;
-      }
-    } else {
-      std::vector<int64_t> by_page(marked);
-      for (int64_t page = 0; found < marked; ++page) {
-        if (in_region[page] == gen) by_page[found++] = page;
-      }
-      for (int64_t page : by_page) ++s.block_counts[page % cp_size];
-      std::vector<int64_t> next(cp_size, 0);
-      for (int64_t k = 1; k < cp_size; ++k) next[k] = next[k - 1] + s.block_counts[k - 1];
-      for (int64_t page : by_page) region[next[page % cp_size]++] = page;
-    }
+  int64_t found = 0;
+  for (int64_t page = 0; found < marked; ++page) {
+    if (in_region[page] == gen) s.region[found++] = page;
+  }
+  if (cp_size > 1) {  // a stable partition by owner
+    const std::vector<int64_t> by_page(s.region);
+    for (int64_t page : by_page) ++s.block_counts[page % cp_size];
+    std::vector<int64_t> next(cp_size, 0);
+    for (int64_t k = 1; k < cp_size; ++k) next[k] = next[k - 1] + s.block_counts[k - 1];
+    for (int64_t page : by_page) s.region[next[page % cp_size]++] = page;
   }
   int32_t* region_slot = s.region_slot.data();
   for (int64_t i = 0; i < marked; ++i) region_slot[s.region[i]] = static_cast<int32_t>(i);
@@ -244,7 +236,6 @@ int64_t cpkv_plan_layout(const void* table,
   s.sizes[kEntries] = entries;
   s.sizes[kRegion] = marked;
   s.sizes[kOwn] = own;
-  s.sizes[kOwnHistory] = own_history;
   s.sizes[kPoolCopies] = cp_size == 1 ? marked + own_history : s.block_counts[cp_rank];
   s.sizes[kViewCopies] = cp_size == 1 ? 0 : own_history;
   s.sizes[kBadRequest] = bad_request;
