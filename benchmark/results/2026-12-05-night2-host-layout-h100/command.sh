@@ -17,3 +17,9 @@ SGLANG_CPKV_REQUIRE_UPSTREAM=1 python3 -m pytest -q -p no:cacheprovider -rs test
 SGLANG_CPKV_REQUIRE_UPSTREAM=1 python3 -m pytest -q -p no:cacheprovider -s test/registered/integration/test_cp_shared_kv_kit_cuda.py -k one_host_sync
 #   -> test_cp_shared_kv_kit_cuda.sync_rerun.txt (2 passed)
 SGLANG_CPKV_REQUIRE_UPSTREAM=1 python3 -m pytest -q -p no:cacheprovider -rs test/registered/harness/test_serving_harness_cuda.py  # test_serving_harness_cuda.tail.txt
+#
+# After the H100 run, on the 2-core CPU machine (no GPU left in the session's budget): plan_layout.cc reads the ids,
+# flags and requests in one pass and keeps its per-entry arrays grown (the tree of the commit that adds these files):
+.venv/bin/python -m sglang_cpkv.runtime.host_layout_build
+.venv/bin/python benchmark/bench_host_layout.py --reps 300 --out host_layout_cpu_two_pass.json  # printed: host_layout_cpu_two_pass.txt
+# (the late session's same command before this change: ../2026-12-05-late-host-layout/host_layout_cpu.txt)

@@ -34,29 +34,42 @@ constexpr uint8_t kFlagWrites = 1;      // takes current tokens
 constexpr uint8_t kFlagHistory = 2;     // holds history rows
 constexpr uint8_t kFlagShared = 4;      // history only: its page's region slot
 
+// A page id's generation stamps: one cache line serves the region pass's two reads of a page.
+struct PageMarks {
+  uint32_t written;    // == the call's stamp: some entry writes current tokens into the page
+  uint32_t in_region;  // == the call's stamp: the page is in the history region
+};
+
 struct Scratch {
   // Per page id (capacity + 1: the last is the bad-id bucket): generation stamps, so nothing is cleared per call.
-  std::vector<uint32_t> written, in_region, seen;
+  std::vector<PageMarks> marks;
+  std::vector<uint32_t> seen;
   std::vector<int32_t> region_slot;  // read at region pages only
   uint32_t generation = 0;
-  // The last layout.
+  // The last layout. Per-entry arrays only grow (a shrink and regrow would zero them again on every call): their
+  // lengths are the sizes below.
   std::vector<int64_t> pages, entry_slots, region, block_counts;
   std::vector<uint8_t> flags;
   std::vector<int32_t> entry_req, own_entries, own_history;  // own_*: entry numbers, in entry order
   std::vector<int64_t> token_ends, dense_offsets;
   std::vector<int64_t> pages_needed;
-  int64_t num_requests = 0, width = 0, cp_size = 1, cp_rank = 0;
+  int64_t num_requests = 0, width = 0, cp_size = 1, cp_rank = 0, num_own_history = 0;
   int64_t sizes[kNumSizes] = {};
   bool pages_known = false;
 };
+
+template <typename T>
+T* at_least(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
 
 thread_local Scratch scratch;
 
 // Stamps for this call: `count` consecutive values no mark holds yet (the marks restart from zero on wrap-around).
 uint32_t next_stamps(Scratch& s, uint32_t count) {
   if (s.generation > UINT32_MAX - count - 1) {
-    std::fill(s.written.begin(), s.written.end(), 0);
-    std::fill(s.in_region.begin(), s.in_region.end(), 0);
+    std::fill(s.marks.begin(), s.marks.end(), PageMarks{0, 0});
     std::fill(s.seen.begin(), s.seen.end(), 0);
     s.generation = 0;
   }
@@ -65,28 +78,56 @@ uint32_t next_stamps(Scratch& s, uint32_t count) {
   return first;
 }
 
-// The entries' page ids (outside [0, C): C, the bad-id bucket, never shared); with `validate`, the first request
-// with an id outside [0, C) or repeated (seen[id] == stamp + r marks "seen in request r").
+// The entries' page ids (outside [0, C): C, the bad-id bucket, never shared), requests and flags, and the pages
+// written this call marked, request by request. Request r's entries from page index prefix / page_size on take
+// current tokens (none without current tokens); those below ceil(prefix / page_size) hold history rows. With
+// `validate`, returns the first request with an id outside [0, C) or repeated (seen[id] == stamp + r marks "seen in
+// request r").
 template <typename T>
-int64_t read_pages(const T* table, Scratch& s, const int64_t* starts, int64_t capacity, bool validate, uint32_t stamp) {
+int64_t read_entries(const T* table, Scratch& s, const int64_t* starts, const int64_t* prefix, const int64_t* extend,
+                     int64_t page_size, int64_t capacity, bool validate, uint32_t stamp) {
   int64_t bad_request = -1;
   int64_t* pages = s.pages.data();
+  uint8_t* flags = s.flags.data();
+  int32_t* entry_req = s.entry_req.data();
   uint32_t* seen = s.seen.data();
-  for (int64_t r = 0; r < s.num_requests; ++r) {
-    const T* row = table + r * s.width;
-    int64_t* out = pages + starts[r];
-    for (int64_t j = 0; j < s.pages_needed[r]; ++j) {
-      const int64_t id = static_cast<int64_t>(row[j]);
-      const bool inside = id >= 0 && id < capacity;
-      out[j] = inside ? id : capacity;
-      if (validate && bad_request < 0) {
+  PageMarks* marks = s.marks.data();
+  const int64_t width = s.width, num_requests = s.num_requests;
+  const int64_t* pages_needed = s.pages_needed.data();
+  for (int64_t r = 0; r < num_requests; ++r) {
+    const int64_t n = pages_needed[r], start = starts[r];
+    int64_t* out = pages + start;
+    if (table == nullptr) {
+      std::fill(out, out + n, capacity);
+    } else if (validate && bad_request < 0) {
+      const T* row = table + r * width;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t id = static_cast<int64_t>(row[j]);
+        const bool inside = id >= 0 && id < capacity;
+        out[j] = inside ? id : capacity;
         if (!inside || seen[id] == stamp + r) {
           bad_request = r;
         } else {
           seen[id] = stamp + static_cast<uint32_t>(r);
         }
       }
+    } else {
+      const T* row = table + r * width;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t id = static_cast<int64_t>(row[j]);
+        out[j] = id >= 0 && id < capacity ? id : capacity;
+      }
     }
+    // Flags by ranges of page index: [0, hp) history, [fw, n) writes (fw <= hp whenever the request extends).
+    const int64_t fw = extend[r] > 0 ? prefix[r] / page_size : n;
+    const int64_t hp = std::min<int64_t>((prefix[r] + page_size - 1) / page_size, n);
+    uint8_t* f = flags + start;
+    std::fill(f, f + std::min(fw, hp), kFlagHistory);
+    if (fw < hp) std::fill(f + fw, f + hp, kFlagWrites | kFlagHistory);
+    if (hp < fw) std::fill(f + hp, f + fw, 0);
+    std::fill(f + std::max(fw, hp), f + n, kFlagWrites);
+    std::fill(entry_req + start, entry_req + start + n, static_cast<int32_t>(r));
+    for (int64_t j = fw; j < n; ++j) marks[out[j]].written = stamp;
   }
   return bad_request;
 }
@@ -129,57 +170,40 @@ int64_t cpkv_plan_layout(const void* table,
     entry_starts[r] = entries;
     entries += pages_needed[r];
   }
-  const size_t marks = static_cast<size_t>(capacity) + 1;
-  if (s.written.size() < marks) {
-    s.written.resize(marks, 0);
-    s.in_region.resize(marks, 0);
-    s.seen.resize(marks, 0);
-    s.region_slot.resize(marks, 0);
+  const size_t num_marks = static_cast<size_t>(capacity) + 1;
+  if (s.marks.size() < num_marks) {
+    s.marks.resize(num_marks, PageMarks{0, 0});
+    s.seen.resize(num_marks, 0);
+    s.region_slot.resize(num_marks, 0);
   }
   // This call's stamps: `gen` marks written and in_region pages, gen + r the pages seen in request r.
   const uint32_t gen = next_stamps(s, static_cast<uint32_t>(num_requests) + 1);
 
+  at_least(s.pages, entries);
+  uint8_t* flags = at_least(s.flags, entries);
+  at_least(s.entry_req, entries);
   int64_t bad_request = -1;
-  s.pages.resize(entries);
-  if (table == nullptr) {
-    std::fill(s.pages.begin(), s.pages.end(), capacity);
-  } else if (table_itemsize == 4) {
-    bad_request = read_pages(static_cast<const int32_t*>(table), s, entry_starts, capacity, validate, gen);
+  if (table == nullptr || table_itemsize == 4) {
+    bad_request = read_entries(static_cast<const int32_t*>(table), s, entry_starts, prefix, extend, page_size,
+                               capacity, validate, gen);
   } else {
-    bad_request = read_pages(static_cast<const int64_t*>(table), s, entry_starts, capacity, validate, gen);
+    bad_request = read_entries(static_cast<const int64_t*>(table), s, entry_starts, prefix, extend, page_size,
+                               capacity, validate, gen);
   }
   const int64_t* pages = s.pages.data();
-  uint32_t* written = s.written.data();
-  uint32_t* in_region = s.in_region.data();
+  PageMarks* marks = s.marks.data();
 
-  // Per request: entries from page index prefix / page_size on take current tokens (none without current tokens);
-  // those below ceil(prefix / page_size) hold history rows. A page written by any request is shared by none.
-  s.flags.resize(entries);
-  s.entry_req.resize(entries);
-  uint8_t* flags = s.flags.data();
-  for (int64_t r = 0; r < num_requests; ++r) {
-    const int64_t n = pages_needed[r], start = entry_starts[r];
-    const int64_t first_writing = extend[r] > 0 ? prefix[r] / page_size : n;
-    const int64_t history_pages = (prefix[r] + page_size - 1) / page_size;
-    for (int64_t j = 0; j < n; ++j) {
-      flags[start + j] = (j >= first_writing ? kFlagWrites : 0) | (j < history_pages ? kFlagHistory : 0);
-    }
-    std::fill(s.entry_req.begin() + start, s.entry_req.begin() + start + n, static_cast<int32_t>(r));
-    for (int64_t j = first_writing; j < n; ++j) written[pages[start + j]] = gen;
-  }
   // The region: at cp 1 the shared entries' pages, under CP every page read as history; ordered by (owner, page id)
   // (a scan of the marks in page-id order, then a stable partition by owner).
   int64_t marked = 0, own = 0, own_history = 0;
-  s.own_entries.resize(entries);
-  s.own_history.resize(entries);
-  int32_t* own_entries = s.own_entries.data();
-  int32_t* own_history_entries = s.own_history.data();
+  int32_t* own_entries = at_least(s.own_entries, entries);
+  int32_t* own_history_entries = at_least(s.own_history, entries);
   const uint8_t region_flag = cp_size == 1 ? kFlagShared : kFlagHistory;
   for (int64_t e = 0; e < entries; ++e) {
     const int64_t page = pages[e];
     const bool fetchable = page < capacity;
     uint8_t f = flags[e];
-    const bool shared = !(f & kFlagWrites) && fetchable && written[page] != gen;
+    const bool shared = !(f & kFlagWrites) && fetchable && marks[page].written != gen;
     const bool holds_history = !shared && (f & kFlagHistory) && fetchable;
     f |= (shared ? kFlagShared : 0);
     flags[e] = f;
@@ -187,32 +211,30 @@ int64_t cpkv_plan_layout(const void* table,
     own += !shared;
     own_history_entries[own_history] = static_cast<int32_t>(e);
     own_history += holds_history;
-    if ((f & region_flag) && fetchable && in_region[page] != gen) {
-      in_region[page] = gen;
+    if ((f & region_flag) && fetchable && marks[page].in_region != gen) {
+      marks[page].in_region = gen;
       ++marked;
     }
   }
-  s.own_entries.resize(own);
-  s.own_history.resize(own_history);
-  s.region.resize(marked);
+  s.num_own_history = own_history;
+  int64_t* region = at_least(s.region, marked);
   s.block_counts.assign(cp_size, 0);
   int64_t found = 0;
   for (int64_t page = 0; found < marked; ++page) {
-    if (in_region[page] == gen) s.region[found++] = page;
+    if (marks[page].in_region == gen) region[found++] = page;
   }
   if (cp_size > 1) {  // a stable partition by owner
-    const std::vector<int64_t> by_page(s.region);
+    const std::vector<int64_t> by_page(region, region + marked);
     for (int64_t page : by_page) ++s.block_counts[page % cp_size];
     std::vector<int64_t> next(cp_size, 0);
     for (int64_t k = 1; k < cp_size; ++k) next[k] = next[k - 1] + s.block_counts[k - 1];
-    for (int64_t page : by_page) s.region[next[page % cp_size]++] = page;
+    for (int64_t page : by_page) region[next[page % cp_size]++] = page;
   }
   int32_t* region_slot = s.region_slot.data();
-  for (int64_t i = 0; i < marked; ++i) region_slot[s.region[i]] = static_cast<int32_t>(i);
+  for (int64_t i = 0; i < marked; ++i) region_slot[region[i]] = static_cast<int32_t>(i);
 
   // Slots: a shared entry its page's region slot, every other entry an own slot after the region, in entry order.
-  s.entry_slots.resize(entries);
-  int64_t* entry_slots = s.entry_slots.data();
+  int64_t* entry_slots = at_least(s.entry_slots, entries);
   int64_t next_own = marked;
   for (int64_t e = 0; e < entries; ++e) {
     const bool shared = flags[e] & kFlagShared;
@@ -272,7 +294,10 @@ int64_t cpkv_plan_pack(int64_t layout_id, int64_t num_slots, int64_t num_errors,
   int64_t* p = static_cast<int64_t*>(buffer);
   std::fill(p, p + region, -1);
   p += region;
-  for (int32_t e : s.own_entries) *p++ = entry_req[e];
+  const int32_t* own_entries = s.own_entries.data();
+  const int32_t* own_history = s.own_history.data();
+  const int64_t* region_pages = s.region.data();
+  for (int64_t i = 0; i < own; ++i) *p++ = entry_req[own_entries[i]];
   std::fill(p, p + pad, -1);
   p += pad;
   for (int64_t e = 0; e < entries; ++e) *p++ = entry_req[e];
@@ -291,23 +316,23 @@ int64_t cpkv_plan_pack(int64_t layout_id, int64_t num_slots, int64_t num_errors,
   q += num_errors;
   for (int64_t e = 0; e < entries; ++e) *q++ = static_cast<int32_t>(entry_slots[e]);
   if (cp_size == 1) {  // the region's pages, then the own entries' history pages, straight from the pool
-    for (int64_t page : s.region) *q++ = static_cast<int32_t>(page);
-    for (int32_t e : s.own_history) *q++ = static_cast<int32_t>(pages[e]);
+    for (int64_t i = 0; i < region; ++i) *q++ = static_cast<int32_t>(region_pages[i]);
+    for (int64_t i = 0; i < s.num_own_history; ++i) *q++ = static_cast<int32_t>(pages[own_history[i]]);
     for (int64_t i = 0; i < region; ++i) *q++ = static_cast<int32_t>(i);
-    for (int32_t e : s.own_history) *q++ = static_cast<int32_t>(entry_slots[e]);
+    for (int64_t i = 0; i < s.num_own_history; ++i) *q++ = static_cast<int32_t>(entry_slots[own_history[i]]);
   } else {  // this rank's block of the region, at its owner pool pages; then the region into own slots
     int64_t start = 0;
     for (int64_t k = 0; k < s.cp_rank; ++k) start += s.block_counts[k];
     const int64_t count = s.block_counts[s.cp_rank];
-    for (int64_t i = start; i < start + count; ++i) *q++ = static_cast<int32_t>(s.region[i] / cp_size);
+    for (int64_t i = start; i < start + count; ++i) *q++ = static_cast<int32_t>(region_pages[i] / cp_size);
     for (int64_t i = start; i < start + count; ++i) *q++ = static_cast<int32_t>(i);
-    for (int32_t e : s.own_history) *q++ = s.region_slot[pages[e]];
-    for (int32_t e : s.own_history) *q++ = static_cast<int32_t>(entry_slots[e]);
+    for (int64_t i = 0; i < s.num_own_history; ++i) *q++ = s.region_slot[pages[own_history[i]]];
+    for (int64_t i = 0; i < s.num_own_history; ++i) *q++ = static_cast<int32_t>(entry_slots[own_history[i]]);
   }
   if (s.pages_known) {
     for (int64_t e = 0; e < entries; ++e) *q++ = static_cast<int32_t>(pages[e]);
-    for (int64_t page : s.region) *q++ = static_cast<int32_t>(page);
-    for (int32_t e : s.own_entries) *q++ = static_cast<int32_t>(pages[e]);
+    for (int64_t i = 0; i < region; ++i) *q++ = static_cast<int32_t>(region_pages[i]);
+    for (int64_t i = 0; i < own; ++i) *q++ = static_cast<int32_t>(pages[own_entries[i]]);
     std::fill(q, q + pad, -1);
     q += pad;
   }
