@@ -18,7 +18,6 @@ import platform
 import statistics
 import time
 
-import numpy as np
 import torch
 
 from sglang_cpkv.runtime import host_layout, plan
@@ -69,8 +68,7 @@ def main(argv=None) -> int:
         for sharing in SHARINGS:
             for requests in args.requests:
                 table, capacity = _tables(requests, args.history, args.extend, sharing, cp)
-                prefix = np.full(requests, args.history, dtype=np.int64)
-                extend = np.full(requests, args.extend, dtype=np.int64)
+                prefix, extend = (args.history,) * requests, (args.extend,) * requests
                 pages_needed = plan._pages_needed(table.shape[1], prefix, extend, PAGE)
                 kwargs = dict(page_size=PAGE, cp_size=cp, cp_rank=0, capacity=capacity, validate=False)
                 times: dict[str, list[float]] = {name: [] for name, _ in makers}

@@ -12,11 +12,13 @@ serving path.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
+import itertools
 import logging
+from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -45,13 +47,8 @@ def library() -> ctypes.CDLL | None:
     lib.cpkv_plan_layout.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 3]
     lib.cpkv_plan_layout.argtypes += [*[ctypes.c_int64] * 5, *[ctypes.c_void_p] * 3]
     lib.cpkv_plan_pack.restype = ctypes.c_int64
-    lib.cpkv_plan_pack.argtypes = [*[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_void_p]
+    lib.cpkv_plan_pack.argtypes = [*[ctypes.c_int64] * 3, ctypes.c_void_p]
     return lib
-
-
-def _address(array: np.ndarray) -> int:
-    """The address of a contiguous int64 array's first element."""
-    return array.ctypes.data
 
 
 class CompiledLayout:
@@ -63,9 +60,9 @@ class CompiledLayout:
         lib: ctypes.CDLL,
         table: torch.Tensor | None,
         width: int,
-        prefix: np.ndarray,
-        extend: np.ndarray,
-        pages_needed: np.ndarray,
+        prefix: Sequence[int],
+        extend: Sequence[int],
+        pages_needed: Sequence[int],
         *,
         page_size: int,
         cp_size: int,
@@ -75,14 +72,15 @@ class CompiledLayout:
     ):
         """``table``: the host page table (row-major, int32 or int64), or None when the page ids are not on the
         host; ``width``: its columns (the entries' cells ``r * width + j`` are staged when the ids are not on the host).
-        ``prefix``, ``extend``, ``pages_needed``: int64 ``[R]``."""
+        ``prefix``, ``extend``, ``pages_needed``: per request (``plan._validate_lengths``, ``plan._pages_needed``)."""
         self._lib = lib
-        # The library reads raw int64 memory: no copy for the plan's own arrays, a copy for anything else.
-        prefix, extend, pages_needed = (np.ascontiguousarray(a, dtype=np.int64) for a in (prefix, extend, pages_needed))
-        num_requests = prefix.size
-        sizes = np.empty(len(SIZE_FIELDS), dtype=np.int64)
-        self.entry_starts = np.empty(num_requests, dtype=np.int64)
-        blocks = np.empty(cp_size, dtype=np.int64)
+        num_requests = len(prefix)
+        # The library reads raw int64 memory: the three per-request inputs in one buffer, the outputs (sizes, entry
+        # starts, gather block counts) in another (array.array: a few microseconds where numpy arrays cost tens on
+        # the batch's cold host path).
+        lengths = array.array("q", [*prefix, *extend, *pages_needed])
+        out = array.array("q", bytes(8 * (len(SIZE_FIELDS) + num_requests + cp_size)))
+        inputs, outputs = lengths.buffer_info()[0], out.buffer_info()[0]
         address, itemsize = None, 0
         if table is not None:
             if table.device.type != "cpu":
@@ -94,21 +92,25 @@ class CompiledLayout:
             itemsize,
             width,
             num_requests,
-            _address(prefix),
-            _address(extend),
-            _address(pages_needed),
+            inputs,
+            inputs + 8 * num_requests,
+            inputs + 16 * num_requests,
             page_size,
             cp_size,
             cp_rank,
             capacity,
             int(validate),
-            _address(sizes),
-            _address(self.entry_starts),
-            _address(blocks),
+            outputs,
+            outputs + 8 * len(SIZE_FIELDS),
+            outputs + 8 * (len(SIZE_FIELDS) + num_requests),
         )
         if status != 0:
-            raise RuntimeError(f"the compiled host layout refused a page table of {itemsize}-byte ids")
-        count = dict(zip(SIZE_FIELDS, sizes.tolist()))
+            raise RuntimeError(
+                f"the compiled host layout refused the batch (status {status}): a page table of {itemsize}-byte ids, "
+                f"or {sum(pages_needed)} entries (the plan refuses more than {(1 << 30) - 1} before)"
+            )
+        count = dict(zip(SIZE_FIELDS, out[: len(SIZE_FIELDS)]))
+        self.entry_starts = tuple(out[len(SIZE_FIELDS) : len(SIZE_FIELDS) + num_requests])
         self.pages_known = table is not None
         self.num_entries = count["entries"]
         self.region_slots = count["region"]
@@ -116,12 +118,11 @@ class CompiledLayout:
         self.bad_request = count["bad_request"] if count["bad_request"] >= 0 else None
         self.gather_blocks: tuple[tuple[int, int], ...] = ()
         if cp_size > 1 and self.region_slots:
-            counts = blocks.tolist()
-            self.gather_blocks = tuple(zip((np.cumsum(blocks) - blocks).tolist(), counts))
+            counts = out[len(SIZE_FIELDS) + num_requests :].tolist()
+            self.gather_blocks = tuple(zip(itertools.accumulate(counts, initial=0), counts))
         self._num_requests = num_requests
         self._copies = (count["pool_copies"], count["view_copies"])
         self._layout_id = count["layout_id"]
-        self.entry_slots = np.empty(self.num_entries, dtype=np.int64)
 
     def stage_sizes(self, num_slots: int, num_errors: int) -> tuple[list[int], list[int]]:
         """Elements of each staged int64 and int32 array (the order of :meth:`~.plan._NumpyLayout.stage_sizes`)."""
@@ -132,11 +133,8 @@ class CompiledLayout:
         return sizes64, sizes32
 
     def fill(self, buffer: torch.Tensor, num_slots: int, num_errors: int) -> None:
-        """Write the staging into the host byte tensor ``buffer`` (sized by :meth:`stage_sizes`) and the entries'
-        slots into :attr:`entry_slots`."""
-        written = self._lib.cpkv_plan_pack(
-            self._layout_id, num_slots, num_errors, buffer.data_ptr(), _address(self.entry_slots)
-        )
+        """Write the staging into the host byte tensor ``buffer`` (sized by :meth:`stage_sizes`)."""
+        written = self._lib.cpkv_plan_pack(self._layout_id, num_slots, num_errors, buffer.data_ptr())
         if written == -2:
             raise RuntimeError(
                 "the compiled host layout was staged after another layout was made on this thread (or on another "

@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import importlib.resources
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,15 @@ from pathlib import Path
 from sglang_cpkv.env import env_text
 
 SOURCE = "plan_layout.cc"
-CXX_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
+# The layout ranks pages in bit sets: the popcount instruction (every x86-64 CPU since 2008; without the flag the
+# compiler calls a software popcount, twice the layout's time).
+CXX_FLAGS = (
+    "-O3",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    *(("-mpopcnt",) if platform.machine() in ("x86_64", "AMD64") else ()),
+)
 
 
 def source_path() -> Path:

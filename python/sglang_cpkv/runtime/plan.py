@@ -43,6 +43,7 @@ pool page or row; every dense and remap input stays in page ids.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -61,6 +62,9 @@ from sglang_cpkv.runtime.ownership import owner_pool_loc, owner_pool_page, page_
 
 PADDING_ID = -1
 INT32_MAX = (1 << 31) - 1
+# The most page-table entries of a batch: every entry's slot fits int32 whatever the sharing (the region's slots and
+# the own slots are each at most the entries).
+MAX_ENTRIES = (1 << 30) - 1
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,7 +77,8 @@ class CpSharedKvPlan:
         prefix_lens, extend_lens: per request, history and current token counts.
         request_pages: ``n_r`` per request (its page-table entries).
         entry_starts: per request, the index of its first entry (entries are ``(r, j)`` in order).
-        entry_slots_host: int64 ``[sum n_r]``, the dense slot of every entry (module docstring).
+        entry_slots_staged: int32 ``[sum n_r]``, the dense slot of every entry (module docstring): the host side of
+            the staging (:attr:`entry_slots_host` reads it).
         history_region_slots: ``H``, the slots of the history region (distinct pages read as history).
         gather_blocks: under CP, ``(start, count)`` of each rank's block of the history region (empty at cp 1).
         needed_slots: slots the batch's pages fill: the history region and the own slots (the view rounds it up).
@@ -113,7 +118,7 @@ class CpSharedKvPlan:
     extend_lens: tuple[int, ...]
     request_pages: tuple[int, ...]
     entry_starts: tuple[int, ...]
-    entry_slots_host: torch.Tensor
+    entry_slots_staged: torch.Tensor
     history_region_slots: int
     gather_blocks: tuple[tuple[int, int], ...]
     needed_slots: int
@@ -132,6 +137,11 @@ class CpSharedKvPlan:
     out_cache_loc: torch.Tensor
     owned_cache_write_locs: torch.Tensor
     errors: torch.Tensor
+
+    @cached_property
+    def entry_slots_host(self) -> torch.Tensor:
+        """int64 host ``[sum n_r]``: the dense slot of every entry."""
+        return self.entry_slots_staged.to(torch.int64)
 
     @cached_property
     def token_req_id(self) -> torch.Tensor:
@@ -182,7 +192,11 @@ class CpSharedKvPlan:
         batch-plan part charges them, with the staged entries)."""
         held = self.inverse.nbytes
         for name, value in vars(self).items():  # the fields, and the split's tensors once made
-            if isinstance(value, torch.Tensor) and name not in ("entry_slots_host", "out_cache_loc"):
+            if isinstance(value, torch.Tensor) and name not in (
+                "entry_slots_staged",
+                "entry_slots_host",
+                "out_cache_loc",
+            ):
                 held += value.numel() * value.element_size()
         return held
 
@@ -235,15 +249,18 @@ class CpSharedKvPlan:
 def _stage(device: torch.device, layout: _NumpyLayout | CompiledLayout, num_slots: int):
     """The layout's staging on ``device`` as int64 and int32 tensors, without a host sync: written into one byte
     buffer, pinned, and copied once (on a GPU each staging is a pinned allocation and a copy launch). Returns the
-    int64 tensors and the int32 tensors, in :meth:`_NumpyLayout.stage_sizes`'s order."""
+    int64 tensors and the int32 tensors, in :meth:`_NumpyLayout.stage_sizes`'s order, and the entries' slots on the
+    host side of the staging (int32)."""
     sizes64, sizes32 = layout.stage_sizes(num_slots, NUM_ERROR_KINDS)
     split = 8 * sum(sizes64)
     host = torch.empty(split + 4 * sum(sizes32), dtype=torch.uint8, pin_memory=device.type == "cuda")
     layout.fill(host, num_slots, NUM_ERROR_KINDS)
     staged = host.to(device, non_blocking=True)
+    entry_slots_start = split + 4 * NUM_ERROR_KINDS  # the int32 part: the error counter, then the entries' slots
     return (
         list(torch.split_with_sizes(staged[:split].view(torch.int64), sizes64)),
         list(torch.split_with_sizes(staged[split:].view(torch.int32), sizes32)),
+        host[entry_slots_start : entry_slots_start + 4 * layout.num_entries].view(torch.int32),
     )
 
 
@@ -270,16 +287,22 @@ def _host_page_table(page_table: torch.Tensor | Sequence[Sequence[int]], num_req
     return table
 
 
-def _validate_lengths(prefix_lens: Sequence[int], extend_lens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The host lengths as int64 arrays, after checking them."""
-    prefix, extend = np.asarray(prefix_lens, dtype=np.int64), np.asarray(extend_lens, dtype=np.int64)
-    if prefix.ndim != 1 or prefix.shape != extend.shape:
-        raise CpSharedKvError(f"prefix_lens has {prefix.size} entries, extend_lens {extend.size}")
-    if not prefix.size:
+def _validate_lengths(
+    prefix_lens: Sequence[int], extend_lens: Sequence[int]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The host lengths as tuples of ints, after checking them. Plain Python: a batch's few dozen lengths, on a host
+    path that runs cold between upstream's own per-batch work, where each numpy call costs more than these loops."""
+    try:
+        prefix, extend = tuple(map(operator.index, prefix_lens)), tuple(map(operator.index, extend_lens))
+    except TypeError as e:
+        raise CpSharedKvError(f"prefix_lens and extend_lens must hold integer token counts: {e}") from None
+    if len(prefix) != len(extend):
+        raise CpSharedKvError(f"prefix_lens has {len(prefix)} entries, extend_lens {len(extend)}")
+    if not prefix:
         raise CpSharedKvError("empty batch: no requests")
     for name, lens in (("prefix_lens", prefix), ("extend_lens", extend)):
-        if (lens < 0).any():
-            bad = [(int(r), int(lens[r])) for r in np.flatnonzero(lens < 0)]
+        if min(lens) < 0:
+            bad = [(r, n) for r, n in enumerate(lens) if n < 0]
             raise CpSharedKvError(f"{name} must be >= 0: (request, length) {bad}")
     return prefix, extend
 
@@ -433,24 +456,29 @@ class _Entries:
         return np.take(table.numpy().reshape(-1), self.cells).astype(np.int64, copy=False)
 
 
-def _pages_needed(width: int, prefix: np.ndarray, extend: np.ndarray, page_size: int) -> np.ndarray:
-    """int64 ``[R]``: ``n_r``, the entries of each request, after checking that each request's view fits int32
-    locations and the table's ``width`` columns."""
-    pages_needed = -(-(prefix + extend) // page_size)
-    longest = int(pages_needed.max())
+def _pages_needed(width: int, prefix: Sequence[int], extend: Sequence[int], page_size: int) -> tuple[int, ...]:
+    """``n_r``, the entries of each request, after checking that each request's view fits int32 locations, the
+    table's ``width`` columns, and the batch's entries :data:`MAX_ENTRIES`."""
+    pages_needed = tuple(-(-(p + e) // page_size) for p, e in zip(prefix, extend))
+    longest = max(pages_needed)
     if longest * page_size > INT32_MAX:
         raise CpSharedKvError(
             f"a request's dense view needs {longest} slots x page_size {page_size} = {longest * page_size} locations, "
             f"more than int32 holds ({INT32_MAX}): split the batch"
         )
     if longest > width:
-        too_long = [(r, n) for r, n in enumerate(pages_needed.tolist()) if n > width]
+        too_long = [(r, n) for r, n in enumerate(pages_needed) if n > width]
         raise CpSharedKvError(f"page_table has {width} columns but (request, pages needed) {too_long} do not fit")
+    if sum(pages_needed) > MAX_ENTRIES:
+        raise CpSharedKvError(
+            f"the batch's page tables have {sum(pages_needed)} entries, more than {MAX_ENTRIES}: split the batch"
+        )
     return pages_needed
 
 
-def _entries(pages_needed: np.ndarray, width: int) -> _Entries:
+def _entries(pages_needed: Sequence[int], width: int) -> _Entries:
     """Every entry of the batch (``width``: the page table's columns)."""
+    pages_needed = np.asarray(pages_needed, dtype=np.int64)
     starts = np.cumsum(pages_needed) - pages_needed
     req = np.repeat(np.arange(pages_needed.size, dtype=np.int64), pages_needed)
     j = np.arange(req.size, dtype=np.int64) - starts[req]
@@ -465,9 +493,9 @@ class _NumpyLayout:
         self,
         table: torch.Tensor | None,
         width: int,
-        prefix: np.ndarray,
-        extend: np.ndarray,
-        pages_needed: np.ndarray,
+        prefix: Sequence[int],
+        extend: Sequence[int],
+        pages_needed: Sequence[int],
         *,
         page_size: int,
         cp_size: int,
@@ -476,7 +504,9 @@ class _NumpyLayout:
         validate: bool,
     ):
         """``table``: the host page table, or None when its ids are not on the host (a device table, no history:
-        every entry its own slot); ``validate``: check the host table's ids."""
+        every entry its own slot); ``validate``: check the host table's ids. ``prefix``, ``extend``, ``pages_needed``:
+        per request (:func:`_validate_lengths`, :func:`_pages_needed`)."""
+        prefix, extend = np.asarray(prefix, dtype=np.int64), np.asarray(extend, dtype=np.int64)
         entries = _entries(pages_needed, width)
         if validate:
             _validate_host_ids(entries.page_ids(table), entries.req, entries.j, capacity)
@@ -489,7 +519,7 @@ class _NumpyLayout:
             pages, entries.req, entries.j, prefix, extend, page_size=page_size, cp_size=cp_size, capacity=capacity
         )
         self.num_entries = int(entries.req.size)
-        self.entry_starts = entries.starts
+        self.entry_starts = tuple(entries.starts.tolist())
         self.entry_slots = layout.entry_slots
         self.region_slots = int(layout.region_pages.size)
         self.own_slots = int(layout.own_entries.size)
@@ -528,7 +558,12 @@ class _NumpyLayout:
 
 
 def _host_layout(
-    table: torch.Tensor | None, width: int, prefix: np.ndarray, extend: np.ndarray, pages_needed: np.ndarray, **kwargs
+    table: torch.Tensor | None,
+    width: int,
+    prefix: tuple[int, ...],
+    extend: tuple[int, ...],
+    pages_needed: tuple[int, ...],
+    **kwargs,
 ) -> _NumpyLayout | CompiledLayout:
     """The batch's layout, compiled where the library is built (:mod:`.host_layout`), else in numpy. A bad host id
     is named by the numpy validation either way."""
@@ -626,17 +661,17 @@ def build_plan(
     """
     cp_size, cp_rank = split.cp_size, split.cp_rank
     _check_page_ids(capacity, page_size, cp_size)
-    prefix_np, extend_np = _validate_lengths(prefix_lens, extend_lens)
-    num_requests = prefix_np.size
-    num_tokens = int(extend_np.sum())
+    prefix, extend = _validate_lengths(prefix_lens, extend_lens)
+    num_requests = len(prefix)
+    num_tokens = sum(extend)
     if split.num_tokens != num_tokens:
         raise CpSharedKvError(f"the CP split is of {split.num_tokens} tokens, the batch extends {num_tokens}")
     if num_tokens == 0:
         # Every per-layer op fills or persists current rows; upstream never runs an extend without them.
-        raise CpSharedKvError(f"the batch has no current tokens (extend_lens {extend_np.tolist()}): nothing to extend")
-    has_history = bool(prefix_np.any())
+        raise CpSharedKvError(f"the batch has no current tokens (extend_lens {list(extend)}): nothing to extend")
+    has_history = any(prefix)
     table = _host_page_table(page_table, num_requests)
-    pages_needed = _pages_needed(table.shape[1], prefix_np, extend_np, page_size)
+    pages_needed = _pages_needed(table.shape[1], prefix, extend, page_size)
     _check_current_locations(out_cache_loc, num_tokens, capacity, page_size)
     device = out_cache_loc.device
 
@@ -647,8 +682,8 @@ def build_plan(
     layout = _host_layout(
         (table.cpu() if has_history else table) if pages_on_host else None,
         table.shape[1],
-        prefix_np,
-        extend_np,
+        prefix,
+        extend,
         pages_needed,
         page_size=page_size,
         cp_size=cp_size,
@@ -666,7 +701,9 @@ def build_plan(
 
     # Every host value the device work needs, in one staging (the error counter's zeros too); each slot's page from
     # the host ids, or from the entries gathered on the device.
-    (slot_req, entry_req, token_ends, dense_offsets, *flat_entries), int32_dev = _stage(device, layout, num_slots)
+    (slot_req, entry_req, token_ends, dense_offsets, *flat_entries), int32_dev, entry_slots_staged = _stage(
+        device, layout, num_slots
+    )
     errors, entry_slots, pool_copy_pages, pool_copy_slots, view_src, view_dst, *host_pages = int32_dev
     if pages_on_host:
         entry_pages, slot_pages = host_pages
@@ -682,11 +719,11 @@ def build_plan(
         num_requests=num_requests,
         capacity=capacity,
         page_size=page_size,
-        prefix_lens=tuple(prefix_np.tolist()),
-        extend_lens=tuple(extend_np.tolist()),
-        request_pages=tuple(pages_needed.tolist()),
-        entry_starts=tuple(layout.entry_starts.tolist()),
-        entry_slots_host=torch.from_numpy(layout.entry_slots),
+        prefix_lens=prefix,
+        extend_lens=extend,
+        request_pages=pages_needed,
+        entry_starts=layout.entry_starts,
+        entry_slots_staged=entry_slots_staged,
         history_region_slots=layout.region_slots,
         gather_blocks=layout.gather_blocks,
         needed_slots=needed,
