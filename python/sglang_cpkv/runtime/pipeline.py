@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -86,6 +87,14 @@ class PagedKind:
     buffers: tuple[torch.Tensor, ...]
     row_shape: tuple[int, ...] | None = None
     row_dtype: torch.dtype | None = None
+
+    @cached_property
+    def layer_positions(self) -> dict[int, int]:
+        """Each layer's index in :attr:`layers`, made once per kind (a kind serves every batch of its backend)."""
+        position = {layer: i for i, layer in enumerate(self.layers)}
+        if len(position) != len(self.layers):
+            raise CpSharedKvError(f"{self.name}: a layer is listed twice in {self.layers}")
+        return position
 
 
 def rows_kind(
@@ -141,9 +150,7 @@ class _KindState:
             )
         self.kind = kind
         self.buffers = tuple(b[: plan.num_slots] for b in kind.buffers[:need])
-        self.position = {layer: i for i, layer in enumerate(kind.layers)}
-        if len(self.position) != len(kind.layers):
-            raise CpSharedKvError(f"{kind.name}: a layer is listed twice in {kind.layers}")
+        self.position = kind.layer_positions
         self.started: dict[int, torch.cuda.Event | None] = {}
         self.taken: set[int] = set()
 
