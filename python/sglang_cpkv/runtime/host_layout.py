@@ -128,7 +128,7 @@ class CompiledLayout:
         """Elements of each staged int64 and int32 array (the order of :meth:`~.plan._NumpyLayout.stage_sizes`)."""
         entries, requests = self.num_entries, self._num_requests
         pool, view = self._copies
-        sizes64 = [num_slots, entries, requests, requests] + ([] if self.pages_known else [entries])
+        sizes64 = [entries, requests, requests] + ([] if self.pages_known else [entries])
         sizes32 = [num_errors, entries, pool, pool, view, view] + ([entries, num_slots] if self.pages_known else [])
         return sizes64, sizes32
 

@@ -89,8 +89,6 @@ class CpSharedKvPlan:
 
     Device tensors (all on the device of ``out_cache_loc``):
         slot_pages: int32 ``[num_slots]``, the page id each dense slot holds (-1: a rounding slot).
-        slot_req: int64 ``[num_slots]``, the request an own slot belongs to (-1: a history-region slot, which no
-            request writes, or a rounding slot).
         inverse: the per-request inverse (``ops.build_page_inverse`` of every entry's slot): a hash table of
             ``ops.inverse_bytes(entries)`` bytes, whatever ``C``.
         current_dense_locs: int64 ``[N]``, dense location of each current token, from its position (an own slot of
@@ -107,7 +105,7 @@ class CpSharedKvPlan:
         errors: int32 ``[NUM_ERROR_KINDS]`` device error counter shared by every op of the batch.
 
     Made on first use (the serving path never asks; checked mode, the harness and the tests do):
-    :attr:`token_req_id`, and this rank's side of the CP split (the serving hooks take upstream's own split):
+    :attr:`entry_slots_host`, :attr:`slot_req`, :attr:`token_req_id`, and this rank's side of the CP split (the serving hooks take upstream's own split):
     :attr:`local_req_id`, :attr:`local_out_cache_loc`, :attr:`local_token_index`, :attr:`current_gather_index`.
     """
 
@@ -127,7 +125,6 @@ class CpSharedKvPlan:
     split: CpSplit
     checked: bool
     slot_pages: torch.Tensor
-    slot_req: torch.Tensor
     inverse: ops.PageInverse
     current_dense_locs: torch.Tensor
     pool_copy_pages: torch.Tensor
@@ -142,6 +139,19 @@ class CpSharedKvPlan:
     def entry_slots_host(self) -> torch.Tensor:
         """int64 host ``[sum n_r]``: the dense slot of every entry."""
         return self.entry_slots_staged.to(torch.int64)
+
+    @cached_property
+    def slot_req(self) -> torch.Tensor:
+        """int64 ``[num_slots]``: the request an own slot belongs to (-1: a history-region slot, which no request
+        writes, or a rounding slot); no op reads it, so it is not staged."""
+        slots = self.entry_slots_host
+        requests = torch.arange(self.num_requests, dtype=torch.int64).repeat_interleave(
+            torch.tensor(self.request_pages)
+        )
+        own = slots >= self.history_region_slots
+        slot_req = torch.full((self.num_slots,), PADDING_ID, dtype=torch.int64)
+        slot_req[slots[own]] = requests[own]
+        return _on_device(slot_req, self.device)
 
     @cached_property
     def token_req_id(self) -> torch.Tensor:
@@ -358,7 +368,6 @@ class _Layout:
 
     entry_slots: np.ndarray  # [E] the slot of every entry
     own_entries: np.ndarray  # [O] the entries with a slot of their own, in slot order (slots H .. H + O - 1)
-    slot_req: np.ndarray  # [needed] the request of every own slot, -1 in the history region
     region_pages: np.ndarray  # [H] the page id of every history-region slot
     gather_blocks: tuple[tuple[int, int], ...]  # under CP (start, count) of each rank's block; () at cp 1
     own_history_pages: np.ndarray  # [M] page ids of the own entries that hold history rows (copied into their slot)
@@ -413,14 +422,12 @@ def _dense_layout(
     entry_slots = np.empty_like(pages)
     entry_slots[shared] = region_slot[pages[shared]]
     entry_slots[own_entries] = region.size + np.arange(own_entries.size)
-    slot_req = np.concatenate([np.full(region.size, PADDING_ID, dtype=np.int64), entry_req[own_entries]])
     own_history = ~shared & has_history & fetchable
     own_history_pages = pages[own_history]
     sources = region_slot[own_history_pages] if cp_size > 1 else np.full(own_history_pages.size, PADDING_ID)
     return _Layout(
         entry_slots,
         own_entries,
-        slot_req,
         region,
         blocks,
         own_history_pages,
@@ -526,28 +533,27 @@ class _NumpyLayout:
         self.gather_blocks = layout.gather_blocks
         self.bad_request = None  # a bad host id raised above
         offsets = _current_token_offsets(layout.entry_slots, entries.starts, prefix, extend, page_size)
-        self._slot_req = layout.slot_req
         self._int64s = [entries.req, *offsets] + ([] if self.pages_known else [entries.cells])
         self._int32s = [layout.entry_slots, *_history_copies(layout, cp_size, cp_rank)]
         self._pages = pages
         self._slot_pages = np.concatenate([layout.region_pages, pages[layout.own_entries]])
 
     def stage_sizes(self, num_slots: int, num_errors: int) -> tuple[list[int], list[int]]:
-        """Elements of each staged array: int64 ``slot_req [num_slots]``, ``entry_req [E]``, ``token_ends [R]``,
+        """Elements of each staged array: int64 ``entry_req [E]``, ``token_ends [R]``,
         ``dense_offsets [R]`` (then the entries' cells ``r * W + j`` when the ids are not on the host); int32 the
         error counter ``[num_errors]``, ``entry_slots [E]``, the pool copies' pages and slots, the view copies' sources
         and destinations (then the entries' page ids and ``slot_pages [num_slots]`` when the ids are on the host)."""
-        sizes64 = [num_slots] + [a.size for a in self._int64s]
+        sizes64 = [a.size for a in self._int64s]
         sizes32 = (
             [num_errors] + [a.size for a in self._int32s] + ([self.num_entries, num_slots] if self.pages_known else [])
         )
         return sizes64, sizes32
 
     def fill(self, buffer: torch.Tensor, num_slots: int, num_errors: int) -> None:
-        """Write the staging into the host byte tensor ``buffer`` (int64 arrays, then int32; each slot array rounded
+        """Write the staging into the host byte tensor ``buffer`` (int64 arrays, then int32; ``slot_pages`` rounded
         to ``num_slots`` with -1)."""
         rounding = np.full(num_slots - self.region_slots - self.own_slots, PADDING_ID, dtype=np.int64)
-        int64s = [np.concatenate([self._slot_req, rounding]), *self._int64s]
+        int64s = self._int64s
         int32s = [np.zeros(num_errors, dtype=np.int32), *self._int32s]
         if self.pages_known:
             int32s += [self._pages, np.concatenate([self._slot_pages, rounding])]
@@ -701,7 +707,7 @@ def build_plan(
 
     # Every host value the device work needs, in one staging (the error counter's zeros too); each slot's page from
     # the host ids, or from the entries gathered on the device.
-    (slot_req, entry_req, token_ends, dense_offsets, *flat_entries), int32_dev, entry_slots_staged = _stage(
+    (entry_req, token_ends, dense_offsets, *flat_entries), int32_dev, entry_slots_staged = _stage(
         device, layout, num_slots
     )
     errors, entry_slots, pool_copy_pages, pool_copy_slots, view_src, view_dst, *host_pages = int32_dev
@@ -732,7 +738,6 @@ def build_plan(
         split=split,
         checked=checked_mode.enabled() if checked is None else checked,
         slot_pages=slot_pages,
-        slot_req=slot_req,
         inverse=inverse,
         current_dense_locs=current_dense_locs,
         pool_copy_pages=pool_copy_pages,

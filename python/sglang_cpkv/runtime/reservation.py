@@ -37,7 +37,8 @@ from sglang_cpkv.runtime.buckets import round_dense_slots
 SETTING = "--cp-shared-kv-max-batch-tokens"
 
 # Device bytes of a batch plan (runtime/plan.py) besides its inverse: per page-table entry its page id (int32), slot
-# (int32) and request (int64) as staged; per dense slot its page (int32), request (int64), own entry (int64),
+# (int32) and request (int64) as staged; per dense slot its page (int32), request (int64, made on first use: checked
+# mode), own entry (int64),
 # region page (int32) and its pool / view copy pairs (4 x int32); per current token its dense location and its
 # request (made on first use: checked mode), split request, location and token index, gather index and owned cache
 # row (int64 each).

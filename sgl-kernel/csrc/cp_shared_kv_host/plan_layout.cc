@@ -80,7 +80,7 @@ struct Scratch {
   // lengths are the sizes below. keys: under CP, each region entry's region key (at cp 1 the key is the page id).
   std::vector<int32_t> pages, keys, entry_slots, region_keys, own_entries, own_history;  // own_*: entry numbers
   std::vector<uint8_t> flags;
-  std::vector<int64_t> token_ends, dense_offsets, block_counts, pages_needed, own_per_request;
+  std::vector<int64_t> token_ends, dense_offsets, block_counts, pages_needed;
   int64_t num_requests = 0, width = 0, cp_size = 1, cp_rank = 0, capacity = 0, num_own_history = 0;
   int64_t sizes[kNumSizes] = {};
   bool pages_known = false;
@@ -226,39 +226,33 @@ int64_t cpkv_plan_layout(const void* table,
   const int32_t* pages = s.pages.data();
 
   // Which entries share their page's region slot, which pages the region holds (at cp 1 the shared entries' pages,
-  // under CP every page read as history), and each request's own entries.
+  // under CP every page read as history), and the own entries and those of them holding history, in entry order.
   int64_t own = 0, own_history = 0;
   int32_t* keys = at_least(s.keys, cp_size == 1 ? 0 : entries);
   int32_t* own_entries = at_least(s.own_entries, entries);  // appended to where taken: a few cache lines per request
   int32_t* own_history_entries = at_least(s.own_history, entries);
-  s.own_per_request.assign(num_requests, 0);
   const uint64_t* written = s.written.words.data();
   uint64_t* region_words = s.region.words.data();
   const int64_t per_rank = capacity / cp_size;
   const bool cp_pow2 = (cp_size & (cp_size - 1)) == 0;
   const int cp_shift = __builtin_ctzll(static_cast<uint64_t>(cp_size));
-  for (int64_t r = 0; r < num_requests; ++r) {
-    int64_t own_here = 0;
-    for (int64_t e = entry_starts[r], end = e + pages_needed[r]; e < end; ++e) {
-      const int64_t page = pages[e];
-      const bool fetchable = page < capacity;
-      const uint8_t f = flags[e];
-      const bool shared = !(f & kFlagWrites) && fetchable && !((written[page >> 6] >> (page & 63)) & 1);
-      const bool holds_history = !shared && (f & kFlagHistory) && fetchable;
-      flags[e] = f | (shared ? kFlagShared : 0);
-      if (!shared) own_entries[own + own_here++] = static_cast<int32_t>(e);
-      if (holds_history) own_history_entries[own_history++] = static_cast<int32_t>(e);
-      if (cp_size == 1) {
-        if (shared) region_words[page >> 6] |= uint64_t{1} << (page & 63);
-      } else if ((f & kFlagHistory) && fetchable) {
-        const int64_t owner = cp_pow2 ? page & (cp_size - 1) : page % cp_size;
-        const int64_t key = owner * per_rank + (cp_pow2 ? page >> cp_shift : page / cp_size);
-        keys[e] = static_cast<int32_t>(key);
-        region_words[key >> 6] |= uint64_t{1} << (key & 63);
-      }
+  for (int64_t e = 0; e < entries; ++e) {
+    const int64_t page = pages[e];
+    const bool fetchable = page < capacity;
+    const uint8_t f = flags[e];
+    const bool shared = !(f & kFlagWrites) && fetchable && !((written[page >> 6] >> (page & 63)) & 1);
+    const bool holds_history = !shared && (f & kFlagHistory) && fetchable;
+    flags[e] = f | (shared ? kFlagShared : 0);
+    if (!shared) own_entries[own++] = static_cast<int32_t>(e);
+    if (holds_history) own_history_entries[own_history++] = static_cast<int32_t>(e);
+    if (cp_size == 1) {
+      if (shared) region_words[page >> 6] |= uint64_t{1} << (page & 63);
+    } else if ((f & kFlagHistory) && fetchable) {
+      const int64_t owner = cp_pow2 ? page & (cp_size - 1) : page % cp_size;
+      const int64_t key = owner * per_rank + (cp_pow2 ? page >> cp_shift : page / cp_size);
+      keys[e] = static_cast<int32_t>(key);
+      region_words[key >> 6] |= uint64_t{1} << (key & 63);
     }
-    s.own_per_request[r] = own_here;
-    own += own_here;
   }
   s.num_own_history = own_history;
   std::fill(s.written.words.begin(), s.written.words.begin() + written_words, 0);  // empty for the next call
@@ -318,8 +312,7 @@ int64_t cpkv_plan_layout(const void* table,
 }
 
 // The staging of the last layout (numpy reference: plan._NumpyLayout.fill):
-//   int64 [num_slots]  slot_req (the region's slots -1, each own slot's request, the rounding -1)
-//         [E]          entry_req
+//   int64 [E]          entry_req
 //         [R]          token_ends, then [R] dense_offsets
 //         [E]          the entries' cells r * width + j (only when the page ids are not on the host)
 //   int32 [num_errors] zeros (the error counter)
@@ -345,14 +338,6 @@ int64_t cpkv_plan_pack(int64_t layout_id, int64_t num_slots, int64_t num_errors,
   const int64_t pad = num_slots - region - own;
 
   int64_t* p = static_cast<int64_t*>(buffer);
-  std::fill(p, p + region, -1);
-  p += region;
-  for (int64_t r = 0; r < requests; ++r) {  // own slots are in entry order: each request's, in request order
-    std::fill(p, p + s.own_per_request[r], r);
-    p += s.own_per_request[r];
-  }
-  std::fill(p, p + pad, -1);
-  p += pad;
   for (int64_t r = 0; r < requests; ++r) {
     std::fill(p, p + pages_needed[r], r);
     p += pages_needed[r];
