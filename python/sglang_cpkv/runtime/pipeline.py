@@ -88,6 +88,26 @@ class PagedKind:
     row_shape: tuple[int, ...] | None = None
     row_dtype: torch.dtype | None = None
 
+    def buffer_pages(self, need: int) -> int:
+        """The pages of the smallest of the first ``need`` dense buffers, after checking them (once per kind and
+        ``need``: a kind serves every batch of its backend): ``need`` of them, one page shape, dtype and device, two
+        distinct tensors for the layer-ahead history."""
+        if need not in self._buffer_pages:
+            if len(self.buffers) < need:
+                history = "layer-ahead" if need == 2 else "synchronous"
+                raise CpSharedKvError(f"{self.name}: {history} history needs {need} dense buffers")
+            buffers = self.buffers[:need]
+            if len({(tuple(b.shape[1:]), b.dtype, b.device) for b in buffers}) != 1:
+                raise CpSharedKvError(f"{self.name}: dense buffers of different page shapes, dtypes or devices")
+            if need == 2 and buffers[0].data_ptr() == buffers[1].data_ptr():
+                raise CpSharedKvError(f"{self.name}: the two layer-ahead buffers are one tensor")
+            self._buffer_pages[need] = min(b.shape[0] for b in buffers)
+        return self._buffer_pages[need]
+
+    @cached_property
+    def _buffer_pages(self) -> dict[int, int]:
+        return {}
+
     @cached_property
     def layer_positions(self) -> dict[int, int]:
         """Each layer's index in :attr:`layers`, made once per kind (a kind serves every batch of its backend)."""
@@ -134,19 +154,10 @@ class _KindState:
 
     def __init__(self, kind: PagedKind, plan: CpSharedKvPlan, layer_ahead: bool) -> None:
         need = 2 if layer_ahead else 1
-        if len(kind.buffers) < need:
+        pages = kind.buffer_pages(need)
+        if pages < plan.num_slots:
             raise CpSharedKvError(
-                f"{kind.name}: {'layer-ahead' if layer_ahead else 'synchronous'} history needs {need} dense buffers"
-            )
-        shapes = {(tuple(b.shape[1:]), b.dtype, b.device) for b in kind.buffers[:need]}
-        if len(shapes) != 1:
-            raise CpSharedKvError(f"{kind.name}: dense buffers of different page shapes, dtypes or devices")
-        if need == 2 and kind.buffers[0].data_ptr() == kind.buffers[1].data_ptr():
-            raise CpSharedKvError(f"{kind.name}: the two layer-ahead buffers are one tensor")
-        short = [b.shape[0] for b in kind.buffers[:need] if b.shape[0] < plan.num_slots]
-        if short:
-            raise CpSharedKvError(
-                f"{kind.name}: dense buffer of {short[0]} pages, the batch needs {plan.num_slots} dense slots"
+                f"{kind.name}: dense buffer of {pages} pages, the batch needs {plan.num_slots} dense slots"
             )
         self.kind = kind
         self.buffers = tuple(b[: plan.num_slots] for b in kind.buffers[:need])

@@ -1,5 +1,6 @@
 """The CP shared-KV runtime on hand-made batches: the seed's regressions, errors, checked mode, prefetch."""
 
+import dataclasses
 import sys
 
 import pytest
@@ -415,6 +416,26 @@ def test_dense_rounding_is_bounded():
         assert slots <= rounded <= slots * (1 + MAX_ROUNDING), slots
     assert [round_dense_slots(n) for n in (0, 1, 63, 64, 65, 100, 4097)] == [1, 1, 63, 64, 66, 100, 4224]
     assert host_plan(SHARED_5, 0).num_slots == 4  # 2 history-region + 2 own slots, nothing to round below 64 slots
+
+
+def test_a_kind_whose_dense_buffers_cannot_serve_the_batch_is_refused():
+    """The buffer checks are made once per kind (it serves every batch of its backend); each refusal still names
+    the fault, and a batch larger than the buffers is refused on every batch."""
+    plan = host_plan(SHARED_5, 0)
+    pool, _ = make_pool_and_current(SHARED_5, torch.float32, 2, seed=0)
+    kind = rows_kind("kv", [pool], plan, layer_ahead=True)
+    LayerPipeline(plan, GROUP, [kind], layer_ahead=True)
+    small = dataclasses.replace(kind, buffers=tuple(b[: plan.num_slots - 1] for b in kind.buffers))
+    for _ in range(2):
+        with pytest.raises(CpSharedKvError, match=rf"kv: dense buffer of {plan.num_slots - 1} pages, the batch needs"):
+            LayerPipeline(plan, GROUP, [small], layer_ahead=False)
+    with pytest.raises(CpSharedKvError, match="layer-ahead history needs 2 dense buffers"):
+        LayerPipeline(plan, GROUP, [dataclasses.replace(kind, buffers=kind.buffers[:1])], layer_ahead=True)
+    with pytest.raises(CpSharedKvError, match="the two layer-ahead buffers are one tensor"):
+        LayerPipeline(plan, GROUP, [dataclasses.replace(kind, buffers=kind.buffers[:1] * 2)], layer_ahead=True)
+    mixed = (kind.buffers[0], kind.buffers[1].to(torch.float64))
+    with pytest.raises(CpSharedKvError, match="dense buffers of different page shapes, dtypes or devices"):
+        LayerPipeline(plan, GROUP, [dataclasses.replace(kind, buffers=mixed)], layer_ahead=True)
 
 
 if __name__ == "__main__":
