@@ -9,8 +9,12 @@ Reported: the median per call of each phase over ``--reps`` calls after three wa
 time and CUDA-event window for both configurations. A diagnostic: the phases overlap (a phase's time includes the
 phases it calls), and the timers add a few microseconds each.
 
+``--device cpu`` runs the same hook on the CPU (``triton_sparse_mla``, bf16 pool: the flashmla routes need a GPU): the
+device ops are the torch reference there, so only the host phases around them mean anything, measured as they run in
+place (cold caches after upstream's work and the previous call's ops), which is how they run on the GPU's host.
+
     python benchmark/plan_host_phases.py [--requests 1,8,64 --history 8192 --extend 1024 --backend flashmla_kv] \\
-        --out phases.json
+        [--device cpu] --out phases.json
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def _instrument(times: dict[str, list[float]]) -> None:
         real = getattr(owner, name)
 
         def timed(*args, _real=real, _label=label, **kwargs):
-            if _label == "hook":
+            if _label == "hook" and torch.cuda.is_initialized():
                 start = time.perf_counter()
                 torch.cuda.synchronize()
                 times.setdefault(WAIT, []).append(time.perf_counter() - start)
@@ -80,11 +84,13 @@ def main(argv=None) -> int:
     parser.add_argument("--history", type=int, default=8192)
     parser.add_argument("--extend", type=int, default=1024)
     parser.add_argument("--backend", default="flashmla_kv", help="the DSA prefill backend (flashmla_* need flash_mla)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--out", help="write the figures here (json)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        parser.error("times the plan hook against the device: needs a GPU")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a GPU (--device cpu: the host phases around the reference ops)")
+    route = KitRoute(args.backend, fp8=True) if args.device == "cuda" else KitRoute("triton_sparse_mla", fp8=False)
     times: dict[str, list[float]] = {}
     _instrument(times)
     results = {}
@@ -95,9 +101,7 @@ def main(argv=None) -> int:
         case = BatchCase(PAGE, capacity, tables, (args.history,) * requests, (args.extend,) * requests)
         for config, mode_on in (("mode off", False), ("mode on, synchronous", True)):
             os.environ["SGLANG_CPKV_LAYER_AHEAD"] = "0"
-            world = KitWorld(
-                KitRoute(args.backend, fp8=True), max_requests=requests, longest=longest, mode_on=mode_on, device="cuda"
-            )
+            world = KitWorld(route, max_requests=requests, longest=longest, mode_on=mode_on, device=args.device)
             forward_batch = world._extend_batch(case)[0]
             world.make_current()
             host, window = [], []
@@ -111,19 +115,22 @@ def main(argv=None) -> int:
             phases = {label: statistics.median(v) * 1e3 for label, v in times.items()} if mode_on else {}
             results[f"{requests} requests, {config}"] = {
                 "host_ms": statistics.median(host[3:]),
-                "device_window_ms": statistics.median(window[3:]),
+                "device_window_ms": None if window[0] is None else statistics.median(window[3:]),
                 "phases_ms": phases,
             }
             times.clear()
             del world, forward_batch
-            torch.cuda.empty_cache()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
     layout = "compiled" if plan.host_layout.library() is not None else "numpy"
     print(
-        f"init_forward_metadata, {args.backend}, FP8 pool: requests x ({args.history} + {args.extend}), "
+        f"init_forward_metadata, {route.prefill_backend}, {'FP8' if route.fp8 else 'bf16'} pool, {args.device}: requests x "
+        f"({args.history} + {args.extend}), "
         f"median of {args.reps} calls; phases (ms per call) with the mode on; the plan's host layout: {layout}"
     )
     for name, row in results.items():
-        print(f"  {name:32s} host {row['host_ms']:7.3f} ms  device window {row['device_window_ms']:7.3f} ms")
+        window = "" if row["device_window_ms"] is None else f"  device window {row['device_window_ms']:7.3f} ms"
+        print(f"  {name:32s} host {row['host_ms']:7.3f} ms{window}")
         for label, ms in row["phases_ms"].items():
             print(f"      {ms:7.3f}  {label}")
     if args.out:
