@@ -11,3 +11,5 @@ PYTHONPATH=$PWD/.ab/before/python .venv/bin/python benchmark/plan_host_phases.py
     --out phases_cpu_before_run2.json                                                                                  # phases_cpu_before_run{1,2}.txt
 # The two rows whose mutations are in plan_layout.cc, re-run on the bit-set layout (four mutations, all caught):
 .venv/bin/python scripts/mutation.py --row "prefill CP, interleave" --row "radix cache" --no-report                     # mutation_rows.txt
+# After the flat pass re-indented the region-key line (the record fixed), the row re-run on the final source:
+.venv/bin/python scripts/mutation.py --row "prefill CP, interleave" --no-report                                        # mutation_interleave_rerun.txt
