@@ -81,7 +81,7 @@ def main(argv=None) -> int:
                         "cp": cp,
                         "sharing": sharing,
                         "requests": requests,
-                        "entries": int(pages_needed.sum()),
+                        "entries": sum(pages_needed),
                         "numpy_us": statistics.median(numpy_us),
                         "compiled_us": statistics.median(compiled_us),
                         "saving_us": statistics.median(n - c for n, c in zip(numpy_us, compiled_us)),
