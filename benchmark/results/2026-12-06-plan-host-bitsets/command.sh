@@ -13,3 +13,8 @@ PYTHONPATH=$PWD/.ab/before/python .venv/bin/python benchmark/plan_host_phases.py
 .venv/bin/python scripts/mutation.py --row "prefill CP, interleave" --row "radix cache" --no-report                     # mutation_rows.txt
 # After the flat pass re-indented the region-key line (the record fixed), the row re-run on the final source:
 .venv/bin/python scripts/mutation.py --row "prefill CP, interleave" --no-report                                        # mutation_interleave_rerun.txt
+# Layout + staging called alone (warm), 64 requests, cp 1 and 8; the before tree with its own script
+# (git show 70e9eb9:benchmark/bench_host_layout.py > .ab/bench_host_layout_before.py):
+.venv/bin/python benchmark/bench_host_layout.py --requests 64 --cp 1,8 --reps 200 --out host_layout_cpu_after.json  # .txt
+PYTHONPATH=$PWD/.ab/before/python .venv/bin/python .ab/bench_host_layout_before.py --requests 64 --cp 1,8 --reps 200 \
+    --out host_layout_cpu_before.json                                                                                  # .txt
