@@ -105,8 +105,9 @@ class CpSharedKvPlan:
         errors: int32 ``[NUM_ERROR_KINDS]`` device error counter shared by every op of the batch.
 
     Made on first use (the serving path never asks; checked mode, the harness and the tests do):
-    :attr:`entry_slots_host`, :attr:`slot_req`, :attr:`token_req_id`, and this rank's side of the CP split (the serving hooks take upstream's own split):
-    :attr:`local_req_id`, :attr:`local_out_cache_loc`, :attr:`local_token_index`, :attr:`current_gather_index`.
+    :attr:`entry_slots_host`, :attr:`slot_req`, :attr:`token_req_id`, and this rank's side of the CP split (the
+    serving hooks take upstream's own split): :attr:`local_req_id`, :attr:`local_out_cache_loc`,
+    :attr:`local_token_index`, :attr:`current_gather_index`.
     """
 
     num_requests: int

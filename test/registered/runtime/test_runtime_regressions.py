@@ -259,6 +259,10 @@ def test_plan_build_errors_name_the_bad_value():
         _build(case, cp_size=2, cp_rank=2)
     with pytest.raises(CpSharedKvError, match="prefix_lens must be >= 0"):
         _build(case, prefix_lens=(5, -1))
+    with pytest.raises(CpSharedKvError, match="must hold integer token counts"):
+        _build(case, prefix_lens=(5, 4.5))  # a float length never truncates silently
+    with pytest.raises(CpSharedKvError, match="prefix_lens has 1 entries, extend_lens 2"):
+        _build(case, prefix_lens=(5,))
     with pytest.raises(CpSharedKvError, match="outside the pool"):
         _build(case, out_cache_loc=torch.tensor([21, 22, 21, 64]))
 
