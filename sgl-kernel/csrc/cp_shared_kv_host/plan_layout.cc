@@ -195,6 +195,7 @@ int64_t cpkv_plan_layout(const void* table,
   // The last layout's region bits (kept for its staging), cleared: this layout starts from empty sets.
   for (int64_t i = 0; i < s.sizes[kRegion]; ++i) s.region.words[s.region_keys[i] >> 6] = 0;
   s.sizes[kRegion] = 0;
+  s.sizes[kLayoutId] += 1;  // first: no earlier layout stages from here on, even if this call refuses the batch
   int64_t entries = 0;
   for (int64_t r = 0; r < num_requests; ++r) {
     entry_starts[r] = entries;
@@ -305,7 +306,6 @@ int64_t cpkv_plan_layout(const void* table,
   s.sizes[kPoolCopies] = cp_size == 1 ? marked + own_history : s.block_counts[cp_rank];
   s.sizes[kViewCopies] = cp_size == 1 ? 0 : own_history;
   s.sizes[kBadRequest] = bad_request;
-  s.sizes[kLayoutId] += 1;
   std::memcpy(sizes, s.sizes, sizeof(s.sizes));
   std::memcpy(block_counts, s.block_counts.data(), sizeof(int64_t) * cp_size);
   return 0;
