@@ -35,8 +35,8 @@ enum Size : int64_t {
 };
 
 // cpkv_plan_layout's refusals.
-constexpr int64_t kBadItemsize = -1;   // a page table of ids neither 4 nor 8 bytes wide
-constexpr int64_t kTooManyEntries = -2;  // more entries than int32 slots number (a dense view past int32 anyway)
+constexpr int64_t kBadItemsize = -1;     // a page table of ids neither 4 nor 8 bytes wide
+constexpr int64_t kTooManyEntries = -2;  // 2^30 entries or more (plan.MAX_ENTRIES: every slot must fit int32)
 
 // Entry flags.
 constexpr uint8_t kFlagWrites = 1;       // takes current tokens
