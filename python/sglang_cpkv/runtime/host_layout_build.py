@@ -23,7 +23,7 @@ from sglang_cpkv.env import env_text
 
 SOURCE = "plan_layout.cc"
 # The layout ranks pages in bit sets: the popcount instruction (every x86-64 CPU since 2008; without the flag the
-# compiler calls a software popcount, twice the layout's time).
+# compiler calls a library popcount for every rank).
 CXX_FLAGS = (
     "-O3",
     "-std=c++17",
