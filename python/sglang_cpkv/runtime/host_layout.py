@@ -105,10 +105,8 @@ class CompiledLayout:
             outputs + 8 * (len(SIZE_FIELDS) + num_requests),
         )
         if status != 0:
-            raise RuntimeError(
-                f"the compiled host layout refused the batch (status {status}): a page table of {itemsize}-byte ids, "
-                f"or {sum(pages_needed)} entries (the plan refuses more than {(1 << 30) - 1} before)"
-            )
+            why = f"a page table of {itemsize}-byte ids" if status == -1 else f"{sum(pages_needed)} entries"
+            raise RuntimeError(f"the compiled host layout refused the batch: {why} (the plan checks both before)")
         count = dict(zip(SIZE_FIELDS, out[: len(SIZE_FIELDS)]))
         self.entry_starts = tuple(out[len(SIZE_FIELDS) : len(SIZE_FIELDS) + num_requests])
         self.pages_known = table is not None

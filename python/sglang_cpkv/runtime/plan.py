@@ -477,9 +477,10 @@ def _pages_needed(width: int, prefix: Sequence[int], extend: Sequence[int], page
     if longest > width:
         too_long = [(r, n) for r, n in enumerate(pages_needed) if n > width]
         raise CpSharedKvError(f"page_table has {width} columns but (request, pages needed) {too_long} do not fit")
-    if sum(pages_needed) > MAX_ENTRIES:
+    entries = sum(pages_needed)
+    if entries > MAX_ENTRIES:
         raise CpSharedKvError(
-            f"the batch's page tables have {sum(pages_needed)} entries, more than {MAX_ENTRIES}: split the batch"
+            f"the batch's page tables have {entries} entries, more than {MAX_ENTRIES}: split the batch"
         )
     return pages_needed
 

@@ -38,10 +38,9 @@ SETTING = "--cp-shared-kv-max-batch-tokens"
 
 # Device bytes of a batch plan (runtime/plan.py) besides its inverse: per page-table entry its page id (int32), slot
 # (int32) and request (int64) as staged; per dense slot its page (int32), request (int64, made on first use: checked
-# mode), own entry (int64),
-# region page (int32) and its pool / view copy pairs (4 x int32); per current token its dense location and its
-# request (made on first use: checked mode), split request, location and token index, gather index and owned cache
-# row (int64 each).
+# mode), own entry (int64), region page (int32) and its pool / view copy pairs (4 x int32); per current token its
+# dense location and its request (made on first use: checked mode), split request, location and token index, gather
+# index and owned cache row (int64 each).
 PLAN_BYTES_PER_ENTRY = 4 + 4 + 8
 PLAN_BYTES_PER_SLOT = 4 + 8 + 8 + 4 + 4 * 4
 PLAN_BYTES_PER_TOKEN = 8 + 8 + 8 * 5

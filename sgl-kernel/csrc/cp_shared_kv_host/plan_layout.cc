@@ -267,14 +267,9 @@ int64_t cpkv_plan_layout(const void* table,
     }
   }
   s.block_counts.assign(cp_size, 0);
-  if (cp_size == 1) {
-    s.block_counts[0] = marked;
-  } else {
-    for (int64_t k = 0; k < cp_size; ++k) {
-      const int64_t end = (k + 1) * per_rank;  // keys of rank k: [k * per_rank, end)
-      const int64_t below_end = end >= capacity ? marked : s.region.rank_of(end);
-      s.block_counts[k] = below_end - (k == 0 ? 0 : s.region.rank_of(k * per_rank));
-    }
+  for (int64_t k = 0; k < cp_size; ++k) {  // rank k's keys are [k * per_rank, (k + 1) * per_rank)
+    const int64_t below_end = k + 1 == cp_size ? marked : s.region.rank_of((k + 1) * per_rank);
+    s.block_counts[k] = below_end - s.region.rank_of(k * per_rank);
   }
 
   // Slots: a shared entry its page's region slot, every other entry an own slot after the region, in entry order.
