@@ -18,12 +18,6 @@ from sglang_cpkv.hooks.dsa_batch import INDEX_K, ExtendBatch, indexer_batch
 from sglang_cpkv.ops.errors import CpSharedKvError
 
 
-def index_k_pages_as_rows(buffer: torch.Tensor, page_size: int) -> torch.Tensor:
-    """An index-K page buffer ``[pages, page_bytes]`` seen as ``[pages * page_size, page_bytes / page_size]``
-    rows (the shape upstream's store and read take; only whole pages are ever copied through it)."""
-    return buffer.view(buffer.shape[0] * page_size, buffer.shape[1] // page_size)
-
-
 def _index_k_targets(batch: ExtendBatch, pool: Any, layer_id: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
     """``(buffer, locations)`` the layer's current keys go to: its dense index-K pages at the dense locations
     (after the layer's history was taken), then this rank's pool at the owned locations."""
