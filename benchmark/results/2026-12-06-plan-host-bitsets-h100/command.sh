@@ -22,3 +22,6 @@ python3 -u benchmark/bench_plan_host.py --requests 16,32 --reps 30 --out plan_ho
 python3 -u benchmark/bench_kit_layer.py --backend flashmla_kv --fp8 --heads 64 --topk 2048 --requests 8 --history 32768 \
   --extend 1024 --sharing distinct,shared --layers 6 --reps 8 --processes 3 --out forward_flashmla_kv_fp8_h100_32k.json
 SGLANG_CPKV_REQUIRE_UPSTREAM=1 python3 -m pytest -q -p no:cacheprovider -rs test/registered/harness/test_serving_harness_cuda.py
+# Call 3, a fresh start (asked for an H200; an H100 80GB HBM3 came, the same host or not is not known), after only,
+# after the set-up above (plan_after3_fresh_start.txt):
+python3 -u benchmark/bench_plan_host.py --requests 1,8,64 --reps 30 --out plan_host_flashmla_kv_after3_fresh_start.json
