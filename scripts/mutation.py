@@ -6,12 +6,14 @@ that says *proven*, one-line changes to our code that break that feature. For ea
 scratch copy of the working tree, replaces the one line there, and runs the row's named tests (its evidence column)
 against the copy (its ``python/`` first on ``PYTHONPATH``, ahead of the editable install): **caught** when they
 fail, **missed** when they pass. The unchanged copy runs them first and must pass (else nothing can be judged).
-CUDA test files (``*_cuda.py``) run only with ``--cuda`` (a GPU host); a mutation only they can see (``gpu = true``:
-a CUDA launcher's line) is reported as not run on a CPU host.
+CUDA test files (``*_cuda.py``) run only with ``--cuda`` (a host with a GPU and what the CPU tests need); a mutation
+only they can see (``gpu = true``: a CUDA launcher's line) is reported as not run on a CPU host. ``--gpu-only`` judges
+just those mutations with just the CUDA test files, for the device machine, whose environment lacks what some CPU
+tests need (the upstream wheel cache of the start-up tests).
 
     make mutation                                                   # every mutation; writes the report below
     .venv/bin/python scripts/mutation.py --row IndexShare            # one row again, the others' lines kept
-    .venv/bin/python scripts/mutation.py --row device --cuda --no-report   # on a GPU host, printed only
+    python3 scripts/mutation.py --row device --gpu-only --no-report  # the device machine's part, printed only
 
 Report: ``docs/design/cp-shared-kv-mutations-report.md``. Not part of ``make test`` (it runs the kit tests once per
 mutation); ``test/registered/integration/test_cp_shared_kv_mutations.py`` checks the record itself in CI: every
@@ -148,6 +150,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--row", action="append", help="only this row's mutations (repeatable)")
     parser.add_argument("--cuda", action="store_true", help="also run the rows' CUDA test files (a GPU host)")
+    parser.add_argument("--gpu-only", action="store_true", help="only the gpu mutations, with the CUDA test files")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run of a row's tests")
     parser.add_argument("--no-report", action="store_true", help="print only; leave the committed report alone")
     args = parser.parse_args(argv)
@@ -159,6 +162,11 @@ def main(argv=None) -> int:
         return 2
     if args.row:
         muts = [m for m in muts if m.row in args.row]
+    if args.gpu_only:
+        args.cuda, muts = True, [m for m in muts if m.gpu]
+        if not muts:
+            print("no gpu mutation in the rows asked for", file=sys.stderr)
+            return 2
     runnable = {
         row: [r for r in refs if args.cuda or not r.split("::")[0].endswith("_cuda.py")] for row, refs in rows.items()
     }
@@ -205,7 +213,7 @@ def main(argv=None) -> int:
         shutil.rmtree(root.parent, ignore_errors=True)
 
     lines = {m.label: _report_line(m, verdict, seconds, summary) for m, verdict, seconds, summary in results}
-    report = _report(lines, args.cuda, args.row)
+    report = _report(lines, args.cuda, args.row, args.gpu_only)
     print(report)
     if not args.no_report:
         REPORT.write_text(report)
@@ -217,11 +225,11 @@ def _report_line(m: Mutation, verdict: str, seconds: float, summary: str) -> str
     return f"| {m.row} | {change} | {m.breaks} | **{verdict}** | {summary} ({seconds:.0f} s) |"
 
 
-def _report(lines: dict[str, str], cuda: bool, rows: list[str] | None) -> str:
+def _report(lines: dict[str, str], cuda: bool, rows: list[str] | None, gpu_only: bool = False) -> str:
     """The report of every mutation of the record, in its order: the lines of this run, and (when only some rows
-    ran) the committed report's lines of the others, matched by their change."""
+    ran, or only the gpu mutations) the committed report's lines of the others, matched by their change."""
     kept = {}
-    if rows and REPORT.is_file():
+    if (rows or gpu_only) and REPORT.is_file():
         committed = REPORT.read_text().splitlines()
         for m in mutations():
             old = next((line for line in committed if _is_line_of(m, line)), None)
@@ -230,6 +238,8 @@ def _report(lines: dict[str, str], cuda: bool, rows: list[str] | None) -> str:
     table = [lines.get(m.label) or kept.get(m.label) or _report_line(m, "not run", 0, "") for m in mutations()]
     verdicts = [line.split(" | ")[3].strip("*") for line in table]
     ran = "rows " + ", ".join(rows) + " re-run" if rows else "every row"
+    if gpu_only:
+        ran = "the gpu mutations of " + ran.replace(" re-run", "") + " re-run, `--gpu-only`"
     return (
         "\n".join(
             [

@@ -28,6 +28,9 @@ while [ $# -gt 0 ]; do
 done
 
 export PYTHONPATH="$repo/python${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# The GPU tests run the mode's CUDA ops and fail where they cannot (never the Triton fallback): a prebuilt library
+# (the image's, or SGLANG_CPKV_CUDA_LIB) is loaded first; without one the tests compile the ops (JIT, tests only).
+export SGLANG_CPKV_CUDA_JIT="${SGLANG_CPKV_CUDA_JIT:-1}"
 if compgen -G "$repo/.whl/*.whl" >/dev/null; then
   log "wheels in .whl/: installing the TEST-ONLY GPU test environment into $target"
   env_file="$(scripts/gpu_env/install.sh --python "$python" --target "$target")" || die "the GPU test environment did not install"

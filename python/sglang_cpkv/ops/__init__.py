@@ -5,8 +5,8 @@ implementations: CUDA (``sgl-kernel/``, launched by :mod:`sglang_cpkv.ops.cuda`)
 (:mod:`sglang_cpkv.ops.triton`) and the torch reference. Every public op here dispatches on the
 device of its tensors:
 
-* CUDA tensors: CUDA when its extension is built (``sglang_cpkv.ops.cuda.is_available()``), else
-  Triton, else the torch reference.
+* CUDA tensors: CUDA when its library is loaded and passes its probe (``sglang_cpkv.ops.cuda.is_available()``;
+  where not, the reason is logged as a warning), else Triton, else the torch reference.
 * CPU tensors: Triton when its kernels were defined under the interpreter (``TRITON_INTERPRET=1``
   before ``sglang_cpkv.ops.triton`` was first imported), else the torch reference.
 
@@ -68,12 +68,12 @@ def _load_backend(name: str) -> tuple[ModuleType | None, str]:
         return None, f"{exc.name} is not installed"
     if name == "cuda":
         try:
-            available = module.is_available()
+            reason = module.unavailable_reason()  # logged there, once
         except Exception as exc:  # a broken build must not take the runtime down: it falls back, loudly
-            logger.warning("sglang_cpkv.ops.cuda.is_available() failed: %r", exc)
-            return None, f"sglang_cpkv.ops.cuda.is_available() failed: {exc!r}"
-        if not available:
-            return None, "the CUDA extension of sglang_cpkv.ops.cuda is not built"
+            logger.warning("sglang_cpkv.ops.cuda.unavailable_reason() failed: %r", exc)
+            return None, f"sglang_cpkv.ops.cuda.unavailable_reason() failed: {exc!r}"
+        if reason:
+            return None, reason
     return module, ""
 
 

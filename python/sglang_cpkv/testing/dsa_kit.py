@@ -328,6 +328,18 @@ def _kit_case(up: dict, case: BatchCase, heads: int):
     )
 
 
+def _require_cuda_ops_on_gpu(device: torch.device) -> None:
+    """On a GPU the mode's ops must run on their CUDA backend, the kernels a server with the image's prebuilt library
+    runs: where the library is missing or fails its probe the dispatcher falls back to Triton
+    (:mod:`sglang_cpkv.ops`), and a kit test or figure would then prove the fallback instead."""
+    from sglang_cpkv import ops
+    from sglang_cpkv.ops import cuda
+
+    if device.type == "cuda" and ops.select_backend(device) != "cuda":
+        why = cuda.unavailable_reason() or f"{ops.BACKEND_ENV} selects {ops.select_backend(device)}"
+        raise ops.CpSharedKvError(f"the kit on {device} runs the mode's CUDA ops, which cannot serve here: {why}")
+
+
 class KitWorld:
     """One CP rank's upstream objects, built by the kit, kept across the forwards of a test (so a chunked
     continuation reads the history its first chunk persisted).
@@ -372,6 +384,8 @@ class KitWorld:
         topk: int = TOPK,
     ) -> None:
         up = _upstream()
+        if mode_on:
+            _require_cuda_ops_on_gpu(torch.device(device))
         self.heads, self.topk = heads, topk
         self.up, self.route, self.mode_on, self.seed = up, route, mode_on, seed
         self.device = torch.device(device)
