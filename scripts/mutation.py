@@ -7,7 +7,7 @@ scratch copy of the working tree, replaces the one line there, and runs the row'
 against the copy (its ``python/`` first on ``PYTHONPATH``, ahead of the editable install): **caught** when they
 fail, **missed** when they pass. The unchanged copy runs them first and must pass (else nothing can be judged).
 CUDA test files (``*_cuda.py``) run only with ``--cuda`` (a host with a GPU and what the CPU tests need); a mutation
-only they can see (``gpu = true``: a CUDA launcher's line) is reported as not run on a CPU host. ``--gpu-only`` judges
+only they can see (``gpu = true``: a CUDA launcher's line) keeps its committed verdict on a CPU host (not run where it has none). ``--gpu-only`` judges
 just those mutations with just the CUDA test files, for the device machine, whose environment lacks what some CPU
 tests need (the upstream wheel cache of the start-up tests).
 
@@ -45,6 +45,7 @@ REPORT = REPO / "docs" / "design" / "cp-shared-kv-mutations-report.md"
 TESTS = Path("test") / "registered"
 # Sources of the compiled host layout: a mutation there is rebuilt before its tests run.
 HOST_LAYOUT_SOURCES = "sgl-kernel/csrc/cp_shared_kv_host/"
+NEEDS_GPU = "not run (needs a GPU)"
 TEST_REF = re.compile(r"`([\w/]+\.py)::(\w+)`")
 
 
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
             refs = refs_of(m)
             print(f"[mutation] {i}/{len(muts)} {m.row}: {m.label}", flush=True)
             if not refs:
-                results.append((m, "not run (needs a GPU)", 0.0, ""))
+                results.append((m, NEEDS_GPU, 0.0, ""))
                 continue
             path = root / m.file
             original = path.read_text()
@@ -212,7 +213,9 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(root.parent, ignore_errors=True)
 
-    lines = {m.label: _report_line(m, verdict, seconds, summary) for m, verdict, seconds, summary in results}
+    # A mutation only a GPU can judge keeps the committed report's verdict on a CPU host.
+    judged = [r for r in results if r[1] != NEEDS_GPU]
+    lines = {m.label: _report_line(m, verdict, seconds, summary) for m, verdict, seconds, summary in judged}
     report = _report(lines, args.cuda, args.row, args.gpu_only)
     print(report)
     if not args.no_report:
@@ -226,17 +229,14 @@ def _report_line(m: Mutation, verdict: str, seconds: float, summary: str) -> str
 
 
 def _report(lines: dict[str, str], cuda: bool, rows: list[str] | None, gpu_only: bool = False) -> str:
-    """The report of every mutation of the record, in its order: the lines of this run, and (when only some rows
-    ran, or only the gpu mutations) the committed report's lines of the others, matched by their change."""
-    kept = {}
-    if (rows or gpu_only) and REPORT.is_file():
-        committed = REPORT.read_text().splitlines()
-        for m in mutations():
-            old = next((line for line in committed if _is_line_of(m, line)), None)
-            if old is not None:
-                kept[m.label] = old
-    table = [lines.get(m.label) or kept.get(m.label) or _report_line(m, "not run", 0, "") for m in mutations()]
-    verdicts = [line.split(" | ")[3].strip("*") for line in table]
+    """The report of every mutation of the record, in its order: the lines of this run, and for the others (other
+    rows, or a GPU's mutation on a CPU host) the committed report's line of the same change, else "not run"."""
+    kept = committed_lines()
+    table = [
+        lines.get(m.label) or kept.get(m.label) or _report_line(m, NEEDS_GPU if m.gpu else "not run", 0, "")
+        for m in mutations()
+    ]
+    verdicts = [verdict_of(line) for line in table]
     ran = "rows " + ", ".join(rows) + " re-run" if rows else "every row"
     if gpu_only:
         ran = "the gpu mutations of " + ran.replace(" re-run", "") + " re-run, `--gpu-only`"
@@ -249,7 +249,8 @@ def _report(lines: dict[str, str], cuda: bool, rows: list[str] | None, gpu_only:
                 f"{time.strftime('%Y-%m-%d')}: {verdicts.count('caught')} caught, {verdicts.count('missed')} missed, "
                 f"{len(verdicts) - verdicts.count('caught') - verdicts.count('missed')} not run, of {len(verdicts)} "
                 "mutations (`docs/design/cp-shared-kv-mutations.toml`). Each ran the row's named tests against a scratch "
-                "copy of the tree with the one line changed.",
+                "copy of the tree with the one line changed; a line this run did not judge (another row's, or a GPU's "
+                "mutation on a CPU host) is the earlier report's.",
                 "",
                 "| row | change | breaks | result | tests (seconds) |",
                 "|---|---|---|---|---|",
@@ -258,6 +259,20 @@ def _report(lines: dict[str, str], cuda: bool, rows: list[str] | None, gpu_only:
         )
         + "\n"
     )
+
+
+def committed_lines(muts: list[Mutation] | None = None) -> dict[str, str]:
+    """The committed report's line of each mutation of ``muts`` (default: the record's), found by its row, change
+    and effect: a mutation changed since the report was written has none."""
+    committed = REPORT.read_text().splitlines() if REPORT.is_file() else []
+    muts = mutations() if muts is None else muts
+    found = {m.label: next((line for line in committed if _is_line_of(m, line)), None) for m in muts}
+    return {label: line for label, line in found.items() if line is not None}
+
+
+def verdict_of(line: str) -> str:
+    """The verdict of a report line (``caught``, ``missed``, ``not run``...)."""
+    return line.split(" | ")[3].strip("*")
 
 
 def _is_line_of(m: Mutation, line: str) -> bool:

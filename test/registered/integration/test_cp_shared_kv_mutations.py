@@ -3,7 +3,8 @@
 ``make mutation`` (``scripts/mutation.py``, not part of this suite: it runs the kit tests once per mutation) applies
 each one-line change and runs the row's named tests. Here, on every run: every proven row of the table has a
 mutation, every mutation names a proven row, and its line is in its file exactly once (so a mutation cannot rot into
-a change that is no longer made); and the check itself finds each of those faults.
+a change that is no longer made); the check itself finds each of those faults; and the committed report holds every
+mutation of the record as it is now, caught.
 """
 
 import dataclasses
@@ -47,6 +48,21 @@ def test_the_record_check_finds_a_missing_row_a_stale_line_and_an_unknown_row():
     assert any("not a proven row" in p for p in tool.record_problems(rows, [unknown, *muts]))
     no_change = dataclasses.replace(first, replace=first.find)
     assert any("not a one-line change" in p for p in tool.record_problems(rows, [no_change, *muts[1:]]))
+
+
+def test_the_committed_report_has_every_mutation_of_the_record_caught():
+    """The committed report judges the record as it is: a mutation added or changed since the report was written has
+    no line there (run ``scripts/mutation.py --row ROW`` for its row; a ``gpu`` one with ``--gpu-only`` on a GPU
+    host), and a line that is not ``caught`` is a feature its row's tests do not protect."""
+    tool = _tool()
+    muts = tool.mutations()
+    lines = tool.committed_lines(muts)
+    unjudged = [f"{m.row}: {m.label}" for m in muts if m.label not in lines]
+    assert not unjudged, "mutations without a line in the committed report:\n  " + "\n  ".join(unjudged)
+    not_caught = {label: tool.verdict_of(line) for label, line in lines.items() if tool.verdict_of(line) != "caught"}
+    assert not not_caught, not_caught
+    changed = dataclasses.replace(muts[0], replace=muts[0].replace + "  # another change")
+    assert changed.label not in tool.committed_lines([changed]), "a changed mutation kept its old verdict"
 
 
 @pytest.mark.parametrize("row", ["IndexShare", "radix cache"])
