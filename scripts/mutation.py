@@ -7,9 +7,9 @@ scratch copy of the working tree, replaces the one line there, and runs the row'
 against the copy (its ``python/`` first on ``PYTHONPATH``, ahead of the editable install): **caught** when they
 fail, **missed** when they pass. The unchanged copy runs them first and must pass (else nothing can be judged).
 CUDA test files (``*_cuda.py``) run only with ``--cuda`` (a host with a GPU and what the CPU tests need); a mutation
-only they can see (``gpu = true``: a CUDA launcher's line) keeps its committed verdict on a CPU host (not run where it has none). ``--gpu-only`` judges
-just those mutations with just the CUDA test files, for the device machine, whose environment lacks what some CPU
-tests need (the upstream wheel cache of the start-up tests).
+only they can see (``gpu = true``: a CUDA launcher's line) keeps its committed verdict on a CPU host (not run where it
+has none). ``--gpu-only`` judges just those mutations with just the CUDA test files, for the device machine, whose
+environment lacks what some CPU tests need (the upstream wheel cache of the start-up tests).
 
     make mutation                                                   # every mutation; writes the report below
     .venv/bin/python scripts/mutation.py --row IndexShare            # one row again, the others' lines kept
