@@ -237,9 +237,11 @@ def _report(lines: dict[str, str], cuda: bool, rows: list[str] | None, gpu_only:
         for m in mutations()
     ]
     verdicts = [verdict_of(line) for line in table]
-    ran = "rows " + ", ".join(rows) + " re-run" if rows else "every row"
+    which = "rows " + ", ".join(rows) if rows else "every row"
     if gpu_only:
-        ran = "the gpu mutations of " + ran.replace(" re-run", "") + " re-run, `--gpu-only`"
+        ran = f"the gpu mutations of {which} re-run, `--gpu-only`"
+    else:
+        ran = f"{which} re-run" if rows else which
     return (
         "\n".join(
             [

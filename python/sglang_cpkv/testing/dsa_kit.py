@@ -335,8 +335,11 @@ def _require_cuda_ops_on_gpu(device: torch.device) -> None:
     from sglang_cpkv import ops
     from sglang_cpkv.ops import cuda
 
-    if device.type == "cuda" and ops.select_backend(device) != "cuda":
-        why = cuda.unavailable_reason() or f"{ops.BACKEND_ENV} selects {ops.select_backend(device)}"
+    if device.type != "cuda":
+        return
+    backend = ops.select_backend(device)
+    if backend != "cuda":
+        why = cuda.unavailable_reason() or f"{ops.BACKEND_ENV} selects {backend}"
         raise ops.CpSharedKvError(f"the kit on {device} runs the mode's CUDA ops, which cannot serve here: {why}")
 
 
