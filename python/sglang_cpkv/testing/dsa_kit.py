@@ -799,10 +799,7 @@ def _fused_topk(
     topk: int,
 ) -> torch.Tensor:
     """What the indexer's top-k hands attention for each local query row: the trailing ``topk`` causal
-    positions of its request (the kit's pattern), transformed as upstream's fused top-k kernel does (or
-    left as positions when top-k is unfused: ``forward_extend`` transforms them)."""
-    from sglang.srt.layers.attention.dsa.dsa_topk_backend import TopkTransformMethod
-
+    positions of its request (the kit's pattern), as :func:`topk_indices_of_positions` hands them."""
     token_req = torch.tensor([r for r in range(case.num_requests) for _ in range(case.extend_lens[r])])
     token_pos = torch.tensor(
         [
@@ -816,8 +813,25 @@ def _fused_topk(
         visible = int(token_pos[t]) + 1
         window = torch.arange(max(0, visible - topk), visible)
         positions[i, : window.numel()] = window
-    if not route.fused_topk:
-        return positions.to(torch.int32).to(device)
+    indices = topk_indices_of_positions(
+        backend, metadata, positions, token_req[local_tokens], route.fused_topk, forward_mode
+    )
+    return indices.to(device)
+
+
+def topk_indices_of_positions(
+    backend: Any, metadata: Any, positions: torch.Tensor, row_requests: torch.Tensor, fused: bool, forward_mode: Any
+) -> torch.Tensor:
+    """int32 ``[rows, K]``: what the indexer's top-k hands attention for query rows whose top-k are the request-local
+    ``positions`` (``-1``: none; padded rows past ``row_requests`` read nothing), transformed as upstream's fused top-k
+    kernel does (RAGGED: ``position + topk_indices_offset[row]``; PAGED: the row's request's row of ``page_table_1``,
+    the rank's selected requests in order), or left as positions when top-k is unfused (``forward_extend``
+    transforms them). ``row_requests``: the batch request of each real local row, in local order."""
+    from sglang.srt.layers.attention.dsa.dsa_topk_backend import TopkTransformMethod
+
+    rows = positions.shape[0]
+    if not fused:
+        return positions.to(torch.int32)
     method = backend.get_topk_transform_method(forward_mode)
     valid = positions >= 0
     if method == TopkTransformMethod.RAGGED:
@@ -825,15 +839,14 @@ def _fused_topk(
         offset = metadata.topk_indices_offset.to(torch.int64).cpu().reshape(-1)
         row_offset = torch.zeros(rows, dtype=torch.int64)
         row_offset[: offset.numel()] = offset[:rows]
-        out = torch.where(valid, positions + row_offset[:, None], -1)
-        return out.to(torch.int32).to(device)
+        return torch.where(valid, positions + row_offset[:, None], -1).to(torch.int32)
     # PAGED: the row's request's row of page_table_1 (the selected requests of this rank, in order).
-    local_reqs = token_req[local_tokens]
+    local_reqs = row_requests.to(torch.int64)
     selected = sorted(set(local_reqs.tolist()))
     table_row = torch.tensor([selected.index(int(r)) for r in local_reqs] + [0] * (rows - local_reqs.numel()))
     table = metadata.page_table_1.to(torch.int64).cpu()
     out = torch.where(valid, table[table_row[:, None], positions.clamp(min=0)], -1)
-    return out.to(torch.int32).to(device)
+    return out.to(torch.int32)
 
 
 def _index_k_store_and_read(up: dict, backend: Any, forward_batch: Any, layer: int, keys: torch.Tensor, act_quant):

@@ -1,0 +1,187 @@
+"""``python -m sglang_cpkv.soak``: run the soak's scenarios and write its report.
+
+    python -m sglang_cpkv.soak --ci --out soak.json                 # the CI soak (make test runs it)
+    python -m sglang_cpkv.soak --minutes 60 --cp 1,2,4 --out s.json # a long soak: scenarios and seeds in turn
+
+A scenario is one P/D deployment (:class:`~sglang_cpkv.soak.server.ServerConfig`) serving one seeded workload
+(:class:`~sglang_cpkv.soak.workload.WorkloadConfig`): the driver starts upstream's bootstrap server, the prefill CP
+ranks (:mod:`.prefill`, one process each, gloo between them) and the decode (:mod:`.decode`), hands the decode each
+request as the router would (through prefill rank 0, which sees the workload's clock), and gathers every process's
+report (:mod:`.report`). Exit status: 0 when every scenario passed, 1 when any found a mismatch, a leak, a crash or a
+request that did not end as the workload says, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+from sglang_cpkv.soak import report as soak_report
+from sglang_cpkv.soak.server import ServerConfig, write_model_dir
+from sglang_cpkv.soak.workload import WorkloadConfig
+
+PROCESS_TIMEOUT_S = 1800
+CRASH_GRACE_S = 10
+
+
+def _role_rank(name: str) -> tuple[str, int]:
+    role = name.rstrip("0123456789")
+    return role, int(name[len(role) :] or 0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ci_scenarios(seed: int = 1) -> list[tuple[ServerConfig, WorkloadConfig]]:
+    """The CI soak (``make test``): cp 1 and cp 2, the transfer, both pool formats, radix on and off, a chunk that is a
+    multiple of the page and one that is not, ``ignore_eos``, aborts, pools small enough that admission waits."""
+    return [
+        (
+            ServerConfig(cp=1, chunked_prefill_size=200, radix_cache=True, fp8=False),
+            WorkloadConfig(requests=40, seed=seed, median_message=40, max_prompt=900),
+        ),
+        (
+            ServerConfig(cp=2, chunked_prefill_size=256, radix_cache=False, fp8=True, prefill_backend="flashmla_kv"),
+            WorkloadConfig(requests=24, seed=seed + 1, median_message=32, max_prompt=600),
+        ),
+    ]
+
+
+def long_scenarios(cps: list[int], seed: int) -> Iterator[tuple[ServerConfig, WorkloadConfig]]:
+    """The long soak's matrix, one seed after another: every cp with both pool formats, radix on and off, chunks that
+    are and are not page multiples, each prefill route, HiCache on and off."""
+    routes = (
+        ("flashmla_sparse", False),
+        ("flashmla_kv", True),
+        ("triton_sparse_mla", False),
+        ("flashmla_sparse", True),
+    )
+    while True:
+        for cp in cps:
+            for i, (backend, fp8) in enumerate(routes):
+                server = ServerConfig(
+                    cp=cp,
+                    prefill_backend=backend,
+                    fp8=fp8,
+                    radix_cache=i % 2 == 0 or cp == 4,
+                    chunked_prefill_size=(200, 256, 320, 136)[i],
+                    hicache=i == 2,
+                )
+                yield server, WorkloadConfig(requests=300, seed=seed)
+                seed += 1
+
+
+def run_scenario(server: ServerConfig, workload: WorkloadConfig, *, device: str, workdir: Path) -> dict:
+    """One scenario in fresh processes (prefill ranks and the decode); its report."""
+    from sglang_cpkv.soak.decode import DecodeJob, run_decode
+    from sglang_cpkv.soak.prefill import RankJob, run_prefill_rank
+    from sglang_cpkv.soak.server import PROCESS_ENV
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    model_dir = write_model_dir(workdir / "model")
+    port = _free_port()
+    os.environ.update(PROCESS_ENV)
+    bootstrap = _bootstrap_server(port)
+    ctx = mp.get_context("spawn")
+    to_decode, results = ctx.Queue(), ctx.Queue()
+    procs = []
+    for rank in range(server.cp):
+        job = RankJob(server, workload, rank, model_dir, port, f"file://{workdir}/prefill_init_{port}", device=device)
+        procs.append(ctx.Process(target=run_prefill_rank, args=(job, to_decode, results), name=f"prefill{rank}"))
+    decode_job = DecodeJob(server, workload, model_dir, port, f"file://{workdir}/decode_init_{port}", device=device)
+    procs.append(ctx.Process(target=run_decode, args=(decode_job, to_decode, results), name="decode"))
+    start = time.monotonic()
+    for proc in procs:
+        proc.start()
+    reports: list[dict] = []
+    crashed_at = None
+    try:
+        while len(reports) < len(procs):
+            try:
+                reports.append(results.get(timeout=2))
+                if "crash" in reports[-1] and crashed_at is None:
+                    crashed_at = time.monotonic()  # the others are left a moment to report, then stopped
+            except Exception:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                late = crashed_at is not None and time.monotonic() - crashed_at > CRASH_GRACE_S
+                if dead or late or time.monotonic() - start > PROCESS_TIMEOUT_S:
+                    reported = {(r.get("role"), r.get("rank")) for r in reports}
+                    reports += [
+                        {"role": p.name, "crash": f"stopped: no report (exit code {p.exitcode})"}
+                        for p in procs
+                        if _role_rank(p.name) not in reported
+                    ]
+                    break
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+        bootstrap.close()
+    return soak_report.scenario(server, workload, reports, time.monotonic() - start)
+
+
+def _bootstrap_server(port: int):
+    """Upstream's Mooncake bootstrap server on loopback (what the prefill server's HTTP process starts)."""
+    from sglang_cpkv.testing import dsa_kit
+
+    dsa_kit._upstream()
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVBootstrapServer
+
+    return MooncakeKVBootstrapServer("127.0.0.1", port)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sglang_cpkv.soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ci", action="store_true", help="the CI soak: fixed seed, cp 1 and cp 2, about 3 minutes")
+    parser.add_argument("--minutes", type=float, help="a long soak: run the matrix until this many minutes passed")
+    parser.add_argument("--cp", default="1,2,4", help="CP sizes of the long soak (default 1,2,4)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--requests", type=int, help="requests per scenario (default: the scenario's)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (the stand-in model's pools on the GPU)")
+    parser.add_argument("--out", type=Path, required=True, help="the JSON report")
+    parser.add_argument("--workdir", type=Path, help="scratch directory (default: a temporary one)")
+    args = parser.parse_args(argv)
+    if args.ci == (args.minutes is not None):
+        parser.error("give exactly one of --ci and --minutes")
+    try:
+        cps = [int(x) for x in args.cp.split(",")]
+    except ValueError:
+        parser.error(f"--cp {args.cp!r}: expected comma-separated integers")
+    if any(cp not in (1, 2, 4, 8) for cp in cps):
+        parser.error(f"--cp {args.cp!r}: each CP size must be 1, 2, 4 or 8")
+    os.environ.setdefault("TRITON_INTERPRET", "0" if args.device == "cuda" else "1")
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="cpkv-soak-"))
+    scenarios = ci_scenarios(args.seed) if args.ci else long_scenarios(cps, args.seed)
+    deadline = None if args.minutes is None else time.monotonic() + args.minutes * 60
+    reports = []
+    for i, (server, workload) in enumerate(scenarios):
+        if deadline is not None and time.monotonic() > deadline:
+            break
+        if args.requests:
+            workload = replace(workload, requests=args.requests)
+        print(f"[soak] scenario {i}: {soak_report.label(server, workload)}", flush=True)
+        result = run_scenario(server, workload, device=args.device, workdir=workdir / f"s{i}")
+        print(f"[soak]   {soak_report.summary_line(result)}", flush=True)
+        reports.append(result)
+        args.out.write_text(json.dumps(soak_report.whole(reports), indent=1))
+    whole = soak_report.whole(reports)
+    args.out.write_text(json.dumps(whole, indent=1))
+    print(f"[soak] {soak_report.summary_line(whole['totals'])}; report: {args.out}", flush=True)
+    return 0 if whole["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
