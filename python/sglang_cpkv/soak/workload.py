@@ -95,7 +95,7 @@ def make_workload(cfg: WorkloadConfig) -> list[RequestSpec]:
                 abort = kind
         specs.append(
             RequestSpec(
-                rid=f"s{cfg.seed}-r{i}",
+                rid=f"s{cfg.seed}-r{i:06d}",  # fixed width: upstream aborts every rid an abort's rid prefixes
                 arrival=int(clock),
                 input_ids=tuple(prompt),
                 ignore_eos=rng.random() < cfg.ignore_eos,

@@ -537,5 +537,39 @@ def test_admission_hook_time_per_request_is_flat_in_the_batch(monkeypatch, share
     assert per_request[1024] < 2.5 * per_request[256], per_request
 
 
+def test_an_ignore_eos_chunk_ends_on_a_page_with_the_radix_cache_off(monkeypatch):
+    """The radix cache off, an ``ignore_eos`` request longer than a chunk of 200 tokens (not a page multiple): upstream's
+    ``add_one_req`` sends it down ``add_one_req_ignore_eos``, which cut the first chunk at 200, so the continuation
+    started mid-page and the mode's page-interleave allocator asserted in ``alloc_extend`` (a prefill server crash,
+    found by the soak). With ``patches/upstream-fixes/end-ignore-eos-chunks-on-a-page.patch`` the chunk ends on a page
+    and both chunks allocate."""
+    from sglang.srt.mem_cache.common import checkpoint_kv_cache
+
+    chunk = 200
+    world = World(monkeypatch, mode_on=True, chunked_prefill_size=chunk, disable_radix_cache=True)
+    assert world.tree_cache.disable and world.allocator.shard_size == 8
+    sampling_params = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
+    sampling_params.normalize(None)
+    sampling_params.verify(VOCAB)
+    req = Req("r0", "", array("q", range(1000, 1500)), sampling_params)
+    adder, results = world.prefill_pass([req])
+    assert adder.new_chunked_req is req
+    assert req.extend_end == 192  # three pages of the 200-token chunk budget
+    for prefix, end in ((0, req.extend_end), (req.extend_end, 500)):
+        locs = world.allocator.alloc_extend(
+            prefix_lens=torch.tensor([prefix]),
+            prefix_lens_cpu=torch.tensor([prefix]),
+            seq_lens=torch.tensor([end]),
+            seq_lens_cpu=torch.tensor([end]),
+            last_loc=torch.tensor([-1]),
+            extend_num_tokens=end - prefix,
+            rotation_bases=[0],
+        )
+        assert locs is not None and locs.numel() == end - prefix
+        if prefix == 0:
+            checkpoint_kv_cache(req, world.tree_cache)
+            assert req.prefix_len == 192
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
