@@ -144,6 +144,14 @@ if reason:
 print(f"[install] prebuilt CUDA ops: {library}", file=sys.stderr)
 PY
 fi
+# Mooncake's transfer engine moves the prefill's KV to the decode (upstream's image ships its CUDA build; a CPU
+# environment the non-CUDA one of requirements/dev-cpu.txt); it links the system's libibverbs1.
+engine_error="$(py -c 'import mooncake.engine' 2>&1 | tail -1)" ||
+  case "$engine_error" in
+    *libibverbs*) die "Mooncake's transfer engine needs the system package libibverbs1 (apt-get install libibverbs1): $engine_error" ;;
+    *) die "Mooncake's transfer engine does not import (pip install mooncake-transfer-engine, the CUDA build upstream's image ships): $engine_error" ;;
+  esac
+log "Mooncake's transfer engine imports"
 importable_root="$(py -c 'import importlib.util, os; spec = importlib.util.find_spec("sglang"); print(os.path.dirname(spec.origin) if spec else "")')"
 if [ "$importable_root" = "$sglang_root" ]; then
   py -c 'import sglang.srt.server_args' && log "patched sglang.srt.server_args imports"

@@ -27,6 +27,18 @@ fi
 py="$venv/bin/python"
 pip=("$py" -m pip --disable-pip-version-check -q)
 
+# 0. System libraries: Mooncake's transfer engine (the soak's P/D transfer, requirements/dev-cpu.txt) links Debian's
+#    libibverbs1 even for TCP; installed here where this runs as root with apt (CI), else named and refused.
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 '; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    log "installing libibverbs1 (Mooncake's transfer engine links it)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null
+  else
+    log "error: the system package libibverbs1 is missing (Mooncake's transfer engine, which the soak runs, links it): install it (apt-get install libibverbs1) and run this again"
+    exit 1
+  fi
+fi
+
 # 1. Third-party packages: reinstalled only when the requirement files change.
 req_stamp="$venv/.cpkv-requirements.sha256"
 req_hash="$(cat requirements/dev-cpu.txt requirements/constraints-cpu.txt | sha256sum | cut -d' ' -f1)"

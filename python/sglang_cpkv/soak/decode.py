@@ -26,7 +26,15 @@ from sglang_cpkv.soak import kv_function
 from sglang_cpkv.soak.invariants import drained_allocator
 from sglang_cpkv.soak.model import Checks
 from sglang_cpkv.soak.prefill import bootstrap_room
-from sglang_cpkv.soak.server import ServerConfig, build_pools, build_scheduler, start_process, stop_kv_manager
+from sglang_cpkv.soak.server import (
+    ServerConfig,
+    SoakWorker,
+    build_pools,
+    build_scheduler,
+    standin_runner,
+    start_process,
+    stop_kv_manager,
+)
 from sglang_cpkv.soak.workload import WorkloadConfig, make_workload
 
 IDLE_SLEEP_S = 0.002
@@ -43,61 +51,24 @@ class DecodeJob:
     max_seconds: float = 1800.0
 
 
-class DecodeWorker:
+class DecodeWorker(SoakWorker):
     """The decode's model worker: one decode step per batch; the first step of a request checks its received KV."""
 
     def __init__(self, config: ServerConfig, pools: Any, model_config: Any, device: str) -> None:
-        from sglang.srt.model_executor.model_runner_components.ngram_embedding_manager import NgramEmbeddingManager
-
-        self.pools, self.model_config, self.device = pools, model_config, device
+        super().__init__(
+            standin_runner(
+                pools,
+                model_config,
+                device,
+                attn_backend=types.SimpleNamespace(),
+                kv_cache_dtype_str=config.kv_cache_dtype,
+            )
+        )
+        self.pools = pools
         self.expected = kv_function.ExpectedRows(config.fp8)
         self.checks = Checks(rank=-1)  # the decode
         self.checked: set[str] = set()
         self.transferred_bytes = 0
-        self.random_seed, self.dllm_algorithm, self.model_runner_list = 1, None, None
-        tokens = pools.max_total_num_tokens
-        self._runner = types.SimpleNamespace(
-            attn_backend=types.SimpleNamespace(),
-            prefill_aware_swa=False,
-            kv_cache_dtype_str=config.kv_cache_dtype,
-            ngram_embedding_manager=NgramEmbeddingManager(enabled=False, table=None, n=0),
-            req_to_token_pool=pools.req_to_token_pool,
-            token_to_kv_pool=pools.token_to_kv_pool,
-            token_to_kv_pool_allocator=pools.allocator,
-            max_running_requests=pools.max_running_requests,
-            logical_max_total_num_tokens=tokens,
-            effective_logical_max_total_num_tokens=tokens,
-            forward_stream=None,
-            mtp_draft_device_pools=None,
-            mtp_draft_mamba_pools=None,
-            sliding_window_size=None,
-            is_hybrid_swa=False,
-            model_config=model_config,
-            canary_manager=None,
-            model=None,
-            device=device,
-        )
-
-    @property
-    def model_runner(self) -> Any:
-        return self._runner
-
-    @property
-    def is_hybrid_swa(self) -> bool:
-        return False
-
-    @property
-    def last_shared_read_runner(self) -> Any:
-        return self._runner
-
-    def get_memory_pool(self):
-        return self.pools.req_to_token_pool, self.pools.allocator
-
-    def get_tokens_per_layer_info(self):
-        return None, None
-
-    def get_pad_input_ids_func(self):
-        return None
 
     def forward_batch_generation(self, batch: Any, **kwargs: Any) -> Any:
         from sglang.srt.managers.utils import GenerationBatchResult

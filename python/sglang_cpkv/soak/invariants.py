@@ -1,6 +1,6 @@
 """The soak's invariants on a prefill rank: after every iteration of upstream's loop, and at the end.
 
-After each iteration (:meth:`IterationChecker.after_iteration`): the pages of the rank's pool that hold live KV (the
+After each iteration that ran a batch (:meth:`IterationChecker.after_iteration`): the pages of the rank's pool that hold live KV (the
 radix tree's nodes, the requests in flight) hold, at their owner pool rows, the rows the function gives for their
 token prefixes (a rank that wrote a page it does not own, a stale page, a load-back into another owner's page id show
 here even before a read meets them); the batch's dense KV fits what start-up reserved. Upstream's own memory check runs
@@ -16,8 +16,6 @@ from typing import Any
 import torch
 
 from sglang_cpkv.soak import kv_function
-
-AUDIT_EVERY = 1  # iterations between audits of the whole live pool
 
 
 def drained_allocator(s: Any) -> tuple[int, int]:
@@ -41,8 +39,9 @@ class IterationChecker:
         self.max_dense_tokens = 0
 
     def after_iteration(self, ledger: Any) -> None:
+        """After an iteration that ran a batch (the only writer of the pool): the live pages' audit."""
         self.iterations += 1
-        if self.iterations % AUDIT_EVERY == 0:
+        if self.s.last_batch is not None:
             self.audit_pool()
 
     def audit_pool(self) -> None:

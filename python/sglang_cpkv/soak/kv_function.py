@@ -20,7 +20,6 @@ TILE = 128  # FP8 quantization block of the latent and the index key
 FP8_MAX = 448.0
 _MOD = (1 << 61) - 1
 _BASE = 1_000_003
-_P31 = (1 << 31) - 1
 
 
 def prefix_hashes(token_ids, start_hash: int = 0) -> list[int]:
@@ -32,14 +31,16 @@ def prefix_hashes(token_ids, start_hash: int = 0) -> list[int]:
     return out
 
 
-def _columns(width: int, salt: int) -> tuple[torch.Tensor, torch.Tensor]:
+_TABLE_ROWS = 1 << 16
+
+
+def _tables(width: int, salt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two ``[65536, width]`` tables of value indices: a hash's row combines the rows of its low and high 16 bits."""
     gen = torch.Generator().manual_seed(salt)
-    a = torch.randint(1, _P31, (width,), generator=gen, dtype=torch.int64)
-    c = torch.randint(0, _P31, (width,), generator=gen, dtype=torch.int64)
-    return a, c
+    return tuple(torch.randint(0, 1 << 15, (_TABLE_ROWS, width), generator=gen, dtype=torch.int32) for _ in range(2))
 
 
-_NOPE_COLS, _ROPE_COLS, _INDEX_COLS = _columns(NOPE, 1), _columns(ROPE, 2), _columns(INDEX_DIM, 3)
+_NOPE_TABLES, _ROPE_TABLES, _INDEX_TABLES = _tables(NOPE, 1), _tables(ROPE, 2), _tables(INDEX_DIM, 3)
 
 
 def _fp8_exact_values() -> torch.Tensor:
@@ -55,25 +56,25 @@ def _fp8_exact_values() -> torch.Tensor:
 _VALUES = _fp8_exact_values()
 
 
-def _expand(hashes: torch.Tensor, cols: tuple[torch.Tensor, torch.Tensor], layer: int) -> torch.Tensor:
+def _expand(hashes: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], layer: int) -> torch.Tensor:
     """bf16 values of each hash, one per column, layer-dependent (:func:`_fp8_exact_values`; the first of every
-    128 columns is +-7, the tile's scale)."""
-    a, c = cols
-    h = (hashes.to(torch.int64) + layer * 7919) % _P31
-    x = (h[:, None] * a[None, :] + c[None, :]) % _P31
-    values = _VALUES[x % _VALUES.numel()]
-    values[:, ::TILE] = torch.where(x[:, ::TILE] % 2 == 0, 7.0, -7.0)
+    128 columns is +-7, the tile's scale). Two rows agree only where 32 bits of their (layer-salted) hashes do."""
+    h = (hashes.to(torch.int64) * 0x9E3779B1 + layer * 0x85EBCA77) % _MOD
+    low, high = tables
+    index = (low[h & 0xFFFF] + high[(h >> 16) & 0xFFFF]) % _VALUES.numel()
+    values = _VALUES[index]
+    values[:, ::TILE] = torch.where((h & 1 << 40)[:, None] != 0, 7.0, -7.0)
     return values.to(torch.bfloat16)
 
 
 def latent_rows(hashes: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(k_nope [n, 512], k_rope [n, 64])`` bf16 of the positions whose hashes are ``hashes`` (int64 ``[n]``)."""
-    return _expand(hashes, _NOPE_COLS, layer), _expand(hashes, _ROPE_COLS, layer)
+    return _expand(hashes, _NOPE_TABLES, layer), _expand(hashes, _ROPE_TABLES, layer)
 
 
 def index_keys(hashes: torch.Tensor, layer: int) -> torch.Tensor:
     """The indexer's keys ``[n, 128]`` bf16 of the positions whose hashes are ``hashes``."""
-    return _expand(hashes, _INDEX_COLS, layer)
+    return _expand(hashes, _INDEX_TABLES, layer)
 
 
 def packed_fp8_rows(k_nope: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:

@@ -19,16 +19,16 @@ Used by :mod:`sglang_cpkv.soak.prefill`.
 from __future__ import annotations
 
 import dataclasses
-import types
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from sglang_cpkv.soak import kv_function
-from sglang_cpkv.soak.server import HEADS, LAYERS, ServerConfig
+from sglang_cpkv.soak.server import HEADS, LAYERS, ServerConfig, SoakWorker, standin_runner
 from sglang_cpkv.testing import dsa_kit
 from sglang_cpkv.testing.dsa_kit import NOPE, ROPE
+from sglang_cpkv.testing.host_reads import HostReadCounter
 
 MAX_EXAMPLES = 20
 
@@ -43,6 +43,11 @@ class Checks:
     reads_checked: int = 0
     index_k_rows_checked: int = 0
     pool_rows_checked: int = 0
+    dense_slots_max: int = 0  # the most dense slots a batch's plan took
+    dense_slots_reserved: int = 0  # what start-up reserved
+    mode_host_syncs_max: int = 0  # the most host reads of device data the mode made in one batch (the design: 1)
+    upstream_host_reads: int = 0  # tensor reads in upstream's frames (on a CPU most read host tensors)
+    host_hit_tokens: int = 0  # HiCache: tokens loaded back from host
     mismatches: int = 0
     examples: list[dict] = field(default_factory=list)
 
@@ -130,13 +135,11 @@ def make_runner(config: ServerConfig, pools: Any, server_model_config: Any, devi
         module.attn.layer_id = layer
         modules.append(module)
     from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
-    from sglang.srt.model_executor.model_runner_components.ngram_embedding_manager import NgramEmbeddingManager
 
-    tokens = pools.max_total_num_tokens
-    runner = types.SimpleNamespace(
-        is_draft_worker=False,
-        device=device,
-        model_config=server_model_config,
+    runner = standin_runner(
+        pools,
+        server_model_config,
+        device,
         kv_index_translator=KVIndexTranslator(
             req_to_token=pools.req_to_token_pool.req_to_token,
             token_to_kv_pool_allocator=pools.allocator,
@@ -145,64 +148,23 @@ def make_runner(config: ServerConfig, pools: Any, server_model_config: Any, devi
             device=device,
         ),
         prefill_attention_backend_str="dsa",
-        ngram_embedding_manager=NgramEmbeddingManager(enabled=False, table=None, n=0),
-        lora_manager=None,
         attn_backend=backend,
-        prefill_aware_swa=False,
-        req_to_token_pool=pools.req_to_token_pool,
-        token_to_kv_pool=pools.token_to_kv_pool,
-        token_to_kv_pool_allocator=pools.allocator,
-        max_running_requests=pools.max_running_requests,
-        logical_max_total_num_tokens=tokens,
-        effective_logical_max_total_num_tokens=tokens,
-        forward_stream=None,
-        mtp_draft_device_pools=None,
-        mtp_draft_mamba_pools=None,
-        sliding_window_size=None,
-        is_hybrid_swa=False,
         kv_cache_dtype_str=config.kv_cache_dtype,
-        canary_manager=None,
-        model=None,
     )
     return runner, backend, modules
 
 
-class StandInWorker:
-    """The prefill scheduler's model worker (upstream's ``BaseTpWorker`` interface the scheduler calls)."""
+class StandInWorker(SoakWorker):
+    """The prefill scheduler's model worker."""
 
     def __init__(self, config: ServerConfig, runner: Any, backend: Any, modules: list[Any], rank: int, seed: int):
-        from sglang.srt.managers.tp_worker import BaseTpWorker
-
-        self.config, self._runner, self.backend, self.modules = config, runner, backend, modules
-        self.model_config = runner.model_config
+        super().__init__(runner)
+        self.config, self.backend, self.modules = config, backend, modules
         self.rank, self.seed = rank, seed
         self.expected = kv_function.ExpectedRows(config.fp8)
         self.hashes = _Hashes()
         self.checks = Checks(rank)
-        self.random_seed, self.device, self.dllm_algorithm = 1, runner.device, None
-        self.model_runner_list = None
-        self._base = BaseTpWorker  # its get_memory_pool / is_hybrid_swa, as upstream's workers have them
-
-    @property
-    def model_runner(self) -> Any:
-        return self._runner
-
-    @property
-    def is_hybrid_swa(self) -> bool:
-        return False
-
-    @property
-    def last_shared_read_runner(self) -> Any:
-        return self._runner
-
-    def get_memory_pool(self):
-        return self._base.get_memory_pool(self)
-
-    def get_tokens_per_layer_info(self):
-        return None, None
-
-    def get_pad_input_ids_func(self):
-        return None
+        self._loaded_back: set[str] = set()
 
     def forward_batch_generation(self, batch: Any, **kwargs: Any) -> Any:
         from sglang.srt.layers.cp.utils import is_cp_active, prepare_cp_forward
@@ -217,20 +179,42 @@ class StandInWorker:
             prepare_cp_forward(forward_batch)
         capture = dsa_kit._Capture(self.backend, run_kernels=self.device != "cpu")
         try:
-            with torch.no_grad():
+            with torch.no_grad(), HostReadCounter(every_frame=True) as reads:
                 self.backend.init_forward_metadata(forward_batch)
+                self._reserved(forward_batch)
                 if not cp_active:
                     forward_batch.attn_cp_metadata = None
                 with forward_context(ForwardContext(attn_backend=self.backend), forward_batch=forward_batch):
                     self._layers(batch, forward_batch, capture)
         finally:
             capture.restore()
-        self.checks.batches += 1
+        checks = self.checks
+        checks.batches += 1
+        checks.mode_host_syncs_max = max(checks.mode_host_syncs_max, sum(reads.syncs().values()))
+        checks.upstream_host_reads += sum(reads.others.values())
+        for req in batch.reqs:  # a load-back is spliced in at the request's admission: counted once per request
+            if req.rid not in self._loaded_back and req.host_loaded_length:
+                self._loaded_back.add(req.rid)
+                checks.host_hit_tokens += req.host_loaded_length
         return GenerationBatchResult(
             logits_output=None,
             next_token_ids=torch.full((batch.batch_size(),), 7, dtype=torch.int64),
             can_run_cuda_graph=False,
         )
+
+    def _reserved(self, forward_batch: Any) -> None:
+        """The dense slots the mode's plan took for this batch, against what start-up reserved."""
+        from sglang_cpkv.hooks import dsa_batch, state
+
+        batch = dsa_batch.extend_batch(self.backend, forward_batch)
+        if batch is None:
+            return
+        reserved = state.config().reservation.dense_slots
+        used = batch.plan.num_slots
+        self.checks.dense_slots_max = max(self.checks.dense_slots_max, used)
+        self.checks.dense_slots_reserved = reserved
+        if used > reserved:
+            self.checks.mismatch(kind="dense slots past the reservation", slots=used, reserved=reserved)
 
     def _layers(self, batch: Any, forward_batch: Any, capture: Any) -> None:
         reqs = batch.reqs

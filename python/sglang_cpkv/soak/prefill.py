@@ -12,9 +12,11 @@ all-reduces them over the CP group), so the ranks run in lockstep. Called by :mo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import traceback
+import zlib
 from array import array
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,8 +48,6 @@ class RankJob:
 
 def bootstrap_room(rid: str) -> int:
     """The room the router gives a request (its decode and prefill meet there): stable across processes."""
-    import zlib
-
     return zlib.crc32(rid.encode()) | 1 << 40
 
 
@@ -103,6 +103,7 @@ class WorkloadReceiver:
         s = self.s
         self.ledger.take(s.recorder.outputs, self.by_rid)
         self.checker.after_iteration(self.ledger)
+        self._same_on_every_rank()
         out = list(local_reqs)
         for spec in self.by_arrival.get(self.iteration, ()):
             out.append(self._request(spec))
@@ -120,6 +121,33 @@ class WorkloadReceiver:
                 f"{len(self.specs)})"
             )
         return out
+
+    def _same_on_every_rank(self) -> None:
+        """Every CP rank is at the same iteration with the same queues and pool (upstream's ranks agree on every
+        decision through their all-reduces; a rank that drifts would hang in the next collective instead)."""
+        group = self.s.attn_cp_cpu_group
+        if group is None or torch.distributed.get_world_size(group) == 1:
+            return
+        state = self._state()
+        digest = torch.tensor([zlib.crc32(repr(state).encode())], dtype=torch.int64)
+        digests = [torch.zeros_like(digest) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(digests, digest, group=group)
+        if len({int(d) for d in digests}) > 1:
+            states = [None] * len(digests)
+            torch.distributed.all_gather_object(states, state, group=group)
+            raise RuntimeError(f"the CP ranks diverged at iteration {self.iteration}: {states}")
+
+    def _state(self) -> tuple:
+        s = self.s
+        return (
+            self.iteration,
+            tuple(r.rid for r in s.waiting_queue),
+            tuple(r.rid for r in s.disagg_prefill_bootstrap_queue.queue),
+            tuple(r.rid for r in s.disagg_prefill_inflight_queue),
+            None if s.chunked_req is None else (s.chunked_req.rid, s.chunked_req.prefix_len),
+            s.token_to_kv_pool_allocator.available_size(),
+            None if getattr(s.tree_cache, "disable", False) else s.tree_cache.evictable_size(),
+        )
 
     def _all_ended(self) -> bool:
         return len(self.ledger.served) + len(self.ledger.aborted) + len(self.ledger.unexpected) >= len(self.specs)
@@ -171,12 +199,24 @@ class WorkloadReceiver:
         return out
 
 
+def host_transfers(job: RankJob):
+    """HiCache's host transfers where there is no GPU: upstream's host pinning and ``sgl_kernel`` MLA transfer ops
+    stood in by byte copies (:func:`sglang_cpkv.testing.hicache_cpu.cpu_host_transfers`); nothing otherwise."""
+    if not job.server.hicache or job.device != "cpu":
+        return contextlib.nullcontext()
+    from sglang_cpkv.testing.hicache_cpu import cpu_host_transfers
+
+    return cpu_host_transfers()
+
+
 def run_prefill_rank(job: RankJob, to_decode: Any, results: Any) -> None:
     """A prefill rank process: build, serve the workload with upstream's loop, check the end state, report."""
     report: dict[str, Any] = {"role": "prefill", "rank": job.rank}
+    stack = contextlib.ExitStack()
     scheduler = None
     try:
         args = start_process(job.server, "prefill", job.rank, job.model_dir, job.bootstrap_port, job.init_method)
+        pointers = stack.enter_context(host_transfers(job))
         from sglang.srt.configs.model_config import ModelConfig
         from sglang.srt.managers.scheduler import Scheduler
 
@@ -185,6 +225,10 @@ def run_prefill_rank(job: RankJob, to_decode: Any, results: Any) -> None:
         runner, backend, modules = make_runner(job.server, pools, model_config, job.device)
         worker = StandInWorker(job.server, runner, backend, modules, job.rank, job.workload.seed)
         scheduler = build_scheduler(args, worker, model_config, device=job.device)
+        if pointers is not None:
+            from sglang_cpkv.testing.hicache_cpu import register_pools
+
+            register_pools(pointers, [pools.token_to_kv_pool], scheduler.tree_cache.host_pool_group)
         receiver = WorkloadReceiver(scheduler, worker, job, to_decode if job.rank == 0 else None)
         scheduler.request_receiver = receiver
         start = time.monotonic()
@@ -214,3 +258,4 @@ def run_prefill_rank(job: RankJob, to_decode: Any, results: Any) -> None:
             to_decode.put(("done", None))
         results.put(report)
         stop_kv_manager(getattr(scheduler, "disagg_prefill_bootstrap_queue", None))
+        stack.close()

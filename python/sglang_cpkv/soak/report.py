@@ -54,6 +54,9 @@ def scenario(server: Any, workload: Any, reports: list[dict], seconds: float) ->
     served_p, aborted_p = endings[0] if endings else (frozenset(), frozenset())
     abort_sent = prefill[0].get("abort_sent", {}) if prefill else {}
     served_d, aborted_d = set(decode.get("served", ())), set(decode.get("aborted", ()))
+    syncs = max((c["mode_host_syncs_max"] for c in checks), default=0)
+    if syncs > 1:
+        problems.append(f"the mode read device data on the host {syncs} times in one batch (the design: once)")
     unexpected = [u for r in [*prefill, decode] for u in r.get("unexpected", ())]
     if unexpected:
         problems.append(f"{len(unexpected)} requests ended unexpectedly: {unexpected[:5]}")
@@ -89,6 +92,10 @@ def scenario(server: Any, workload: Any, reports: list[dict], seconds: float) ->
             "index_k_rows_checked": sum(c["index_k_rows_checked"] for c in checks),
             "pool_rows_checked": sum(c["pool_rows_checked"] for c in checks),
             "transferred_bytes": decode.get("transferred_bytes", 0),
+            "host_hit_tokens": sum(c["host_hit_tokens"] for c in checks if c["rank"] == 0),
+            "dense_slots_max": max((c["dense_slots_max"] for c in checks), default=0),
+            "dense_slots_reserved": max((c["dense_slots_reserved"] for c in checks), default=0),
+            "mode_host_syncs_max_per_batch": syncs,
             "mismatches": mismatches,
             "leaks": len(leaks),
             "crashes": len(crashes),
@@ -111,7 +118,7 @@ def summary_line(figures_or_result: dict) -> str:
 
 def whole(results: list[dict]) -> dict:
     keys = ("requests", "served", "aborted", "batches", "prefill_tokens", "reads_checked", "index_k_rows_checked")
-    keys += ("pool_rows_checked", "transferred_bytes", "mismatches", "leaks", "crashes")
+    keys += ("pool_rows_checked", "transferred_bytes", "host_hit_tokens", "mismatches", "leaks", "crashes")
     totals = {k: sum(r["figures"][k] for r in results) for k in keys}
     by_cp: dict[str, int] = {}
     for r in results:

@@ -136,7 +136,7 @@ def start_process(config: ServerConfig, role: str, rank: int, model_dir: str, bo
     from sglang_cpkv.testing import dsa_kit
 
     dsa_kit._upstream()  # torchvision stub, the device capability of a Hopper GPU
-    _quiet_prometheus()
+    require_transfer_engine()
     import msgspec
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import init_mooncake_transfer_engine
@@ -201,12 +201,23 @@ def stop_kv_manager(disagg_queue: Any) -> None:
         logger.exception("KV manager teardown")
 
 
-def _quiet_prometheus() -> None:
-    """Upstream's Mooncake KV manager imports ``prometheus_client`` (an upstream requirement); fail naming it."""
+def require_transfer_engine() -> None:
+    """Mooncake's transfer engine and what upstream's KV manager imports beside it, or an error naming the package."""
     import importlib.util
 
     if importlib.util.find_spec("prometheus_client") is None:
         raise RuntimeError("the soak needs prometheus-client (upstream's requirement): pip install prometheus-client")
+    try:
+        import mooncake.engine  # noqa: F401
+    except ImportError as exc:
+        if "libibverbs" in str(exc):
+            raise RuntimeError(
+                f"Mooncake's transfer engine needs the system package libibverbs1 (apt-get install libibverbs1): {exc}"
+            ) from exc
+        raise RuntimeError(
+            "the soak needs Mooncake's transfer engine: pip install mooncake-transfer-engine-non-cuda==0.3.13.post1 "
+            f"(requirements/dev-cpu.txt; upstream's image ships its CUDA build): {exc}"
+        ) from exc
 
 
 @dataclass
@@ -250,6 +261,75 @@ def _patched(owner: Any, name: str, value: Any):
         yield
     finally:
         setattr(owner, name, saved)
+
+
+class SoakWorker:
+    """What upstream's scheduler and cache builder read of a model worker (``BaseTpWorker``'s surface), for the soak's
+    stand-in workers: their runner (``model_runner``), pools and HiCache consumer hooks."""
+
+    random_seed, dllm_algorithm, model_runner_list = 1, None, None
+    hicache_layer_transfer_counter = None
+
+    def __init__(self, runner: Any) -> None:
+        self._runner = runner
+        self.model_config, self.device = runner.model_config, runner.device
+
+    @property
+    def model_runner(self) -> Any:
+        return self._runner
+
+    @property
+    def is_hybrid_swa(self) -> bool:
+        return False
+
+    @property
+    def last_shared_read_runner(self) -> Any:
+        return self._runner
+
+    def get_memory_pool(self):
+        return self._runner.req_to_token_pool, self._runner.token_to_kv_pool_allocator
+
+    def get_tokens_per_layer_info(self):
+        return None, None
+
+    def get_pad_input_ids_func(self):
+        return None
+
+    def register_hicache_layer_transfer_counter(self, counter: Any) -> None:
+        self.hicache_layer_transfer_counter = counter
+
+    def set_hicache_consumer(self, consumer_index: int) -> None:
+        if self.hicache_layer_transfer_counter is not None:
+            self.hicache_layer_transfer_counter.set_consumer(consumer_index)
+
+
+def standin_runner(pools: Any, model_config: Any, device: str, **fields: Any) -> Any:
+    """The model runner fields upstream's scheduler, cache builder and ``ForwardBatch.init_new`` read."""
+    from sglang.srt.model_executor.model_runner_components.ngram_embedding_manager import NgramEmbeddingManager
+
+    tokens = pools.max_total_num_tokens
+    return types.SimpleNamespace(
+        is_draft_worker=False,
+        device=device,
+        model_config=model_config,
+        ngram_embedding_manager=NgramEmbeddingManager(enabled=False, table=None, n=0),
+        lora_manager=None,
+        prefill_aware_swa=False,
+        req_to_token_pool=pools.req_to_token_pool,
+        token_to_kv_pool=pools.token_to_kv_pool,
+        token_to_kv_pool_allocator=pools.allocator,
+        max_running_requests=pools.max_running_requests,
+        logical_max_total_num_tokens=tokens,
+        effective_logical_max_total_num_tokens=tokens,
+        forward_stream=None,
+        mtp_draft_device_pools=(),
+        mtp_draft_mamba_pools=(),
+        sliding_window_size=None,
+        is_hybrid_swa=False,
+        canary_manager=None,
+        model=None,
+        **fields,
+    )
 
 
 class Recorder:

@@ -67,6 +67,18 @@ class _PointerTable:
             ]
 
 
+def register_pools(table: _PointerTable, device_pools: list[Any], host_pool_group: Any) -> None:
+    """Put the device pools' buffers and a HiCache host pool group's tensors in ``table``, where the stood-in all-layer
+    ops resolve the pointers upstream's controller hands them."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+
+    kv_host = host_pool_group.anchor_entry.host_pool
+    indexer_host = host_pool_group.get_pool(PoolName.INDEXER)
+    native = getattr(kv_host, "host_pool", kv_host)  # inside the owner-sharded wrapper, when there is one
+    table.add([b for p in device_pools for b in (*p.kv_buffer, *p.index_k_with_scale_buffer)] + list(native.data_refs))
+    table.add(list(getattr(indexer_host, "index_k_data_refs", None) or []))
+
+
 @contextlib.contextmanager
 def cpu_host_transfers() -> Iterator[_PointerTable]:
     """Upstream's host pinning and MLA transfer ops stood in on CPU (module docstring), restored on exit. Yields the
@@ -84,6 +96,8 @@ def cpu_host_transfers() -> Iterator[_PointerTable]:
     }
     saved = [(common, "_cuda_host_register", common._cuda_host_register)]
     common._cuda_host_register = lambda *args, **kwargs: None
+    saved.append((torch.cpu.Stream, "synchronize", getattr(torch.cpu.Stream, "synchronize", None)))
+    torch.cpu.Stream.synchronize = lambda stream: None  # CPU work is done when it returns
     for module in (mla_host, dsa_host):
         for name, op in ops.items():
             saved.append((module, name, getattr(module, name, None)))
@@ -130,7 +144,6 @@ class HostTier:
         self, world: Any, table: _PointerTable, mem_layout: str, write_policy: str = "write_through", drafts=()
     ) -> None:
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.hicache_storage import PoolName
         from sglang.srt.mem_cache.hybrid_cache import hybrid_pool_assembler
         from sglang.srt.runtime_context import get_memory
 
@@ -157,12 +170,7 @@ class HostTier:
                 cache=None, kvcache=pool, params=params, server_args=None, load_cache_event=threading.Event()
             )
         self.controller = built.cache_controller
-        kv_host = built.host_pool_group.anchor_entry.host_pool
-        indexer_host = built.host_pool_group.get_pool(PoolName.INDEXER)
-        native = getattr(kv_host, "host_pool", kv_host)  # inside the owner-sharded wrapper, when there is one
-        device = [pool, *self.drafts]
-        table.add([b for p in device for b in (*p.kv_buffer, *p.index_k_with_scale_buffer)] + list(native.data_refs))
-        table.add(list(getattr(indexer_host, "index_k_data_refs", None) or []))
+        register_pools(table, [pool, *self.drafts], built.host_pool_group)
 
     @staticmethod
     def _index_k_follows_kv() -> list:

@@ -43,7 +43,7 @@ from sglang_cpkv.testing.dsa_kit import (
     request_reads,
     run_kit_ranks,
 )
-from sglang_cpkv.testing.host_reads import HostReadCounter
+from sglang_cpkv.testing.host_reads import HOST_MEMORY_READS, HostReadCounter
 
 register_cpu_ci(est_time=600, suite="cpkv-cpu")
 from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E402, F401 (autouse: upstream's context per test)
@@ -683,20 +683,6 @@ def test_cp2_the_dropped_request_is_on_one_rank_only(gloo_results):
     assert len(holders) == 1
 
 
-# Host reads of tensor values the serving code makes in a forward: only the plan's, and of those only the one
-# copy of the history page ids under CP reads data a GPU would hold. The others read host memory: validation of
-# host inputs (a server hands the plan device tensors, so on a GPU they do not run), the plan's own host staging
-# buffer as it writes it, and the previous batch's error counter, read from its pinned host copy once the copy's
-# event has completed. None in any layer.
-HOST_MEMORY_READS = {
-    "runtime.plan:_validate_host_ids",
-    "runtime.plan:_validate_host_locations",
-    "runtime.plan:page_ids",  # numpy of a host page table (``.numpy()`` refuses a device tensor; numpy layout)
-    "runtime.plan:fill",  # numpy of the host staging buffer it writes (before the one copy to the device)
-    "ops.errors:describe_errors",
-}
-
-
 def test_cp2_no_dense_latent_view_where_the_route_never_reads_it(gloo_results):
     """The RAGGED route on a batch without a cached prefix attends over the current rows themselves: the mode
     allocates no dense latent view for it (the index-K view is still read), and does for every batch that reads
@@ -729,6 +715,7 @@ def test_cp2_one_host_read_per_batch_none_per_layer(gloo_results):
         for key, counts in results.items():
             if key[0] != "host reads" or not key[2]:
                 continue
+            # only the plan's one copy of the history page ids reads data a GPU would hold; none in any layer
             ours = {where: n for where, n in counts.items() if where not in HOST_MEMORY_READS}
             history = any(p > 0 for p in _scenario_case(key[1], key[3]).prefix_lens)
             assert ours == ({"runtime.plan:build_plan": 1} if history else {}), (key, counts)
