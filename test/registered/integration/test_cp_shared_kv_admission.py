@@ -553,7 +553,7 @@ def test_an_ignore_eos_chunk_ends_on_a_page_with_the_radix_cache_off(monkeypatch
     sampling_params.verify(VOCAB)
     req = Req("r0", "", array("q", range(1000, 1500)), sampling_params)
     adder, results = world.prefill_pass([req])
-    assert adder.new_chunked_req is req
+    assert adder.new_chunked_req is req and results == {"r0": AddReqResult.CONTINUE}
     assert req.extend_end == 192  # three pages of the 200-token chunk budget
     for prefix, end in ((0, req.extend_end), (req.extend_end, 500)):
         locs = world.allocator.alloc_extend(
