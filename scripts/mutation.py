@@ -13,6 +13,7 @@ environment lacks what some CPU tests need (the upstream wheel cache of the star
 
     make mutation                                                   # every mutation; writes the report below
     .venv/bin/python scripts/mutation.py --row IndexShare            # one row again, the others' lines kept
+    .venv/bin/python scripts/mutation.py --unjudged --tests soak/    # new mutations, with the soak's test only
     python3 scripts/mutation.py --row device --gpu-only --no-report  # the device machine's part, printed only
 
 Report: ``docs/design/cp-shared-kv-mutations-report.md``. Not part of ``make test`` (it runs the kit tests once per
@@ -154,6 +155,17 @@ def main(argv=None) -> int:
     parser.add_argument("--gpu-only", action="store_true", help="only the gpu mutations, with the CUDA test files")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per run of a row's tests")
     parser.add_argument("--no-report", action="store_true", help="print only; leave the committed report alone")
+    parser.add_argument(
+        "--unjudged",
+        action="store_true",
+        help="only the mutations without a line in the committed report (new, changed)",
+    )
+    parser.add_argument(
+        "--tests",
+        metavar="SUBSTRING",
+        help="only the row's tests whose path::name contains this (a subset that fails "
+        "proves the row's tests catch the change)",
+    )
     args = parser.parse_args(argv)
 
     rows, muts = proven_rows(), mutations()
@@ -163,6 +175,9 @@ def main(argv=None) -> int:
         return 2
     if args.row:
         muts = [m for m in muts if m.row in args.row]
+    if args.unjudged:
+        committed = committed_lines()
+        muts = [m for m in muts if m.label not in committed]
     if args.gpu_only:
         args.cuda, muts = True, [m for m in muts if m.gpu]
         if not muts:
@@ -175,7 +190,7 @@ def main(argv=None) -> int:
     def refs_of(m: Mutation) -> list[str]:
         """The row's tests that can see the mutation: a CUDA launcher's line (``gpu``) only the CUDA test files run (a
         row's CPU tests may need what a GPU host lacks, the upstream wheel cache of the start-up tests)."""
-        refs = runnable[m.row]
+        refs = [r for r in runnable[m.row] if args.tests is None or args.tests in r]
         return [r for r in refs if r.split("::")[0].endswith("_cuda.py")] if m.gpu else refs
 
     results = []

@@ -45,16 +45,27 @@ def _free_port() -> int:
 
 
 def ci_scenarios(seed: int = 1) -> list[tuple[ServerConfig, WorkloadConfig]]:
-    """The CI soak (``make test``): cp 1 and cp 2, the transfer, both pool formats, radix on and off, a chunk that is a
-    multiple of the page and one that is not, ``ignore_eos``, aborts, pools small enough that admission waits."""
+    """The CI soak (``make test``): cp 1 with the radix cache off, a chunk that is not a page multiple and bf16; cp 2
+    with FP8, the radix cache and HiCache host offload in a pool small enough that it evicts and pages load back, and
+    the mode's limit at its least (one request of a 1,024-token context), so that admission defers; the transfer,
+    ``ignore_eos`` and aborts of every kind in both."""
     return [
         (
-            ServerConfig(cp=1, chunked_prefill_size=200, radix_cache=True, fp8=False),
-            WorkloadConfig(requests=40, seed=seed, median_message=40, max_prompt=900),
+            ServerConfig(cp=1, chunked_prefill_size=200, radix_cache=False, fp8=False),
+            WorkloadConfig(requests=30, seed=seed, median_message=40, max_prompt=900),
         ),
         (
-            ServerConfig(cp=2, chunked_prefill_size=256, radix_cache=False, fp8=True, prefill_backend="flashmla_kv"),
-            WorkloadConfig(requests=24, seed=seed + 1, median_message=32, max_prompt=600),
+            ServerConfig(
+                cp=2,
+                chunked_prefill_size=256,
+                fp8=True,
+                prefill_backend="flashmla_kv",
+                hicache=True,
+                kv_budget_mib=4,
+                context_length=1024,
+                max_batch_tokens=1024,
+            ),
+            WorkloadConfig(requests=40, seed=seed + 1, median_message=48, max_prompt=600, new_conversation=0.3),
         ),
     ]
 

@@ -355,8 +355,11 @@ class StandInWorker(SoakWorker):
             start += length
 
     def _selected_requests(self, forward_batch: Any, num_reqs: int) -> list[int]:
-        """The batch's requests the indexer's tables hold on this rank (under CP, those with local query rows)."""
-        bs_idx = getattr(self.backend.forward_metadata, "bs_idx_cpu", None)
-        if bs_idx is not None:
-            return [int(x) for x in bs_idx]
-        return list(range(num_reqs))
+        """The batch's requests the indexer's tables hold on this rank: under CP those with local query rows
+        (upstream's ``interleave_rows_per_request``, the host form of the backend's ``shard_per_request``)."""
+        if forward_batch.attn_cp_metadata is None:
+            return list(range(num_reqs))
+        from sglang.srt.layers.cp.interleave import interleave_rows_per_request
+
+        rows = interleave_rows_per_request(list(forward_batch.extend_seq_lens_cpu), self.rank, self.config.cp)
+        return [r for r, n in enumerate(rows) if n > 0]

@@ -30,6 +30,7 @@ from sglang_cpkv.soak.workload import Abort, RequestSpec, WorkloadConfig, make_w
 
 logger = logging.getLogger(__name__)
 IDLE_SLEEP_S = 0.002
+STALL_S = 60.0  # no batch for this long while requests are pending: a stall, reported with what the server holds
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class WorkloadReceiver:
         self.iteration = -1
         self.ledger = Ledger()
         self.checker = invariants.IterationChecker(scheduler, worker, job.rank)
-        self.started = time.monotonic()
+        self.started = self.last_progress = time.monotonic()
         self.vocab = scheduler.model_config.vocab_size
 
     def recv_requests(self, local_reqs=()) -> list[Any]:
@@ -110,6 +111,12 @@ class WorkloadReceiver:
             if self.to_decode is not None:
                 self.to_decode.put(("request", spec.rid))
         out += self._aborts()
+        if s.last_batch is not None:
+            self.last_progress = time.monotonic()
+        elif time.monotonic() - self.last_progress > STALL_S and not s.is_fully_idle():
+            raise RuntimeError(
+                f"rank {self.job.rank}: no batch ran for {STALL_S:.0f} s with work pending: {self._stall()}"
+            )
         if not out and s.last_batch is None:
             time.sleep(IDLE_SLEEP_S)  # an idle server leaves the CPU to the other ranks and the decode
         if self.iteration > self.specs[-1].arrival and self._all_ended() and s.is_fully_idle():
@@ -148,6 +155,23 @@ class WorkloadReceiver:
             s.token_to_kv_pool_allocator.available_size(),
             None if getattr(s.tree_cache, "disable", False) else s.tree_cache.evictable_size(),
         )
+
+    def _stall(self) -> dict:
+        """What the server holds when it stopped making progress."""
+        s = self.s
+        allocator = s.token_to_kv_pool_allocator
+        return {
+            "waiting": [(r.rid, len(r.origin_input_ids)) for r in s.waiting_queue][:20],
+            "bootstrap": [(r.rid, int(r.disagg_kv_sender.poll())) for r in s.disagg_prefill_bootstrap_queue.queue][:20],
+            "inflight": [(r.rid, int(r.disagg_kv_sender.poll())) for r in s.disagg_prefill_inflight_queue],
+            "chunked": None if s.chunked_req is None else s.chunked_req.rid,
+            "available": allocator.available_size(),
+            "evictable": None if getattr(s.tree_cache, "disable", False) else s.tree_cache.evictable_size(),
+            "protected": None if getattr(s.tree_cache, "disable", False) else s.tree_cache.protected_size(),
+            "request_rows_free": len(s.req_to_token_pool.free_slots),
+            "class_free_pages": getattr(allocator, "class_free_page_counts", lambda: None)(),
+            "memory_check": s.invariant_checker._check_all_pools(s.pool_stats_observer.get_pool_stats()),
+        }
 
     def _all_ended(self) -> bool:
         return len(self.ledger.served) + len(self.ledger.aborted) + len(self.ledger.unexpected) >= len(self.specs)

@@ -66,6 +66,7 @@ class ServerConfig:
     decode_kv_budget_mib: float = 64.0
     max_running_requests: int = 8
     context_length: int = 4096
+    max_batch_tokens: int | None = None  # --cp-shared-kv-max-batch-tokens (None: the default)
     overlap: bool = False
     topk: int = 32
 
@@ -111,6 +112,8 @@ def server_argv(config: ServerConfig, role: str, model_dir: str, bootstrap_port:
         argv += ["--tp", str(config.cp), "--enable-prefill-cp", "--cp-strategy", "interleave"]
         if config.mode_on:
             argv.append("--enable-cp-shared-kv")
+            if config.max_batch_tokens is not None:
+                argv += ["--cp-shared-kv-max-batch-tokens", str(config.max_batch_tokens)]
     if not config.radix_cache:
         argv.append("--disable-radix-cache")
     if not config.overlap:

@@ -1,6 +1,6 @@
 """The wheel (what the image installs) carries the product, not the test support.
 
-``sglang_cpkv.testing`` (the kit driver, the GPU test environment's stand-ins) and ``sglang_cpkv.harness`` stay in
+``sglang_cpkv.testing`` (the kit driver, the GPU test environment's stand-ins), ``sglang_cpkv.harness`` and ``sglang_cpkv.soak`` stay in
 the checkout: ``python/pyproject.toml`` leaves them out, and no product module imports them
 (``hooks/test_hooks_import_graph.py``). Built here from a copy of ``python/`` with the environment's setuptools.
 """
@@ -44,7 +44,7 @@ def test_the_wheel_leaves_test_support_out(tmp_path):
     (wheel,) = tmp_path.glob("sglang_cpkv-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     packages = {"/".join(n.split("/")[:2]) for n in names if n.startswith("sglang_cpkv/")}
-    assert not {p for p in packages if p.split("/")[1] in ("testing", "harness")}, packages
+    assert not {p for p in packages if p.split("/")[1] in ("testing", "harness", "soak")}, packages
     for needed in ("sglang_cpkv/ops", "sglang_cpkv/hooks", "sglang_cpkv/pd_launch", "sglang_cpkv/upstream_import.py"):
         assert needed in packages, needed
     assert any(n.endswith(".cu") for n in names)  # the CUDA sources the image's AOT build reads

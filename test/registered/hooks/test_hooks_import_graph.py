@@ -3,7 +3,8 @@
 * The hook modules import each other without a circle: the DSA hooks <-> ``exchange_group`` <-> ``reservation`` once
   imported each other for the mode's settings; every import of another hook module, at module level or inside a
   function, is an edge here, and the graph must have no cycle. The settings live in ``hooks/settings.py``.
-* No product module imports test support (``sglang_cpkv.testing``, ``sglang_cpkv.harness``: not in the wheel).
+* No product module imports test support (``sglang_cpkv.testing``, ``sglang_cpkv.harness``, ``sglang_cpkv.soak``: not in
+  the wheel).
 """
 
 import ast
@@ -19,7 +20,7 @@ register_cpu_ci(est_time=5, suite="cpkv-cpu")
 SOURCES = Path(__file__).resolve().parents[3] / "python" / "sglang_cpkv"
 HOOKS = SOURCES / "hooks"
 PACKAGE = "sglang_cpkv.hooks"
-TEST_SUPPORT = ("sglang_cpkv.testing", "sglang_cpkv.harness")
+TEST_SUPPORT = ("sglang_cpkv.testing", "sglang_cpkv.harness", "sglang_cpkv.soak")
 
 
 def _module_name(path: Path) -> str:
@@ -89,7 +90,9 @@ def _test_support_imports(source: str) -> set[str]:
 
 
 def test_no_product_module_imports_test_support():
-    product = [p for p in SOURCES.rglob("*.py") if p.relative_to(SOURCES).parts[0] not in ("testing", "harness")]
+    product = [
+        p for p in SOURCES.rglob("*.py") if p.relative_to(SOURCES).parts[0] not in ("testing", "harness", "soak")
+    ]
     assert len(product) > 50
     offenders = {str(p.relative_to(SOURCES)): sorted(_test_support_imports(p.read_text())) for p in product}
     assert {path: names for path, names in offenders.items() if names} == {}
