@@ -14,6 +14,7 @@ request that did not end as the workload says, 2 on bad arguments.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -44,15 +45,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def ci_scenarios(seed: int = 1) -> list[tuple[ServerConfig, WorkloadConfig]]:
+def ci_scenarios() -> list[tuple[ServerConfig, WorkloadConfig]]:
     """The CI soak (``make test``): cp 1 with the radix cache off, a chunk that is not a page multiple and bf16; cp 2
     with FP8, the radix cache and HiCache host offload in a pool small enough that it evicts and pages load back, and
     the mode's limit at its least (one request of a 1,024-token context), so that admission defers; the transfer,
-    ``ignore_eos`` and aborts of every kind in both."""
+    ``ignore_eos`` and aborts of every kind in both. Fixed seeds: the first one's workload holds requests that a
+    chunk of 200 tokens cuts and whose client aborts them mid-chunk."""
     return [
         (
             ServerConfig(cp=1, chunked_prefill_size=200, radix_cache=False, fp8=False),
-            WorkloadConfig(requests=30, seed=seed, median_message=40, max_prompt=900),
+            WorkloadConfig(requests=30, seed=11, median_message=40, max_prompt=900),
         ),
         (
             ServerConfig(
@@ -65,33 +67,42 @@ def ci_scenarios(seed: int = 1) -> list[tuple[ServerConfig, WorkloadConfig]]:
                 context_length=1024,
                 max_batch_tokens=1024,
             ),
-            WorkloadConfig(requests=40, seed=seed + 1, median_message=48, max_prompt=600, new_conversation=0.3),
+            WorkloadConfig(requests=40, seed=2, median_message=48, max_prompt=600, new_conversation=0.3),
         ),
     ]
 
 
+# Requests per scenario of the long soak, by cp: a round of the matrix serves about 6:2.5:2 at cp 1:2:4, so that five
+# rounds pass 10,000 requests with 2,000 at each cp (the cp 4 ranks share the machine's cores five ways).
+LONG_REQUESTS = {1: 1200, 2: 500, 4: 400, 8: 200}
+
+
 def long_scenarios(cps: list[int], seed: int) -> Iterator[tuple[ServerConfig, WorkloadConfig]]:
-    """The long soak's matrix, one seed after another: every cp with both pool formats, radix on and off, chunks that
-    are and are not page multiples, each prefill route, HiCache on and off."""
+    """The long soak's matrix, round after round with new seeds: every cp with each prefill route and pool format,
+    the radix cache on and off, chunks that are and are not page multiples, HiCache on and off, the overlap scheduler
+    on and off."""
     routes = (
         ("flashmla_sparse", False),
         ("flashmla_kv", True),
         ("triton_sparse_mla", False),
         ("flashmla_sparse", True),
     )
-    while True:
+    for round_ in itertools.count():
         for cp in cps:
-            for i, (backend, fp8) in enumerate(routes):
-                server = ServerConfig(
-                    cp=cp,
-                    prefill_backend=backend,
-                    fp8=fp8,
-                    radix_cache=i % 2 == 0 or cp == 4,
-                    chunked_prefill_size=(200, 256, 320, 136)[i],
-                    hicache=i == 2,
-                )
-                yield server, WorkloadConfig(requests=300, seed=seed)
-                seed += 1
+            backend, fp8 = routes[round_ % len(routes)]
+            radix = round_ % 2 == 0
+            server = ServerConfig(
+                cp=cp,
+                prefill_backend=backend,
+                fp8=fp8,
+                radix_cache=radix,
+                hicache=radix and round_ % 4 == 2,
+                chunked_prefill_size=(200, 256, 320, 136)[(round_ + cp) % 4],
+                overlap=round_ % 3 == 1,
+            )
+            workload = WorkloadConfig(requests=LONG_REQUESTS[cp], seed=seed, median_message=24, max_prompt=1200)
+            yield server, workload
+            seed += 1
 
 
 def run_scenario(server: ServerConfig, workload: WorkloadConfig, *, device: str, workdir: Path) -> dict:
@@ -159,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ci", action="store_true", help="the CI soak: fixed seed, cp 1 and cp 2, about 3 minutes")
     parser.add_argument("--minutes", type=float, help="a long soak: run the matrix until this many minutes passed")
     parser.add_argument("--cp", default="1,2,4", help="CP sizes of the long soak (default 1,2,4)")
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=1, help="the long soak's first seed (the CI soak's are fixed)")
     parser.add_argument("--requests", type=int, help="requests per scenario (default: the scenario's)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (the stand-in model's pools on the GPU)")
     parser.add_argument("--out", type=Path, required=True, help="the JSON report")
@@ -175,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--cp {args.cp!r}: each CP size must be 1, 2, 4 or 8")
     os.environ.setdefault("TRITON_INTERPRET", "0" if args.device == "cuda" else "1")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="cpkv-soak-"))
-    scenarios = ci_scenarios(args.seed) if args.ci else long_scenarios(cps, args.seed)
+    scenarios = ci_scenarios() if args.ci else long_scenarios(cps, args.seed)
     deadline = None if args.minutes is None else time.monotonic() + args.minutes * 60
     reports = []
     for i, (server, workload) in enumerate(scenarios):

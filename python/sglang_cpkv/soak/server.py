@@ -149,6 +149,8 @@ def start_process(config: ServerConfig, role: str, rank: int, model_dir: str, bo
     dsa_kit._upstream()["kit"]._parallel_override.__exit__(None, None, None)  # the kit pins cp 1 at its import
     if os.environ.get("TRITON_INTERPRET") == "1":
         use_torch_fp8_quantizers()
+    if not torch.cuda.is_available():
+        torch.cuda.Event = _CpuEvent  # the overlap scheduler's prefill path makes CUDA events by name; a CPU has none
     args = prepare_server_args(server_argv(config, role, model_dir, bootstrap_port))
     args.resolve_once()
     if role == "prefill" and config.cp == 1 and config.mode_on:
