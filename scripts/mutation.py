@@ -230,7 +230,8 @@ def main(argv=None) -> int:
 
     # A mutation only a GPU can judge keeps the committed report's verdict on a CPU host.
     judged = [r for r in results if r[1] != NEEDS_GPU]
-    lines = {m.label: _report_line(m, verdict, seconds, summary) for m, verdict, seconds, summary in judged}
+    ran = f"the row's tests matching `{args.tests}`: " if args.tests else ""
+    lines = {m.label: _report_line(m, verdict, seconds, ran + summary) for m, verdict, seconds, summary in judged}
     report = _report(lines, args.cuda, args.row, args.gpu_only)
     print(report)
     if not args.no_report:

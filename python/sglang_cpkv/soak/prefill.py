@@ -30,7 +30,7 @@ from sglang_cpkv.soak.workload import Abort, RequestSpec, WorkloadConfig, make_w
 
 logger = logging.getLogger(__name__)
 IDLE_SLEEP_S = 0.002
-STALL_S = 60.0  # no batch for this long while requests are pending: a stall, reported with what the server holds
+STALL_S = 180.0  # no batch for this long while requests are pending: a stall, reported with what the server holds
 
 
 @dataclass(frozen=True)
