@@ -2,7 +2,7 @@
 
 Called from ``patches/core/hook-cp-shared-kv-into-dsa-extend.patch`` (:func:`on_extend_metadata`, in the EXTEND branch
 after upstream's CP cut), ``patches/core/follow-the-dense-layout-in-dsa-checks.patch`` (:func:`page_table_capacity`,
-:func:`current_chunk_locations`) and ``patches/core/remap-mtp-seed-under-cp-shared-kv.patch``
+:func:`page_table_rows_bound`, :func:`current_chunk_locations`) and ``patches/core/remap-mtp-seed-under-cp-shared-kv.patch``
 (:func:`mtp_seed_pool_locations`); design: ``docs/design/cp-shared-kv.md`` sections 3 and 7. Every hook returns
 upstream's own value when the flag is off.
 
@@ -10,8 +10,9 @@ upstream's own value when the flag is off.
   :class:`~.dsa_batch.BackendState` and returns the selected-request page table remapped to dense locations, so that
   every table upstream derives from it (``real_page_table``, ``page_table_1_flattened``, the fused top-k transform's
   output) addresses the per-request dense view.
-* :func:`page_table_capacity` / :func:`current_chunk_locations`: the metadata's capacity check and the no-prefix
-  RAGGED chunk table follow the dense layout.
+* :func:`page_table_capacity` / :func:`page_table_rows_bound` / :func:`current_chunk_locations`: the metadata's
+  capacity check (its bound known on the host: no device read) and the no-prefix RAGGED chunk table follow the dense
+  layout.
 * :func:`mtp_seed_pool_locations`: a fused top-k seed addresses the dense view; the draft decode needs pool locations.
 """
 
@@ -26,7 +27,8 @@ from sglang_cpkv.hooks import state
 from sglang_cpkv.hooks.dsa_batch import STATE_ATTR, BackendState, ExtendBatch, backend_state, extend_batch
 from sglang_cpkv.hooks.exchange_group import exchange_group
 from sglang_cpkv.hooks.page_ids import page_id_capacity
-from sglang_cpkv.hooks.settings import enabled
+from sglang_cpkv.hooks.settings import FLAG, enabled
+from sglang_cpkv.ops.errors import CpSharedKvError
 from sglang_cpkv.runtime import SingleRankGroup, build_plan
 from sglang_cpkv.runtime.cp_split import build_cp_split, upstream_interleave_split
 from sglang_cpkv.runtime.plan import dense_to_pool_locs
@@ -92,13 +94,29 @@ def on_extend_metadata(
 
 
 def remap_page_table(batch: ExtendBatch, page_table: torch.Tensor, bs_idx: torch.Tensor | None) -> torch.Tensor:
-    """Token locations of each row's request -> dense locations (row ``i`` is request ``bs_idx[i]``)."""
+    """Token locations of each row's request -> dense locations (row ``i`` is request ``bs_idx[i]``), in place.
+
+    Upstream's ``[rows, max_seqlen_k]`` table is its own copy (an advanced index of ``req_to_token``, and of its rows
+    under CP) that nothing reads as pool locations after this hook (every table of the batch derives from the one
+    returned), so it is remapped where it is: the mode allocates no second table, which the reservation could not
+    bound (rows x the longest request, not the batch's dense tokens).
+
+    Raises:
+        CpSharedKvError: the table is a view (of ``req_to_token``: remapping it would corrupt the request's pool
+            locations) or not contiguous int32 (an upstream change; see ``docs/design/cp-shared-kv.md``).
+    """
+    if page_table._base is not None or page_table.dtype != torch.int32 or not page_table.is_contiguous():
+        raise CpSharedKvError(
+            f"{FLAG}: upstream's page table is no longer its own contiguous int32 copy ({page_table.dtype}, "
+            f"view: {page_table._base is not None}, contiguous: {page_table.is_contiguous()}); it cannot be remapped "
+            "in place"
+        )
     rows = page_table.shape[0]
     if bs_idx is None:
         row_req = torch.arange(rows, dtype=torch.int64, device=page_table.device)
     else:
         row_req = bs_idx.to(device=page_table.device, dtype=torch.int64)
-    return batch.pipeline.remap(page_table, row_req).to(page_table.dtype)
+    return batch.pipeline.remap(page_table, row_req, out=page_table)
 
 
 def page_table_capacity(backend: Any, forward_batch: Any, pool_capacity: int) -> int:
@@ -106,6 +124,17 @@ def page_table_capacity(backend: Any, forward_batch: Any, pool_capacity: int) ->
     locations), the pool's (``pool_capacity``) otherwise."""
     batch = extend_batch(backend, forward_batch)
     return pool_capacity if batch is None else batch.plan.dense_rows
+
+
+def page_table_rows_bound(backend: Any, forward_batch: Any, seq_lens_sum: int) -> int:
+    """A host bound of the rows ``page_table_1_flattened`` addresses, for upstream's capacity check, which reads the
+    table's max from the device only when this bound exceeds :func:`page_table_capacity`: ``seq_lens_sum`` when off;
+    under the mode the dense view's rows, since every entry of the remapped table is -1 or a location of a slot of
+    the view (``remap_locs``: ``slot * page_size + offset``, ``slot < num_slots``; checked mode asserts it). A shared
+    prompt is one copy in the view but counted once per request in ``seq_lens_sum``, so upstream's own bound would
+    take its device read for every batch that shares a cached prefix."""
+    batch = extend_batch(backend, forward_batch)
+    return seq_lens_sum if batch is None else batch.plan.dense_rows
 
 
 def current_chunk_locations(backend: Any, forward_batch: Any, out_cache_loc: torch.Tensor) -> torch.Tensor:

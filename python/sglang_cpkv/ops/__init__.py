@@ -157,10 +157,11 @@ def _inverse_build_device(entry_pages, entry_req, num_requests, capacity, errors
 
 
 @implements(reference.remap_locs)
-def _remap_device(locs, req_id, inverse, page_size, errors):
+def _remap_device(locs, req_id, inverse, page_size, errors, out=None):
     reference.check_ids(locs, "locs")
     reference.check_ids(req_id, "req_id")
     reference.check_inverse(inverse)
+    reference.check_remap_out(out, locs)
     if page_size < 1:
         raise CpSharedKvError(f"page_size must be >= 1, got {page_size}")
     return locs.device

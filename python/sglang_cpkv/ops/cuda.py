@@ -62,8 +62,10 @@ def _register_fakes() -> None:
         )
 
     @torch.library.register_fake("sglang_cpkv::remap_locs")
-    def _remap_locs_fake(locs, req_id, inverse_keys, inverse_slots, num_requests, capacity, page_size, errors):
-        return torch.empty_like(locs, dtype=torch.int32, memory_format=torch.contiguous_format)
+    def _remap_locs_fake(
+        locs, req_id, inverse_keys, inverse_slots, num_requests, capacity, page_size, errors, out=None
+    ):
+        return torch.empty_like(locs, dtype=torch.int32, memory_format=torch.contiguous_format) if out is None else out
 
     @torch.library.register_fake("sglang_cpkv::current_dense_locs")
     def _current_dense_locs_fake(token_ends, dense_offsets, out_cache_loc, slot_pages, page_size, errors):
@@ -205,9 +207,9 @@ def build_page_inverse(entry_pages, entry_req, num_requests, capacity, errors, e
 
 
 @implements(reference.remap_locs)
-def remap_locs(locs, req_id, inverse, page_size, errors) -> torch.Tensor:
+def remap_locs(locs, req_id, inverse, page_size, errors, out=None) -> torch.Tensor:
     return _ops().remap_locs(
-        locs, req_id, inverse.keys, inverse.slots, inverse.num_requests, inverse.capacity, page_size, errors
+        locs, req_id, inverse.keys, inverse.slots, inverse.num_requests, inverse.capacity, page_size, errors, out
     )
 
 

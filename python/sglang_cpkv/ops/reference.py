@@ -318,6 +318,7 @@ def remap_locs(
     inverse: PageInverse,
     page_size: int,
     errors: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Map token locations of each request to locations in its dense view.
 
@@ -332,14 +333,18 @@ def remap_locs(
         page_size: tokens per page.
         errors: int32 counter: request ids outside ``[-1, R)``; locations below -1 and pages ``>= C``
             (:data:`ERR_PAGE_OUT_OF_RANGE`).
+        out: where to write the result: a contiguous int32 tensor of the shape of ``locs``, on its device; ``locs``
+            itself (int32, contiguous) remaps in place (each location is read before its own result is written, and
+            by the one lane that writes it). None: a new tensor.
 
     Returns:
-        int32, the shape of ``locs``: dense locations, ``-1`` for padding, a padding row, an
+        int32, the shape of ``locs`` (``out`` when given): dense locations, ``-1`` for padding, a padding row, an
         absent page (not in the request's page table) or a dropped bad id.
     """
     check_ids(locs, "locs")
     check_ids(req_id, "req_id")
     check_inverse(inverse)
+    check_remap_out(out, locs)
     rows, capacity = inverse.num_requests, inverse.capacity
     if locs.dim() == 1:
         loc2d = locs.reshape(-1, 1)
@@ -363,7 +368,20 @@ def remap_locs(
     slot = torch.full_like(loc, PADDING_ID)
     slot[ok] = lookup_slots(inverse, req[ok], page[ok])
     dense = torch.where(slot >= 0, slot * page_size + loc % page_size, PADDING_ID)
+    if out is not None:
+        return out.copy_(dense.reshape(locs.shape))
     return dense.to(torch.int32).reshape(locs.shape)
+
+
+def check_remap_out(out: torch.Tensor | None, locs: torch.Tensor) -> None:
+    """``remap_locs``'s ``out``: a contiguous int32 tensor of ``locs``'s shape and device (never values)."""
+    if out is None:
+        return
+    if out.dtype != torch.int32 or out.shape != locs.shape or out.device != locs.device or not out.is_contiguous():
+        raise CpSharedKvError(
+            f"remap_locs: out must be a contiguous int32 tensor of the shape of locs {tuple(locs.shape)} on "
+            f"{locs.device}, got {out.dtype}{tuple(out.shape)} on {out.device} (contiguous: {out.is_contiguous()})"
+        )
 
 
 def check_current_locs(

@@ -333,16 +333,17 @@ class LayerPipeline:
 
     # -- step 3: remap ---------------------------------------------------------------------------------
 
-    def remap(self, locs: torch.Tensor, req_id: torch.Tensor) -> torch.Tensor:
+    def remap(self, locs: torch.Tensor, req_id: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Dense locations of top-k pool locations ``[rows, K]`` (or ``[rows]``); ``req_id`` int64 ``[rows]``
         is each row's request (``plan.local_req_id`` for this rank's query rows; -1 padding rows).
-        Returns int32 of the shape of ``locs`` (-1: padding, or a page not in the row's request)."""
+        Returns int32 of the shape of ``locs`` (-1: padding, or a page not in the row's request), in ``out`` when given
+        (``locs`` itself: in place; ``ops.remap_locs``)."""
         plan = self.plan
         if req_id.shape != locs.shape[:1]:
             raise CpSharedKvError(
                 f"remap: req_id {tuple(req_id.shape)} must have one id per row of locs {tuple(locs.shape)}"
             )
-        dense_locs = ops.remap_locs(locs, req_id, plan.inverse, plan.page_size, plan.errors)
+        dense_locs = ops.remap_locs(locs, req_id, plan.inverse, plan.page_size, plan.errors, out)
         if plan.checked:
             checked_mode.check_remapped(plan, dense_locs, req_id, "remap")
         return dense_locs

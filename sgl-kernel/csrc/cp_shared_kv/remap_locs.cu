@@ -62,7 +62,7 @@ __device__ __forceinline__ int32_t find_slot(const int64_t* __restrict__ inverse
 /// \tparam FlatT uint32_t when N * K fits, else uint64_t.
 template <typename LocT, int kVec, int kUnroll, typename FlatT>
 __global__ void __launch_bounds__(kRemapThreads)
-    remap_locs_kernel(const LocT* __restrict__ locs,        // [N, K], row stride locs_row_stride
+    remap_locs_kernel(const LocT* locs,                     // [N, K], row stride locs_row_stride; may be dense_locs
                       int64_t locs_row_stride,              // elements between rows of locs
                       const int64_t* __restrict__ req_id,   // [N]
                       const int64_t* __restrict__ inverse_keys,    // [T]
@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(kRemapThreads)
                       int64_t capacity,                     // C
                       int64_t page_size,                    // tokens per page
                       int page_shift,                       // log2(page_size) when a power of two, else -1
-                      int32_t* __restrict__ dense_locs,     // [N, K] contiguous
+                      int32_t* dense_locs,                  // [N, K] contiguous (locs itself: in place)
                       int32_t* __restrict__ errors) {       // [kNumErrorKinds]
   const FlatT groups = total / kVec;
   const FlatT groups_per_row = row_len / kVec;

@@ -238,7 +238,8 @@ at::Tensor remap_locs(const at::Tensor& locs,
                       int64_t num_requests,
                       int64_t capacity,
                       int64_t page_size,
-                      at::Tensor& errors) {
+                      at::Tensor& errors,
+                      const std::optional<at::Tensor>& out) {
   check_cuda_tensor(locs, "locs", locs, "locs");
   check_index_dtype(locs, "locs");
   CPKV_CHECK(locs.dim() == 1 || locs.dim() == 2, "locs must be [N] or [N, K], got shape ", format_dims(locs.sizes()));
@@ -279,7 +280,14 @@ at::Tensor remap_locs(const at::Tensor& locs,
   CPKV_CHECK(page_size > 0, "page_size must be > 0, got ", page_size);
   check_error_counter(errors, locs, "locs");
   const c10::cuda::CUDAGuard device_guard(locs.device());
-  at::Tensor dense_locs = at::empty(locs.sizes(), locs.options().dtype(at::kInt));
+  // out may be locs itself (in place): each thread loads its locations before it stores their results.
+  if (out.has_value()) {
+    check_cuda_tensor(*out, "out", locs, "locs");
+    CPKV_CHECK(out->scalar_type() == at::kInt && out->sizes() == locs.sizes() && out->is_contiguous(),
+               "out must be a contiguous int32 tensor of the shape of locs ", format_dims(locs.sizes()), ", got ",
+               out->scalar_type(), format_dims(out->sizes()));
+  }
+  at::Tensor dense_locs = out.has_value() ? *out : at::empty(locs.sizes(), locs.options().dtype(at::kInt));
   const int64_t locs_row_stride = locs.stride(0);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const cudaError_t status = dispatch_index_type(locs, [&](auto loc) {
@@ -485,7 +493,7 @@ TORCH_LIBRARY(sglang_cpkv, m) {
   // Per batch / per layer: pool locations [N] or [N, K] of request req_id[n] -> dense locations (int32).
   m.def(
       "remap_locs(Tensor locs, Tensor req_id, Tensor inverse_keys, Tensor inverse_slots, int num_requests, "
-      "int capacity, int page_size, Tensor(a!) errors) -> Tensor");
+      "int capacity, int page_size, Tensor(a!) errors, Tensor(b!)? out=None) -> Tensor");
   // Per batch: each current token's dense location (int64) from per-request token ends and offsets; counts the
   // tokens whose out_cache_loc is not their dense slot's page location.
   m.def(

@@ -271,6 +271,27 @@ def test_remap_current_locs_1d(loc_dtype):
     assert torch.equal(ref, tri) and torch.equal(ref_err, tri_err) and (tri >= 0).all()
 
 
+@pytest.mark.parametrize("tiles", [(0, 0), (2, 4)])
+def test_remap_in_place_equals_out_of_place(tiles):
+    """``out=locs`` (the DSA hook's remap of upstream's own page table): each tile's locations are read before its
+    results are written, so the in-place result is the out-of-place one; an ``out`` of another shape is refused."""
+    gen = _gen(5)
+    case = sparse_case(3, 16, 30, 6, gen, shared_pages=(4,))
+    inverse = reference.build_page_inverse(*flat_slots(padded_page_table(case, 6)), 3, 30, new_error_counter("cpu"))
+    locs, req = topk_locs(case, 9, 13, gen)
+    locs = locs.to(torch.int32)
+    for remap in (
+        reference.remap_locs,
+        lambda *a, **k: triton_ops.remap_locs(*a, **k, block_n=tiles[0], block_k=tiles[1]),
+    ):
+        expected = remap(locs, req, inverse, 16, new_error_counter("cpu"))
+        table = locs.clone()
+        assert remap(table, req, inverse, 16, new_error_counter("cpu"), out=table) is table
+        assert torch.equal(table, expected)
+    with pytest.raises(CpSharedKvError, match="out must be"):
+        ops.remap_locs(locs, req, inverse, 16, new_error_counter("cpu"), out=torch.empty(3, dtype=torch.int32))
+
+
 def test_remap_takes_compact_request_ids_only():
     inverse = reference.build_page_inverse(*flat_slots(torch.tensor([[1, 2]])), 1, 12, new_error_counter("cpu"))
     with pytest.raises(ValueError, match="one id per row"):

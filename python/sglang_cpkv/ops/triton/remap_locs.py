@@ -80,7 +80,7 @@ def _remap_locs_kernel(
 
 @implements(contract)
 def remap_locs(
-    locs, req_id, inverse, page_size, errors, *, block_n: int = 0, block_k: int = 0, num_warps: int = 0
+    locs, req_id, inverse, page_size, errors, out=None, *, block_n: int = 0, block_k: int = 0, num_warps: int = 0
 ) -> torch.Tensor:
     """Map token locations to dense locations (contract: :func:`sglang_cpkv.ops.reference.remap_locs`).
 
@@ -125,9 +125,13 @@ def remap_locs(
         raise ValueError(f"page_size must be > 0, got {page_size}")
     check_errors(errors, device)
     n_rows, n_cols = loc2d.shape
-    out = torch.empty((n_rows, n_cols), dtype=torch.int32, device=device)
+    # out may be locs itself: a program loads its tile of locs before it stores the tile's results.
+    given = out
+    out = (
+        torch.empty((n_rows, n_cols), dtype=torch.int32, device=device) if given is None else given.view(n_rows, n_cols)
+    )
     if out.numel() == 0:
-        return out.reshape(locs.shape)
+        return out.reshape(locs.shape) if given is None else given
     tile = _CPU_TILE if device.type == "cpu" else _GPU_TILE
     block_k = block_k or min(next_power_of_2(n_cols), tile if device.type == "cpu" else _GPU_MAX_BLOCK_K)
     block_n = block_n or max(1, min(next_power_of_2(n_rows), tile // block_k))
@@ -155,4 +159,4 @@ def remap_locs(
         ERR_REQ=ERR_REQ_OUT_OF_RANGE,
         num_warps=num_warps,
     )
-    return out.reshape(locs.shape)
+    return out.reshape(locs.shape) if given is None else given
