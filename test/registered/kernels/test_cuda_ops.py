@@ -345,6 +345,23 @@ def test_remap_locs(cuda_ops, rows, page_size, loc_dtype, shape):
     assert want_errors[ERR_REQ_OUT_OF_RANGE] > 0 and want_errors[ERR_PAGE_OUT_OF_RANGE] > 0
 
 
+@pytest.mark.parametrize("rows", [1, 64])
+def test_remap_locs_in_place(cuda_ops, rows):
+    """``out=locs``: the DSA hook remaps upstream's own page table in place (each thread loads its locations before it
+    stores their results); the same as out of place, and an ``out`` of another shape or dtype is refused."""
+    gen = _gen("remap-in-place", rows)
+    table = _page_table(rows, 12, CAPACITY, gen, torch.int32, bad_ids=False)
+    inverse = reference.build_page_inverse(*flat_slots(table), table.shape[0], CAPACITY, new_error_counter(DEVICE))
+    locs, req = _locs_and_req(table, CAPACITY, 64, 301, 2048, gen, torch.int32)
+    want, want_errors = _run(reference, "remap_locs", locs, req, inverse, 64)
+    errors = new_error_counter(DEVICE)
+    have = locs.contiguous().clone()
+    assert cuda_ops.remap_locs(have, req, inverse, 64, errors, out=have) is have
+    assert torch.equal(have, want) and errors.tolist() == want_errors.tolist()
+    with pytest.raises(RuntimeError, match="out must be"):
+        cuda_ops.remap_locs(locs, req, inverse, 64, errors, out=locs.to(torch.int64))
+
+
 def test_remap_locs_page_size_not_power_of_two(cuda_ops):
     gen = _gen("remap-ps", 48)
     table = _page_table(3, 12, CAPACITY, gen, torch.int64, bad_ids=False)
