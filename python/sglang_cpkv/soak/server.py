@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from sglang_cpkv.soak import cpu_kernels
 from sglang_cpkv.testing.dsa_kit import DSA_CONFIG
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def start_process(config: ServerConfig, role: str, rank: int, model_dir: str, bo
 
     dsa_kit._upstream()["kit"]._parallel_override.__exit__(None, None, None)  # the kit pins cp 1 at its import
     if os.environ.get("TRITON_INTERPRET") == "1":
-        use_torch_fp8_quantizers()
+        cpu_kernels.install()
     if not torch.cuda.is_available():
         torch.cuda.Event = _CpuEvent  # the overlap scheduler's prefill path makes CUDA events by name; a CPU has none
     args = prepare_server_args(server_argv(config, role, model_dir, bootstrap_port))
@@ -166,33 +167,6 @@ def start_process(config: ServerConfig, role: str, rank: int, model_dir: str, bo
     parallel_state.initialize_model_parallel()
     init_mooncake_transfer_engine("127.0.0.1", gpu_id=0, ib_device=None)
     return args
-
-
-def use_torch_fp8_quantizers() -> None:
-    """Where Triton runs in its interpreter (a CPU), upstream's two FP8 quantizers - the packed latent row's
-    (``quantize_k_cache_separate``) and the index key's (``act_quant``) - take about a millisecond per program, most of
-    a soak batch: they are replaced by their torch references of :mod:`.kv_function`, byte for byte the same on the
-    soak's rows (``test/registered/soak`` proves it against the interpreter). Every other Triton kernel runs as it
-    is; on a GPU nothing is replaced."""
-    from sglang.kernels.ops.quantization import act_quant_triton, dsa_quant_k_cache
-
-    from sglang_cpkv.soak import kv_function
-
-    def latent(k_nope: torch.Tensor, k_rope: torch.Tensor, group_size: int = 128):
-        if group_size != kv_function.TILE or k_nope.shape[1] != kv_function.NOPE:
-            raise ValueError(f"the torch FP8 quantizer covers the soak's rows only, got {tuple(k_nope.shape)}")
-        packed = kv_function.packed_fp8_rows(k_nope, k_rope)
-        split = kv_function.NOPE + 4 * (kv_function.NOPE // kv_function.TILE)
-        return packed[:, :split].contiguous().unsqueeze(1), packed[:, split:].contiguous().unsqueeze(1)
-
-    def index_key(x: torch.Tensor, block_size: int = 128, scale_fmt: str | None = None):
-        if block_size != kv_function.TILE or x.shape[-1] != kv_function.INDEX_DIM or scale_fmt is not None:
-            raise ValueError(f"the torch index-key quantizer covers the soak's keys only, got {tuple(x.shape)}")
-        q, scale = kv_function.index_k_fp8(x.reshape(-1, x.shape[-1]))
-        return q.view(torch.float8_e4m3fn).reshape(x.shape), scale.reshape(*x.shape[:-1], 1)
-
-    dsa_quant_k_cache._quantize_k_cache_fast_separate = latent
-    act_quant_triton.act_quant = index_key
 
 
 def stop_kv_manager(disagg_queue: Any) -> None:

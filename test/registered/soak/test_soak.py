@@ -148,6 +148,37 @@ def test_the_kv_functions_fp8_forms_are_upstreams_writers(layer):
     assert not torch.equal(upstream[0], upstream[40])
 
 
+def test_the_cpu_kernels_write_what_upstreams_write():
+    """The torch forms the soak takes on a CPU (:mod:`sglang_cpkv.soak.cpu_kernels`) against upstream's Triton kernels
+    in the interpreter, on the soak's rows: the latent quantizer, the index key's, and the index-K store (every byte
+    of the pages it writes; locations across pages, offsets 0 and 63)."""
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from sglang_cpkv.upstream_import import install_torchvision_stub
+
+    install_torchvision_stub()
+    from sglang.kernels.ops.kvcache import dsa_index_k_cache
+    from sglang.kernels.ops.quantization import act_quant_triton, dsa_quant_k_cache
+
+    from sglang_cpkv.soak import cpu_kernels
+
+    hashes = torch.tensor(kv_function.prefix_hashes(range(70)))
+    k_nope, k_rope = kv_function.latent_rows(hashes, 1)
+    for ours, theirs in zip(
+        cpu_kernels.latent_fp8(k_nope, k_rope), dsa_quant_k_cache._quantize_k_cache_fast_separate(k_nope, k_rope)
+    ):
+        assert torch.equal(ours, theirs)
+    keys = kv_function.index_keys(hashes, 1)
+    for ours, theirs in zip(cpu_kernels.index_key_fp8(keys), act_quant_triton.act_quant(keys.contiguous(), 128, None)):
+        assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+        assert torch.equal(ours.reshape(-1).view(torch.uint8), theirs.reshape(-1).view(torch.uint8))
+    q, scale = act_quant_triton.act_quant(keys.contiguous(), 128, None)
+    loc = torch.tensor([64 * p + o for p, o in zip(range(1, 71), [0, 63, 5] * 24)], dtype=torch.int64)[:70]
+    buffers = [torch.zeros(72, 64 * 132, dtype=torch.uint8) for _ in range(2)]
+    cpu_kernels.index_k_store(buffers[0], loc, q, scale, 64)
+    dsa_index_k_cache._set_k_and_s_triton(buffers[1], loc, q, scale, 64)
+    assert torch.equal(*buffers) and buffers[0].any()
+
+
 def test_a_rows_value_names_its_prefix():
     hashes = kv_function.prefix_hashes([5, 6, 7])
     assert hashes[:2] == kv_function.prefix_hashes([5, 6])
