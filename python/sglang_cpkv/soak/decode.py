@@ -127,8 +127,10 @@ class RouterReceiver:
         self.sent: set[str] = set()
         self.abort_sent: set[str] = set()
         self.served: set[str] = set()
-        self.aborted: set[str] = set()
-        self.unexpected: list[dict] = []
+        # rid -> finish reason of every other ending. Classified (aborted or unexpected) only when the report is
+        # written: a prefill-side abort reaches this decode as a failed transfer, sometimes an iteration before the
+        # router's own abort of the same request is read from the inbox.
+        self.ended_otherwise: dict[str, Any] = {}
         self.started = time.monotonic()
         self.iterations = 0
 
@@ -152,7 +154,7 @@ class RouterReceiver:
             else:
                 self.prefill_done = True
         s = self.s
-        ended = len(self.served) + len(self.aborted) + len(self.unexpected)
+        ended = len(self.served) + len(self.ended_otherwise)
         if self.prefill_done and ended >= len(self.sent) and s.is_fully_idle():
             s.gracefully_exit = True
         elif time.monotonic() - self.started > self.job.max_seconds:
@@ -197,11 +199,19 @@ class RouterReceiver:
                 kind = reason.get("type") if isinstance(reason, dict) else None
                 if kind == "length":
                     self.served.add(rid)
-                elif rid in self.abort_sent:
-                    self.aborted.add(rid)
                 else:
-                    self.unexpected.append({"request": rid, "finished": reason})
+                    self.ended_otherwise[rid] = reason
         outputs.clear()
+
+    def aborted(self) -> set[str]:
+        return {rid for rid in self.ended_otherwise if rid in self.abort_sent}
+
+    def unexpected(self) -> list[dict]:
+        return [
+            {"request": rid, "finished": reason}
+            for rid, reason in self.ended_otherwise.items()
+            if rid not in self.abort_sent
+        ]
 
 
 def run_decode(job: DecodeJob, from_prefill: Any, results: Any) -> None:
@@ -235,9 +245,9 @@ def run_decode(job: DecodeJob, from_prefill: Any, results: Any) -> None:
             allocator_free_after_drain=free,
             allocator_total=total,
             served=sorted(receiver.served),
-            aborted=sorted(receiver.aborted),
+            aborted=sorted(receiver.aborted()),
             abort_sent=sorted(receiver.abort_sent),
-            unexpected=receiver.unexpected,
+            unexpected=receiver.unexpected(),
             requests_received=len(receiver.sent),
             received_without_decode_step=sorted(receiver.served - worker.checked),
             transferred_bytes=worker.transferred_bytes,

@@ -231,5 +231,28 @@ def test_the_report_fails_a_scenario_for_each_kind_of_problem():
     assert "ended unexpectedly" in unexpected["problems"][0]
 
 
+def test_a_prefill_abort_that_reaches_the_decode_first_is_an_abort():
+    """The prefill's mid-transfer abort fails the decode's transfer an iteration before the router's abort is read."""
+    import queue
+    from types import SimpleNamespace
+
+    from sglang_cpkv.soak.decode import DecodeJob, RouterReceiver
+    from sglang_cpkv.upstream_import import install_torchvision_stub
+
+    install_torchvision_stub()
+    workload = WorkloadConfig(requests=3, seed=5)
+    rid = make_workload(workload)[0].rid
+    failed = {"type": "abort", "message": f"Decode transfer failed for request {rid}"}
+    scheduler = SimpleNamespace(recorder=SimpleNamespace(outputs=[]), last_batch=None, is_fully_idle=lambda: False)
+    inbox = queue.Queue()
+    receiver = RouterReceiver(scheduler, DecodeJob(ServerConfig(), workload, "", 0, ""), inbox)
+    scheduler.recorder.outputs.append(SimpleNamespace(rids=[rid], finished_reasons=[failed]))
+    receiver.recv_requests()  # the failed transfer is taken; the abort is not in the inbox yet
+    assert receiver.unexpected() == [{"request": rid, "finished": failed}]
+    inbox.put(("abort", rid))
+    receiver.recv_requests()
+    assert (receiver.aborted(), receiver.unexpected()) == ({rid}, [])
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -107,3 +107,7 @@ def test_every_flag_the_queue_adds_has_a_row(trees):
     assert sorted(_flags_in(cell for cells in rows for cell in cells) - registered) == [], "stale rows"
     # Our page documents our flags only (upstream's rows are upstream's page).
     assert first_cells <= {o for options in added for o in options}
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
