@@ -6,6 +6,7 @@ in its own process, as CI does: a file whose tests all skip fails unless its mar
 passes, and a ``may_skip`` that is not a reason is refused.
 """
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -85,6 +86,15 @@ def test_may_skip_must_be_a_reason(tmp_path, value):
     write(tmp_path, "test_widget.py", ALL_SKIPPED, f", may_skip={value}")
     ran = run_suite(tmp_path)
     assert ran.returncode != 0 and "may_skip=...) must be the reason, a non-empty string" in ran.stderr
+
+
+def test_every_registered_file_runs_pytest_on_itself():
+    """The runner runs each registered file as a script: one without this footer writes no report and fails CI."""
+    registered = RUN_SUITE.parent / "registered"
+    files = [f for f in registered.rglob("test_*.py") if "register_" in f.read_text(encoding="utf-8")]
+    assert len(files) > 40
+    footer = re.compile(r'\nif __name__ == "__main__":\n    sys\.exit\(pytest\.main\(\[__file__(, "-[a-z]")*\]\)\)\n\Z')
+    assert [str(f.relative_to(registered)) for f in files if not footer.search(f.read_text(encoding="utf-8"))] == []
 
 
 if __name__ == "__main__":
