@@ -4,7 +4,7 @@
 VENV ?= $(CURDIR)/.venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup lint test demo test-cuda mutation clean
+.PHONY: setup lint test demo test-cuda mutation image image-test clean
 
 setup:
 	VENV=$(VENV) scripts/setup_env.sh
@@ -40,6 +40,15 @@ test-cuda:
 # writes docs/design/cp-shared-kv-mutations-report.md.
 mutation: setup
 	TRITON_INTERPRET=1 $(PY) scripts/mutation.py
+
+# The image on a Docker engine (docker/build.sh; BASE_IMAGE picks the base), and every command the README and the
+# compose file document run in containers of it (docker/test/image_test.py; long: not part of `make test`).
+# Without the registry, make a TEST-ONLY stand-in base first: docker/test/make-standin-base.sh [--cuda DIR].
+image:
+	docker/build.sh $(IMAGE_ARGS)
+
+image-test: setup
+	$(PY) docker/test/image_test.py $(IMAGE_TEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache
