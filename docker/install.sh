@@ -37,14 +37,26 @@ while [ $# -gt 0 ]; do
 done
 
 python="$(command -v "$python")" || die "--python $python: not found"
-# Fail before changing anything when the CUDA ops cannot be built.
+# Fail before changing anything when the CUDA ops or the plan's host layout cannot be built: every build tool,
+# where the build steps look for it.
 if [ "$kernels" = 1 ]; then
   nvcc="$(command -v nvcc || true)"
   if [ -z "$nvcc" ] && [ -x "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" ]; then
     nvcc="${CUDA_HOME:-/usr/local/cuda}/bin/nvcc"
   fi
   [ -n "$nvcc" ] || die "nvcc not found (PATH, \$CUDA_HOME/bin): the image needs the CUDA toolkit to build our ops; pass --no-kernels to skip (CI only)"
+  # torch's extension builder runs `ninja` from PATH; the target environment's own (pip install ninja) counts.
+  if ! command -v ninja >/dev/null; then
+    [ -x "$(dirname "$python")/ninja" ] \
+      || die "ninja not found (PATH, $(dirname "$python")): torch builds our CUDA ops with it (pip install ninja, or apt-get install ninja-build); pass --no-kernels to skip (CI only)"
+    PATH="$(dirname "$python"):$PATH"
+  fi
+  # torch compiles the ops' host code with $CXX, else c++.
+  command -v "${CXX:-c++}" >/dev/null \
+    || die "C++ compiler ${CXX:-c++} not found (set CXX): torch compiles our CUDA ops' host code with it; pass --no-kernels to skip (CI only)"
 fi
+# The plan's host layout (step 3b, with or without the kernels) is compiled with $CXX, else g++.
+command -v "${CXX:-g++}" >/dev/null || die "C++ compiler ${CXX:-g++} not found (set CXX): the plan's host layout is built with it"
 # Run every check from a neutral directory, so imports resolve to the installed package, not the checkout.
 neutral="$(mktemp -d)"
 trap 'rm -rf "$neutral"' EXIT

@@ -6,15 +6,56 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 
-from sglang_cpkv.capacity.planner import DEFAULT_MEM_FRACTION
 from sglang_cpkv.capacity.presets import GPUS, MODELS
 from sglang_cpkv.env import environment
+from sglang_cpkv.pd_launch.config import ENV_DEFAULTS
 
 GIB = 2**30
+# The launchers' defaults (sglang_cpkv.pd_launch), read here without importing the planner (which imports torch).
+DEFAULT_MEM_FRACTION = float(ENV_DEFAULTS["PD_PREFILL_MEM_FRACTION_STATIC"])
+
+
+def _writable_file(option: str, text: str) -> Path:
+    """``text`` as a file the run can write at its end (refused now, not after the run): not a directory, under a
+    directory (the missing ones are created) that can be written."""
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; {option} takes a file")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text}: {parent} is not writable")
+    return path
+
+
+def json_path(text: str) -> Path:
+    return _writable_file("--json", text)
+
+
+def plot_path(text: str) -> Path:
+    """A file matplotlib can write, its type given by its suffix (matplotlib would append .png to none)."""
+    path = _writable_file("--plot", text)
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise argparse.ArgumentTypeError(
+            "needs matplotlib (requirements/dev-cpu.txt pins it): pip install matplotlib"
+        ) from None
+    types = sorted(FigureCanvasBase.get_supported_filetypes())
+    suffix = path.suffix.lower().lstrip(".")
+    if suffix not in types:
+        raise argparse.ArgumentTypeError(
+            f"{text}: matplotlib cannot write {path.suffix!r} files; give one of " + ", ".join(f".{t}" for t in types)
+        )
+    return path
 
 
 def model_dir_of(args: argparse.Namespace) -> tuple[str, float | None]:
@@ -73,6 +114,18 @@ def parser() -> argparse.ArgumentParser:
         "views per kind, or one); default: the server's (on under CP, or this process's SGLANG_CPKV_LAYER_AHEAD)",
     )
     p.add_argument("--kv-cache-dtype", default="fp8_e4m3", choices=["fp8_e4m3", "bf16"])
+    p.add_argument(
+        "--prefill-backend",
+        default=ENV_DEFAULTS["PD_DSA_PREFILL_BACKEND"],
+        help="--dsa-prefill-backend of the sized servers (default: the launchers' PD_DSA_PREFILL_BACKEND default, "
+        "%(default)s; upstream's own default on Blackwell FP8 is trtllm, which the mode refuses)",
+    )
+    p.add_argument(
+        "--decode-backend",
+        default=ENV_DEFAULTS["PD_DSA_DECODE_BACKEND"],
+        help="--dsa-decode-backend of the sized servers (default: the launchers' PD_DSA_DECODE_BACKEND default, "
+        "%(default)s); upstream's kv-sharding is sized with trtllm for both",
+    )
     p.add_argument("--request-tokens", type=int, default=131072, help="request length for the concurrency figure")
     p.add_argument("--batch-requests", type=int, default=8, help="requests of the per-layer batch")
     p.add_argument("--batch-history", type=int, default=8192, help="history tokens per request of the batch")
@@ -86,8 +139,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hicache-size", type=float, default=0, help="report the HiCache host tier of this many GB per rank"
     )
-    p.add_argument("--json", type=Path, help="write one object per cp here")
-    p.add_argument("--plot", type=Path, help="write the plot here (PNG; needs matplotlib)")
+    p.add_argument("--json", type=json_path, help="write one object per cp here")
+    p.add_argument("--plot", type=plot_path, help="write the plot here (.png, .pdf, .svg, ...; needs matplotlib)")
     return p
 
 
@@ -137,6 +190,8 @@ def inputs_of(args: argparse.Namespace):
         chunked_prefill_size=args.chunked_prefill_size,
         max_batch_tokens=args.cp_shared_kv_max_batch_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
+        prefill_backend=args.prefill_backend,
+        decode_backend=args.decode_backend,
         request_tokens=args.request_tokens,
         batch_requests=args.batch_requests,
         batch_history=args.batch_history,

@@ -35,11 +35,17 @@ from sglang_cpkv.capacity.upstream import (
     upstream_mem_fraction,
 )
 from sglang_cpkv.hooks.settings import FLAG
+from sglang_cpkv.pd_launch.config import ENV_DEFAULTS
 from sglang_cpkv.runtime.reservation import page_rounded
 
 GIB = 2**30
-# An operator's setting for a long-chunk prefill node (upstream's own heuristic is far lower at chunk 65536).
-DEFAULT_MEM_FRACTION = 0.85
+# What the launchers (sglang_cpkv.pd_launch) pass the prefill server by default: the planner sizes that server.
+# The memory fraction is an operator's setting for a long-chunk prefill node (upstream's own heuristic is far lower
+# at chunk 65536); the DSA backends decide the KV row layout and whether the mode runs (upstream's default prefill
+# backend on Blackwell FP8, trtllm, is one the mode refuses).
+DEFAULT_MEM_FRACTION = float(ENV_DEFAULTS["PD_PREFILL_MEM_FRACTION_STATIC"])
+DEFAULT_PREFILL_BACKEND = ENV_DEFAULTS["PD_DSA_PREFILL_BACKEND"]
+DEFAULT_DECODE_BACKEND = ENV_DEFAULTS["PD_DSA_DECODE_BACKEND"]
 # Upstream's kv-sharding accepts DSA only on these backends (arg_groups/kv_shard_hook.py).
 KV_SHARDING_SERVER = {
     "enable_kv_cache_sharding": True,
@@ -111,6 +117,8 @@ class PlanInputs:
     chunked_prefill_size: int = 65536
     max_batch_tokens: int | None = None  # --cp-shared-kv-max-batch-tokens
     kv_cache_dtype: str = "fp8_e4m3"
+    prefill_backend: str = DEFAULT_PREFILL_BACKEND  # --dsa-prefill-backend of the mode's and replicated servers
+    decode_backend: str = DEFAULT_DECODE_BACKEND  # --dsa-decode-backend (kv-sharding's servers run trtllm for both)
     request_tokens: int = 131072
     batch_requests: int = 8
     batch_history: int = 8192
@@ -130,6 +138,8 @@ def _server(inputs: PlanInputs, cp: int, **extra: Any) -> dict[str, Any]:
         tp_size=inputs.tp_size,
         chunked_prefill_size=inputs.chunked_prefill_size,
         kv_cache_dtype=inputs.kv_cache_dtype,
+        dsa_prefill_backend=inputs.prefill_backend,
+        dsa_decode_backend=inputs.decode_backend,
         **inputs.server_extra,
     )
     if inputs.context_length is not None:
@@ -139,7 +149,7 @@ def _server(inputs: PlanInputs, cp: int, **extra: Any) -> dict[str, Any]:
         base.update(enable_prefill_cp=False, cp_strategy=None)
     else:
         base["attn_cp_size"] = cp
-    return prefill_cp_server(inputs.model_dir, **base, **extra)
+    return prefill_cp_server(inputs.model_dir, **{**base, **extra})
 
 
 def _node_figures(node: NodeCapacity, request_tokens: int) -> dict[str, Any]:

@@ -78,11 +78,9 @@ def scoped_runtime_context() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def playing_gpu(capability: tuple[int, int], *, hbm_bytes: float | None = None, quiet: bool = True) -> Iterator[None]:
-    """For the block only: ``torch.cuda.get_device_capability`` answers ``capability``, upstream's server-args
-    resolution sees a GPU of ``hbm_bytes`` (its memory defaults: ``mem_fraction_static``, chunk size; None: no
-    GPU memory known, upstream's CPU-side defaults), :data:`MODE_ENV` is set; with ``quiet`` upstream's resolution
-    logs (several warnings per server) are held below ERROR."""
+def seeing_gpu_memory(hbm_bytes: float | None) -> Iterator[None]:
+    """For the block only: upstream's server-args resolution sees a GPU of ``hbm_bytes`` (its memory defaults:
+    ``mem_fraction_static``, chunk size, graph sizes); None changes nothing (the machine's GPU, or none)."""
     from sglang.srt.arg_groups import kv_shard_hook, memory_hook
 
     hooks = (memory_hook, kv_shard_hook)
@@ -90,6 +88,19 @@ def playing_gpu(capability: tuple[int, int], *, hbm_bytes: float | None = None, 
     if hbm_bytes is not None:
         for hook in hooks:
             hook.get_device_memory_capacity = lambda device=None: hbm_bytes / 2**20  # MiB, as upstream's query
+    try:
+        yield
+    finally:
+        for hook, saved in zip(hooks, saved_memory):
+            hook.get_device_memory_capacity = saved
+
+
+@contextlib.contextmanager
+def playing_gpu(capability: tuple[int, int], *, hbm_bytes: float | None = None, quiet: bool = True) -> Iterator[None]:
+    """For the block only: ``torch.cuda.get_device_capability`` answers ``capability``, upstream's server-args
+    resolution sees a GPU of ``hbm_bytes`` (:func:`seeing_gpu_memory`; None: no GPU memory known, upstream's
+    CPU-side defaults), :data:`MODE_ENV` is set; with ``quiet`` upstream's resolution logs (several warnings per
+    server) are held below ERROR."""
     saved_capability = torch.cuda.get_device_capability
     sglang_logger = logging.getLogger("sglang")
     saved_level = sglang_logger.level
@@ -97,11 +108,9 @@ def playing_gpu(capability: tuple[int, int], *, hbm_bytes: float | None = None, 
     if quiet:
         sglang_logger.setLevel(logging.ERROR)
     try:
-        with environment(MODE_ENV):
+        with seeing_gpu_memory(hbm_bytes), environment(MODE_ENV):
             yield
     finally:
-        for hook, saved in zip(hooks, saved_memory):
-            hook.get_device_memory_capacity = saved
         torch.cuda.get_device_capability = saved_capability
         sglang_logger.setLevel(saved_level)
 
@@ -255,24 +264,29 @@ def size_node(server: dict[str, Any], *, layers: int, budget_bytes: int) -> Node
     configuration and allocator record the sizing publishes are put back afterwards.
     A kv-sharding server (``enable_kv_cache_sharding``) sizes as rank 0 of its attention-CP group.
     """
+    from sglang_cpkv.hooks import state
+
+    with scoped_runtime_context(), state.scoped() as process:
+        return _size_published(resolve_and_publish(server), process, layers=layers, budget_bytes=budget_bytes)
+
+
+def _size_published(args: Any, process: Any, *, layers: int, budget_bytes: int) -> NodeCapacity:
+    """:func:`size_node` of the published, resolved ``args`` (the caller scopes the context and the process state)."""
     from sglang.srt.mem_cache.allocator.page_interleave import page_interleave_shard_size
     from sglang.srt.mem_cache.kv_cache_configurator import calculate_mla_kv_cache_dim
+    from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
     from sglang.srt.runtime_context import get_parallel, get_schedule
 
     from sglang_cpkv.hooks import reservation as reservation_hooks
-    from sglang_cpkv.hooks import state
 
-    with scoped_runtime_context(), state.scoped() as process, contextlib.ExitStack() as stack:
-        args = resolve_and_publish(server)
+    with contextlib.ExitStack() as stack:
         parallel = get_parallel()
-        if server.get("enable_kv_cache_sharding"):
+        if getattr(args, "enable_kv_cache_sharding", False):
             stack.enter_context(parallel.override(attn_cp_group=_StandInGroup(parallel.attn_cp_size), attn_cp_rank=0))
         page_size = get_schedule().page_size
         kvc = kv_cache_configurator(args, layers=layers, page_size=page_size)
         config = kvc.config_from_budget(budget_bytes)
         # The configurator the budget went through (the patched one charges the reservation when it is made).
-        from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
-
         configurator = create_memory_pool_configurator(kvc)
         sizes = kvc._derive_pool_sizes(config=config)
         allocator = token_allocator(kvc, sizes)
@@ -295,4 +309,75 @@ def size_node(server: dict[str, Any], *, layers: int, budget_bytes: int) -> Node
             chunk_tokens=get_schedule().chunked_prefill_size,
             context_len=kvc.model_config.context_len,
             page_size=page_size,
+        )
+
+
+@dataclass(frozen=True)
+class KvBudget:
+    """What one GPU of a server keeps for its KV pool, and the pool upstream sizes from it.
+
+    Attributes:
+        hbm_bytes: the GPU's memory. mem_fraction_static: the server's, as resolved (given or upstream's default).
+        weights_bytes: a lower bound on the weights one GPU holds (:mod:`.weights`).
+        budget_bytes: ``mem_fraction_static x hbm_bytes - weights_bytes``: an upper bound on the KV budget (upstream
+            also charges the CUDA context and the communication buffers to it); <= 0: none.
+        node_tokens: the KV tokens the server admits against (a rank's pool, cp pools under the mode), 0 when the
+            budget holds no pool. context_len, page_size, kv_cache_dtype: as resolved.
+    """
+
+    hbm_bytes: float
+    mem_fraction_static: float
+    weights_bytes: int
+    budget_bytes: int
+    node_tokens: int
+    context_len: int
+    page_size: int
+    kv_cache_dtype: str
+
+    @property
+    def holds_one_request(self) -> bool:
+        """Whether one request of the context length fits (page-rounded, as the allocator takes it)."""
+        return self.node_tokens >= -(-self.context_len // self.page_size) * self.page_size
+
+
+def kv_budget(args: Any, *, hbm_bytes: float) -> KvBudget | None:
+    """The KV budget and pool of one GPU of the server of the resolved ``args`` on a GPU of ``hbm_bytes`` (call with
+    the server's environment, inside :func:`seeing_gpu_memory` when the resolution played that GPU); None when the
+    weights cannot be bounded from the model's config (:mod:`.weights`)."""
+    from sglang.srt import runtime_context
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.runtime_context import get_parallel, get_schedule
+
+    from sglang_cpkv.capacity.weights import weight_bytes_per_gpu_lower_bound
+    from sglang_cpkv.hooks import state
+
+    with scoped_runtime_context(), state.scoped() as process:
+        runtime_context.get_context().set_server_args(args)
+        parallel = get_parallel()
+        model_config = ModelConfig.from_server_args(args)
+        weights = weight_bytes_per_gpu_lower_bound(
+            model_config.hf_config, tp_size=parallel.tp_size, attn_tp_size=parallel.attn_tp_size
+        )
+        if weights is None:
+            return None
+        resolved = args.resolved_dict()
+        fraction = float(resolved["mem_fraction_static"])
+        budget = int(fraction * hbm_bytes - weights)
+        node_tokens = 0
+        if budget > 0:
+            try:
+                node_tokens = _size_published(
+                    args, process, layers=model_config.num_hidden_layers, budget_bytes=budget
+                ).node_tokens
+            except (RuntimeError, ValueError):  # upstream's "Not enough memory": the budget holds no pool
+                node_tokens = 0
+        return KvBudget(
+            hbm_bytes=hbm_bytes,
+            mem_fraction_static=fraction,
+            weights_bytes=weights,
+            budget_bytes=budget,
+            node_tokens=node_tokens,
+            context_len=model_config.context_len,
+            page_size=get_schedule().page_size,
+            kv_cache_dtype=str(resolved["kv_cache_dtype"]),
         )

@@ -32,8 +32,11 @@ agree on the KV row layout):
   PD_MODEL_PATH (unset: the default model; set but empty: an error), PD_PYTHON (interpreter that runs the
   roles and their checks), PD_TRUST_REMOTE_CODE (0/1),
   PD_TRANSFER_BACKEND, PD_IB_DEVICE, PD_BOOTSTRAP_PORT, PD_DSA_PREFILL_BACKEND, PD_DSA_DECODE_BACKEND,
+  PD_KV_CACHE_DTYPE (``--kv-cache-dtype`` of both servers; default fp8_e4m3: upstream's ``auto`` is bf16 on Hopper),
   PD_PREFILL_HOST, PD_PREFILL_PORT, PD_PREFILL_TP, PD_PREFILL_CP, PD_PREFILL_DP, PD_CP_STRATEGY,
-  PD_PREFILL_BASE_GPU_ID, PD_CHUNKED_PREFILL_SIZE, PD_CP_SHARED_KV (0/1: ``--enable-cp-shared-kv``, a flag
+  PD_PREFILL_BASE_GPU_ID, PD_CHUNKED_PREFILL_SIZE, PD_PREFILL_MEM_FRACTION_STATIC and
+  PD_DECODE_MEM_FRACTION_STATIC (``--mem-fraction-static``, or ``auto`` for upstream's own default; the prefill's
+  default 0.85: upstream's leaves the default prefill at chunk 65536 on 8 x H200 no KV budget), PD_CP_SHARED_KV (0/1: ``--enable-cp-shared-kv``, a flag
   of our patch queue, on the prefill server, with ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER=1`` there;
   the decode follows the mode the prefill publishes), PD_PREFILL_EXTRA_ARGS,
   PD_DECODE_HOST, PD_DECODE_PORT, PD_DECODE_TP, PD_DECODE_DP, PD_DECODE_BASE_GPU_ID,
@@ -47,14 +50,18 @@ agree on the KV row layout):
   (rotated files and launch logs kept per role; 1 to 100; default 5), PD_HEALTH_TIMEOUT, PD_STOP_TIMEOUT (seconds:
   SIGTERM, then SIGKILL after it, in every mode; SIGHUP to a foreground role counts as SIGTERM),
   PD_GPU_CAPABILITY (MAJOR.MINOR of the serving GPUs, for the dry-run's resolution; default: this machine's
-  GPU, else 10.3, the B300 of the documented deployment).
+  GPU, else 10.3, the B300 of the documented deployment; with it, or on a machine without a GPU, the memory of the
+  documented GPU of that capability: 9.0 H200, 10.0 B200, 10.3 B300).
 NCCL, InfiniBand and transfer-engine settings (``NCCL_*``, ``MC_*``, ``UCX_*``, ``SGLANG_*``) are passed
 through from the environment unchanged and written into each log's header. Values of secret-looking flags
 (``--api-key``, ``--admin-api-key``, ``--control-plane-api-keys`` and all its values, ``--*-key(s)``,
 ``--*token*``, ``--*secret*``, ``--*password*``) and of secret-named variables (``HF_TOKEN``, ...) are
 redacted in everything printed or logged, the servers' own output included (:mod:`.redaction`); pid
-records are 0600, logs 0640. Ports are 1-65535, no two roles of one host on one port; ``start`` refuses
-a port in use and GPUs that a running role of this host uses.
+records are 0600, logs 0640; a URL's credentials (``scheme://user:password@host``) are redacted wherever it
+appears. Ports are 1-65535, no two roles of one host on one port; ``start`` refuses a port in use, GPUs that a
+running role of this host uses and GPUs this host does not have (``CUDA_VISIBLE_DEVICES``, else ``nvidia-smi -L``);
+``up`` checks every role before it starts any, and a refusal stops nothing. The dry-run also sizes each server's
+KV pool as upstream does and refuses a budget that cannot hold one request of the context length.
 
 The launcher imports only the standard library; sglang and sglang_router are imported by
 :mod:`.startup_check`, in a ``PD_PYTHON`` process of its own.

@@ -31,6 +31,8 @@ def _server_common(cfg: PDConfig, mode: str) -> list[str]:
         cfg.dsa_prefill_backend,
         "--dsa-decode-backend",
         cfg.dsa_decode_backend,
+        "--kv-cache-dtype",
+        cfg.kv_cache_dtype,
     ]
     if cfg.ib_device:
         args += ["--disaggregation-ib-device", cfg.ib_device]
@@ -54,6 +56,8 @@ def server_args(role: str, cfg: PDConfig) -> list[str]:
             "--chunked-prefill-size",
             str(cfg.chunked_prefill_size),
         ]
+        if cfg.prefill_mem_fraction_static is not None:
+            args += ["--mem-fraction-static", f"{cfg.prefill_mem_fraction_static:g}"]
         if cfg.prefill_dp > 1:
             args += ["--attn-dp-size", str(cfg.prefill_dp)]
         if cfg.prefill_cp > 1:
@@ -74,6 +78,8 @@ def server_args(role: str, cfg: PDConfig) -> list[str]:
             "--cuda-graph-max-bs-decode",
             str(cfg.decode_cuda_graph_max_bs),
         ]
+        if cfg.decode_mem_fraction_static is not None:
+            args += ["--mem-fraction-static", f"{cfg.decode_mem_fraction_static:g}"]
         if cfg.decode_dp > 1:
             args += ["--attn-dp-size", str(cfg.decode_dp)]
         return args + list(cfg.decode_extra_args)

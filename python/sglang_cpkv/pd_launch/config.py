@@ -32,6 +32,10 @@ ENV_DEFAULTS: dict[str, str] = {
     # one side unset on SM>=10 FP8 pairs it with trtllm (576-byte rows), which the other side cannot read.
     "PD_DSA_PREFILL_BACKEND": "flashmla_auto",
     "PD_DSA_DECODE_BACKEND": "flashmla_kv",
+    # Both servers, so that both sides agree on the KV row layout on every GPU: upstream's own default ("auto") is
+    # bf16 for DSA on Hopper (1,284 bytes a token a layer: GLM-5.1-FP8's prefill on 8 x H200 then cannot hold one
+    # request of its context at any fraction that leaves room for activations) and FP8 on Blackwell.
+    "PD_KV_CACHE_DTYPE": "fp8_e4m3",
     "PD_PREFILL_HOST": "0.0.0.0",
     "PD_PREFILL_PORT": "30000",
     "PD_PREFILL_TP": "8",
@@ -40,6 +44,11 @@ ENV_DEFAULTS: dict[str, str] = {
     "PD_CP_STRATEGY": "interleave",
     "PD_PREFILL_BASE_GPU_ID": "0",
     "PD_CHUNKED_PREFILL_SIZE": "65536",
+    # --mem-fraction-static: weights + KV pool over the GPU's memory (the rest holds activations). Upstream's own
+    # default keeps 1.5 MB per chunk token, which at chunk 65536 leaves GLM-5.1-FP8's prefill on 8 x H200 no KV
+    # budget at all (0.258; 0.636 on B300); 0.85 holds one request of the context length on both (the dry-run checks
+    # it, the capacity planner's default). "auto": upstream's heuristic (the decode's default: 0.92-0.96 there).
+    "PD_PREFILL_MEM_FRACTION_STATIC": "0.85",
     "PD_CP_SHARED_KV": "0",
     "PD_PREFILL_EXTRA_ARGS": "",
     "PD_DECODE_HOST": "0.0.0.0",
@@ -48,6 +57,7 @@ ENV_DEFAULTS: dict[str, str] = {
     "PD_DECODE_DP": "8",
     "PD_DECODE_BASE_GPU_ID": "0",
     "PD_DECODE_CUDA_GRAPH_MAX_BS": "64",
+    "PD_DECODE_MEM_FRACTION_STATIC": "auto",
     "PD_DECODE_EXTRA_ARGS": "",
     "PD_ROUTER_HOST": "0.0.0.0",
     "PD_ROUTER_PORT": "8000",
@@ -201,6 +211,23 @@ def _log_dir(env: Mapping[str, str]) -> Path:
     return path
 
 
+def _fraction(env: Mapping[str, str], name: str) -> float | None:
+    """A ``--mem-fraction-static``: a number in (0, 1], or None for ``auto`` (upstream's heuristic)."""
+    raw = _get(env, name).strip()
+    if raw.lower() == "auto":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 1:  # also refuses nan
+        raise PDLaunchError(
+            f"{name}={raw!r} must be a fraction of the GPU's memory in (0, 1] (--mem-fraction-static), or auto "
+            "(upstream's own default)"
+        )
+    return value
+
+
 def _gpu_capability(env: Mapping[str, str]) -> str:
     raw = _get(env, "PD_GPU_CAPABILITY").strip()
     if raw and not re.fullmatch(r"\d+\.\d+", raw):
@@ -218,6 +245,7 @@ class PDConfig:
     bootstrap_port: int
     dsa_prefill_backend: str
     dsa_decode_backend: str
+    kv_cache_dtype: str
     prefill_host: str
     prefill_port: int
     prefill_tp: int
@@ -226,6 +254,7 @@ class PDConfig:
     cp_strategy: str
     prefill_base_gpu_id: int
     chunked_prefill_size: int
+    prefill_mem_fraction_static: float | None  # None: upstream's own default
     cp_shared_kv: bool
     prefill_extra_args: tuple[str, ...]
     decode_host: str
@@ -234,6 +263,7 @@ class PDConfig:
     decode_dp: int
     decode_base_gpu_id: int
     decode_cuda_graph_max_bs: int
+    decode_mem_fraction_static: float | None
     decode_extra_args: tuple[str, ...]
     router_host: str
     router_port: int
@@ -262,6 +292,7 @@ class PDConfig:
             bootstrap_port=_port(env, "PD_BOOTSTRAP_PORT"),
             dsa_prefill_backend=_get(env, "PD_DSA_PREFILL_BACKEND"),
             dsa_decode_backend=_get(env, "PD_DSA_DECODE_BACKEND"),
+            kv_cache_dtype=_get(env, "PD_KV_CACHE_DTYPE"),
             prefill_host=_get(env, "PD_PREFILL_HOST"),
             prefill_port=prefill_port,
             prefill_tp=_int(env, "PD_PREFILL_TP", 1),
@@ -270,6 +301,7 @@ class PDConfig:
             cp_strategy=_get(env, "PD_CP_STRATEGY"),
             prefill_base_gpu_id=_int(env, "PD_PREFILL_BASE_GPU_ID"),
             chunked_prefill_size=_int(env, "PD_CHUNKED_PREFILL_SIZE", 1),
+            prefill_mem_fraction_static=_fraction(env, "PD_PREFILL_MEM_FRACTION_STATIC"),
             cp_shared_kv=_flag(env, "PD_CP_SHARED_KV"),
             prefill_extra_args=tuple(_args(env, "PD_PREFILL_EXTRA_ARGS")),
             decode_host=_get(env, "PD_DECODE_HOST"),
@@ -278,6 +310,7 @@ class PDConfig:
             decode_dp=_int(env, "PD_DECODE_DP", 1),
             decode_base_gpu_id=_int(env, "PD_DECODE_BASE_GPU_ID"),
             decode_cuda_graph_max_bs=_int(env, "PD_DECODE_CUDA_GRAPH_MAX_BS", 1),
+            decode_mem_fraction_static=_fraction(env, "PD_DECODE_MEM_FRACTION_STATIC"),
             decode_extra_args=tuple(_args(env, "PD_DECODE_EXTRA_ARGS")),
             router_host=_get(env, "PD_ROUTER_HOST"),
             router_port=_port(env, "PD_ROUTER_PORT"),

@@ -113,6 +113,11 @@ def dry_run(roles: Sequence[str], cfg: PDConfig, out=sys.stdout) -> None:
     for result in run_startup_checks(roles, cfg, secrets):
         role, status, message = result["role"], result["status"], scrub(result["message"], secrets)
         if status == "refused":
+            variable = f"PD_{role.upper()}_MEM_FRACTION_STATIC"
+            if role != "router" and "--mem-fraction-static" in message and variable not in message:
+                fraction = getattr(cfg, f"{role}_mem_fraction_static")
+                message += f"\n  (the launchers pass {variable}={'auto' if fraction is None else f'{fraction:g}'}"
+                message += " as --mem-fraction-static; auto: upstream's default)"
             raise PDLaunchError(f"{role}: {message}")
         if status == "unusable":
             raise PDLaunchError(f"{role}: PD_PYTHON={cfg.python} {message}. {_interpreter_hint()}")

@@ -180,6 +180,7 @@ def preflight(role: str, cfg: PDConfig) -> None:
     for variable, port in ports:
         _check_port_free(variable, host, port)
     if role in ("prefill", "decode"):
+        check_host_has_gpus(cfg, [role])
         other = "decode" if role == "prefill" else "prefill"
         theirs = _read_pid_record(cfg, other)
         mine = cfg.gpu_ids(role)
@@ -203,8 +204,54 @@ def _check_port_free(variable: str, host: str, port: int) -> None:
             ) from None
 
 
+NVIDIA_SMI_TIMEOUT_S = 30.0
+
+
+def host_gpus() -> tuple[int, str] | None:
+    """(how many GPUs the servers of this host can use, where that was read), or None when it cannot be known here.
+
+    As the servers count them: ``--base-gpu-id`` and ``--tp-size`` index ``CUDA_VISIBLE_DEVICES`` when it is set,
+    else every GPU of the host (``nvidia-smi -L``, the driver's list; a container sees the GPUs it was given).
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if visible.strip():
+        return len([d for d in visible.split(",") if d.strip()]), f"CUDA_VISIBLE_DEVICES={visible}"
+    try:
+        listed = subprocess.run(
+            ["nvidia-smi", "-L"], capture_output=True, text=True, timeout=NVIDIA_SMI_TIMEOUT_S, stdin=subprocess.DEVNULL
+        )
+    except (OSError, subprocess.TimeoutExpired):  # no NVIDIA driver here (a CPU machine), or a hung one
+        return None
+    if listed.returncode != 0:
+        return None
+    return sum(1 for line in listed.stdout.splitlines() if line.startswith("GPU ")), "nvidia-smi -L"
+
+
+def _gpu_range(first: int, count: int) -> str:
+    return f"GPU {first}" if count == 1 else f"GPU {first}-{first + count - 1}"
+
+
+def check_host_has_gpus(cfg: PDConfig, roles: Sequence[str]) -> None:
+    """Each server role's GPUs (``PD_<ROLE>_BASE_GPU_ID`` + ``PD_<ROLE>_TP``) are GPUs this host has; unchecked
+    where the count cannot be known (:func:`host_gpus`)."""
+    host = host_gpus()
+    if host is None:
+        return
+    count, source = host
+    for role in roles:
+        base, tp = getattr(cfg, f"{role}_base_gpu_id"), getattr(cfg, f"{role}_tp")
+        if base + tp > count:
+            has = _gpu_range(0, count).replace("GPU ", "") if count else "none"
+            raise PDLaunchError(
+                f"PD_{role.upper()}_BASE_GPU_ID={base} and PD_{role.upper()}_TP={tp} put the {role} on "
+                f"{_gpu_range(base, tp)}, but this host has {count} GPUs ({has}, {source}): lower them, or run the "
+                "prefill and the decode on nodes of their own (on one host `up` places the decode after the prefill, "
+                "PD_PREFILL_BASE_GPU_ID + PD_PREFILL_TP, unless PD_DECODE_BASE_GPU_ID is set)"
+            )
+
+
 def check_one_host(cfg: PDConfig) -> None:
-    """``up``: all three roles on this host, so the servers' URLs are loopback and their GPUs disjoint."""
+    """``up``: all three roles on this host, so the servers' URLs are loopback, their GPUs disjoint and present."""
     for target in (cfg.prefill_target, cfg.decode_target):
         if not is_loopback(target.host):
             raise PDLaunchError(f"up starts every role on this host, but {target.describe()} names another host")
@@ -216,6 +263,7 @@ def check_one_host(cfg: PDConfig) -> None:
             f"(PD_DECODE_BASE_GPU_ID={cfg.decode_base_gpu_id}, PD_DECODE_TP={cfg.decode_tp}: "
             f"{_describe_gpus(cfg.gpu_ids('decode'))}) share {_describe_gpus(sorted(shared))}"
         )
+    check_host_has_gpus(cfg, ["prefill", "decode"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -538,17 +586,27 @@ def start(role: str, cfg: PDConfig, wait: bool = True) -> None:
 
 
 def up(cfg: PDConfig) -> None:
-    """All three roles on this host, each after the previous one is healthy; on a failure, stop them again."""
+    """All three roles on this host, each after the previous one is healthy.
+
+    Every role's start-up conditions (not running already, its ports free, its GPUs present and unused) are checked
+    before the first one starts: a refusal starts and stops nothing. On a failure later, the roles this ``up``
+    started are stopped again, and only those.
+    """
     check_one_host(cfg)
     for role in ROLES:
+        preflight(role, cfg)
+    started: list[str] = []
+    for role in ROLES:
         try:
-            start(role, cfg)
+            start(role, cfg)  # on its own failure it stops what it started of its role
         except (PDLaunchError, KeyboardInterrupt) as failure:
             signal.signal(signal.SIGINT, signal.SIG_IGN)  # the roles already up are stopped whatever comes next
-            stop(list(reversed(ROLES)), cfg)
+            stop(list(reversed(started)), cfg)
+            said = f"{', '.join(started)} stopped again" if started else "no other role was started"
             if isinstance(failure, KeyboardInterrupt):
-                raise Interrupted(f"interrupted while {role} was starting; every role stopped") from None
+                raise Interrupted(f"interrupted while {role} was starting; {role} and {said}") from None
             if isinstance(failure, Interrupted):
-                raise Interrupted(f"{failure}; every role stopped") from None
+                raise Interrupted(f"{failure}; {said}") from None
             raise
+        started.append(role)
     status(ROLES, cfg)

@@ -12,6 +12,11 @@ tail, the servers' own output, which upstream starts by printing its ``server_ar
 every known secret value: the secret flags' values and the secret variables' values, as written and as
 Python's ``repr`` and JSON would quote them. Values shorter than ``MIN_SCRUB_CHARS`` are redacted in
 commands but not scrubbed from free text: they cannot be told from ordinary text.
+
+A URL's credentials (``scheme://user:password@host``: a private package index, a proxy, a database) are secret
+wherever the URL appears: in any variable (``SGLANG_CPKV_INDEX_URL``), any argument and any free text the
+userinfo is replaced (``scheme://<redacted>@host``), and the credentials of every URL in the environment and the
+arguments are scrubbed from free text as values too.
 """
 
 from __future__ import annotations
@@ -30,6 +35,35 @@ _SECRET_ENV_WORD = re.compile(r"(TOKEN|KEYS?|SECRET|PASSWORD|PASSWD)$")
 _CREDENTIAL_URL_FLAGS = frozenset({"postgres-db-url", "redis-url"})
 # Variables holding argument lists (PD_PREFILL_EXTRA_ARGS, ...): redacted as arguments, not as one value.
 _ARGS_ENV_SUFFIX = "_EXTRA_ARGS"
+# A URL's scheme and authority (up to the path, query or fragment, a space or a quote): its userinfo is everything up
+# to the authority's last "@".
+_URL_AUTHORITY = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*://)([^\s/?#'\"]+)")
+_URL_AUTHORITY_BYTES = re.compile(_URL_AUTHORITY.pattern.encode())
+
+
+def _without_userinfo(match: re.Match) -> str | bytes:
+    scheme, authority = match.group(1), match.group(2)
+    at = "@" if isinstance(authority, str) else b"@"
+    if at not in authority:
+        return match.group(0)
+    redacted = REDACTED if isinstance(authority, str) else REDACTED.encode()
+    return scheme + redacted + at + authority.rsplit(at, 1)[1]
+
+
+def redact_urls(text: str) -> str:
+    """``text`` with the credentials of every URL in it (``scheme://user:password@host``) replaced by ``<redacted>``."""
+    return _URL_AUTHORITY.sub(_without_userinfo, text)
+
+
+def url_credentials(text: str) -> list[str]:
+    """The credentials of every URL in ``text``: its userinfo (``user:password``) and the password alone."""
+    found = []
+    for match in _URL_AUTHORITY.finditer(text):
+        authority = match.group(2)
+        if "@" in authority:
+            userinfo = authority.rsplit("@", 1)[0]
+            found += [userinfo, userinfo.partition(":")[2]]
+    return [value for value in found if value and value != REDACTED]
 
 
 def is_secret_flag(flag: str) -> bool:
@@ -70,7 +104,10 @@ def _secret_spans(argv: Sequence[str]) -> list[tuple[int, bool]]:
 def secret_values(argv: Sequence[str], env: Mapping[str, str] | None = None) -> list[str]:
     """The values of the secret-looking flags in ``argv`` and of the secret variables in ``env``."""
     values = [argv[i].split("=", 1)[1] if inline else argv[i] for i, inline in _secret_spans(argv)]
+    for arg in argv:
+        values += url_credentials(arg)
     for name, value in (env or {}).items():
+        values += url_credentials(value)
         if is_secret_env(name):
             values.append(value)
         elif name.endswith(_ARGS_ENV_SUFFIX):
@@ -80,8 +117,9 @@ def secret_values(argv: Sequence[str], env: Mapping[str, str] | None = None) -> 
 
 
 def redact_argv(argv: Sequence[str]) -> list[str]:
-    """``argv`` with every value of every secret-looking flag replaced by ``<redacted>``."""
-    out = list(argv)
+    """``argv`` with every value of every secret-looking flag, and every URL's credentials, replaced by
+    ``<redacted>``."""
+    out = [redact_urls(arg) for arg in argv]
     for i, inline in _secret_spans(argv):
         out[i] = argv[i].split("=", 1)[0] + "=" + REDACTED if inline else REDACTED
     return out
@@ -95,7 +133,7 @@ def redact_env_value(name: str, value: str) -> str:
             return shlex.join(redact_argv(shlex.split(value)))
         except ValueError:  # not splittable: nothing can tell its secrets apart
             return REDACTED
-    return value
+    return redact_urls(value)
 
 
 def scrub_forms(secrets: Iterable[str]) -> list[str]:
@@ -108,10 +146,10 @@ def scrub_forms(secrets: Iterable[str]) -> list[str]:
 
 
 def scrub(text: str, secrets: Iterable[str]) -> str:
-    """``text`` with every occurrence of each secret value replaced."""
+    """``text`` with every occurrence of each secret value, and every URL's credentials, replaced."""
     for form in scrub_forms(secrets):
         text = text.replace(form, REDACTED)
-    return text
+    return redact_urls(text)
 
 
 class StreamScrubber:
@@ -131,7 +169,7 @@ class StreamScrubber:
     def _scrub(self, data: bytes) -> bytes:
         for form in self._forms:
             data = data.replace(form, REDACTED.encode())
-        return data
+        return _URL_AUTHORITY_BYTES.sub(_without_userinfo, data)
 
     def feed(self, chunk: bytes) -> bytes:
         data = self._scrub(self._pending + chunk)

@@ -11,7 +11,14 @@ For a server role, what ``python -m sglang.launch_server`` runs before it touche
    a hub id whose config is in the Hugging Face cache; nothing is downloaded), upstream's resolution
    (``prepare_server_args`` + ``resolve_once``) with the role's environment, for a GPU of the given
    compute capability (``--device cuda`` unless ``argv`` names a device). It runs the model overrides,
-   the DSA backend guards and ``--enable-cp-shared-kv``'s checks of our patch queue.
+   the DSA backend guards and ``--enable-cp-shared-kv``'s checks of our patch queue. The resolution sees the
+   GPU's memory (this machine's GPU; with ``gpu_capability`` given, or without a GPU here, the documented GPU of
+   that capability: :data:`sglang_cpkv.capacity.presets.GPUS`), as the server's does: its
+   ``--mem-fraction-static`` default depends on it;
+3. the KV budget of one GPU: ``--mem-fraction-static`` x the GPU's memory - a lower bound on the weights one GPU
+   holds (:mod:`sglang_cpkv.capacity.weights`), and upstream's pool sized from it (the mode's reservation
+   charged): refused when it cannot hold one request of the context length (an upper bound on the budget, so a
+   refusal is certain; passing is not a guarantee).
 
 For the router, ``sglang_router``'s own parser and ``RouterArgs``. One result per role, in order:
 ``{"role", "status", "message"}``, ``status`` one of ``ok``; ``partial`` (the flags parse, the rest could
@@ -30,6 +37,8 @@ from pathlib import Path
 
 from sglang_cpkv.env import environment
 from sglang_cpkv.pd_launch.config import CP_SHARED_KV_FLAG, DEFAULT_GPU_CAPABILITY
+
+MEM_FRACTION_FLAG = "--mem-fraction-static"
 
 
 class _Refused(Exception):
@@ -85,6 +94,63 @@ def _pin_capability(requested: str) -> str:
     return f"{requested} ({source})"
 
 
+def _gpu_memory(requested: str) -> tuple[float | None, bool, str]:
+    """(the serving GPU's memory in bytes or None, whether the resolution must be shown it, what it is)."""
+    import torch
+
+    if not requested and torch.cuda.is_available():  # the machine's own GPU: upstream reads its memory itself
+        from sglang.srt.utils.common import get_device_memory_capacity
+
+        return get_device_memory_capacity("cuda") * 2**20, False, "this machine's GPU"
+    from sglang_cpkv.capacity.presets import GPUS
+
+    capability = requested or DEFAULT_GPU_CAPABILITY
+    wanted = tuple(int(x) for x in capability.split("."))
+    for gpu in GPUS.values():
+        if gpu.capability == wanted:
+            said = f"{gpu.name.upper()}, the documented GPU of compute capability {capability}"
+            return gpu.hbm_bytes, True, said
+    documented = ", ".join(f"{'.'.join(map(str, g.capability))} {g.name.upper()}" for g in GPUS.values())
+    return None, False, f"no documented GPU of compute capability {capability} ({documented})"
+
+
+def _given(argv: list[str], flag: str) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for arg in argv)
+
+
+def _kv_budget_note(args, argv: list[str], hbm_bytes: float | None, gpu: str) -> str:
+    """What the KV budget of one GPU holds, for the result's message; :class:`_Refused` when not one request of the
+    context length."""
+    if hbm_bytes is None:
+        return f"; KV budget NOT checked: {gpu}"
+    from sglang_cpkv.capacity.upstream import kv_budget
+
+    try:
+        budget = kv_budget(args, hbm_bytes=hbm_bytes)
+    except Exception as exc:  # our sizing of a server upstream accepted: said, not a refusal of the server
+        return f"; KV budget NOT checked: sizing its pool failed here ({type(exc).__name__}: {exc})"
+    if budget is None:
+        return "; KV budget NOT checked: the weights of this model cannot be bounded from its config.json"
+    why = "as given" if _given(argv, MEM_FRACTION_FLAG) else "upstream's default for this server"
+    shown = (
+        f"{MEM_FRACTION_FLAG} {budget.mem_fraction_static:g} ({why}) x {budget.hbm_bytes / 1e9:.1f} GB ({gpu}) - "
+        f"at least {budget.weights_bytes / 1e9:.1f} GB of weights"
+    )
+    pool = f"at most {budget.budget_bytes / 1e9:.1f} GB: {budget.node_tokens:,} KV tokens ({budget.kv_cache_dtype})"
+    if budget.holds_one_request:
+        return (
+            f"; KV budget per GPU: {shown} = {pool}, one request of the context length "
+            f"({budget.context_len:,} tokens) fits"
+        )
+    held = "no KV budget" if budget.budget_bytes <= 0 else f"{pool}, fewer than one request needs"
+    fp8 = "" if budget.kv_cache_dtype.startswith("fp8") else ", use an FP8 KV cache (--kv-cache-dtype fp8_e4m3)"
+    raise _Refused(
+        f"the KV budget cannot hold one request of the context length ({budget.context_len:,} tokens): {shown} = "
+        f"{held}. Raise {MEM_FRACTION_FLAG} (the rest of the GPU's memory holds the activations: upstream's default "
+        f"keeps 1.5 MB per --chunked-prefill-size token){fp8}, or lower --context-length"
+    )
+
+
 def _check_server(argv: list[str], env: dict, gpu_capability: str) -> tuple[str, str]:
     from sglang_cpkv.upstream_import import install_torchvision_stub
 
@@ -109,18 +175,29 @@ def _check_server(argv: list[str], env: dict, gpu_capability: str) -> tuple[str,
             "(a local model directory or the Hugging Face cache)"
         )
     capability = _pin_capability(gpu_capability)
+    hbm_bytes, show_memory, gpu = _gpu_memory(gpu_capability)
     names_device = any(arg == "--device" or arg.startswith("--device=") for arg in argv)
     resolve_argv = list(argv) if names_device else [*argv, "--device", "cuda"]
+    from sglang_cpkv.capacity.upstream import seeing_gpu_memory
+
     # The hub's config comes from the cache only: a dry-run never downloads.
-    with environment({**env, "HF_HUB_OFFLINE": "1"}):
+    with environment({**env, "HF_HUB_OFFLINE": "1"}), seeing_gpu_memory(hbm_bytes if show_memory else None):
         try:
-            prepare_server_args(resolve_argv).resolve_once()
+            args = prepare_server_args(resolve_argv)
+            args.resolve_once()
         except (Exception, SystemExit) as exc:  # what the server would die of at start-up
             raise _Refused(
                 f"the server refuses this at start-up: {type(exc).__name__}: {exc}\n"
                 f"  (resolved from {config} for a GPU of compute capability {capability})"
             ) from None
-    return "ok", f"{parsed}; start-up checks passed (from {config}, for a GPU of compute capability {capability})"
+        try:
+            budget = _kv_budget_note(args, argv, hbm_bytes, gpu)
+        except _Refused as refused:
+            raise _Refused(
+                f"{refused}\n  (resolved from {config} for a GPU of compute capability {capability})"
+            ) from None
+    passed = f"start-up checks passed (from {config}, for a GPU of compute capability {capability})"
+    return "ok", f"{parsed}; {passed}{budget}"
 
 
 def _check_router(argv: list[str]) -> tuple[str, str]:

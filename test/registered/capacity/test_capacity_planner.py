@@ -410,6 +410,29 @@ def test_each_presets_figures_are_its_config_worked_out_by_hand(preset, layers, 
     assert row["kv_sharding"]["overhead_gib"] * GIB == 2 * scratch_rows * (raw + index_k)
 
 
+@pytest.mark.parametrize(("preset", "published"), [("glm-5.1-fp8", 744e9), ("deepseek-v3.2", 671e9)])
+def test_the_weights_bound_counts_the_published_parameters(preset, published):
+    """The dry-run's KV budget check bounds the weights one GPU holds from the config alone
+    (``capacity/weights.py``): the parameters it counts are the models' published totals (without the MTP layers,
+    which a server loads only for speculative decoding; DeepSeek-V3.2's card: 671e9 + 14e9 of MTP), within 0.2%; under
+    attention CP or DP the attention is on every rank, the rest split over the TP ranks."""
+    from sglang_cpkv.capacity.weights import parameter_counts, weight_bytes_per_gpu_lower_bound
+
+    config = json.loads(Path(MODELS[preset].model_dir, "config.json").read_text())
+    attention, other = parameter_counts(config)
+    assert abs(attention + other - published) <= 0.002 * published, (attention + other) / 1e9
+    assert weight_bytes_per_gpu_lower_bound(config, tp_size=8, attn_tp_size=8) == attention // 8 + other // 8
+    assert weight_bytes_per_gpu_lower_bound(config, tp_size=8, attn_tp_size=1) == attention + other // 8
+    unquantized = {k: v for k, v in config.items() if k != "quantization_config"}
+    assert weight_bytes_per_gpu_lower_bound(unquantized, tp_size=8, attn_tp_size=1) == 2 * (attention + other // 8)
+    assert (
+        weight_bytes_per_gpu_lower_bound(
+            {**config, "quantization_config": {"quant_method": "awq"}}, tp_size=8, attn_tp_size=1
+        )
+        is None
+    )
+
+
 def test_layer_ahead_off_halves_the_views_and_holds_more(planned, tmp_path, monkeypatch):
     """``--layer-ahead off`` sizes the server as SGLANG_CPKV_LAYER_AHEAD=0 runs it: one dense view per kind instead of
     two, so the node holds more KV (the README's two headline figures)."""
@@ -472,6 +495,52 @@ def test_a_config_the_planner_cannot_size_is_refused_without_a_traceback(tmp_pat
     assert cli.main(["--model", str(tmp_path), "--kv-budget-gib", "10"]) == 2
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "named"),
+    [
+        ("--json", "<dir>", "argument --json: <dir> is a directory; --json takes a file"),
+        ("--plot", "<dir>", "argument --plot: <dir> is a directory; --plot takes a file"),
+        ("--plot", "c.xyz", "argument --plot: c.xyz: matplotlib cannot write '.xyz' files"),
+        ("--plot", "c", "argument --plot: c: matplotlib cannot write '' files; give one of"),
+        ("--json", "<file>/c.json", "argument --json: <file>/c.json: <file> is not a directory"),
+    ],
+    ids=["json-dir", "plot-dir", "plot-suffix", "plot-no-suffix", "json-under-a-file"],
+)
+def test_an_output_the_planner_cannot_write_is_refused_before_the_run(
+    tmp_path, capsys, monkeypatch, option, value, named
+):
+    """Issue 54: ``--json <a directory>`` or ``--plot c.xyz`` printed a traceback after the whole run. Refused up front,
+    an argparse error naming the option; nothing is sized."""
+    monkeypatch.chdir(tmp_path)  # the relative names
+    (tmp_path / "f").write_text("")
+    places = {"<dir>": str(tmp_path), "<file>": str(tmp_path / "f")}
+    for key, path in places.items():
+        value, named = value.replace(key, path), named.replace(key, path)
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--preset", "glm-5.1-fp8", "--cp", "8", option, value])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and named in err, err
+    assert "[capacity]" not in err and "Traceback" not in err  # nothing ran
+
+
+def test_the_mode_is_sized_with_the_launchers_prefill_backend(tmp_path, capsys):
+    """Issue 54: on ``--gpu b300`` the planner sized the mode with upstream's default prefill backend there (trtllm),
+    which the mode refuses, while the launchers pass ``PD_DSA_PREFILL_BACKEND`` (flashmla_auto): the planner's
+    ``--prefill-backend`` defaults to the launchers' default, and another one is sized as given."""
+    from sglang_cpkv.pd_launch.config import ENV_DEFAULTS
+
+    argv = ["--preset", "glm-5.1-fp8", "--gpu", "b300", "--cp", "8"]
+    assert cli.main([*argv, "--json", str(tmp_path / "default.json")]) == 0
+    default = json.loads((tmp_path / "default.json").read_text())
+    assert default["inputs"]["prefill_backend"] == ENV_DEFAULTS["PD_DSA_PREFILL_BACKEND"] == "flashmla_auto"
+    (row,) = default["rows"]
+    assert row["mode_runs"] and "mode_refused" not in row and row["reservation"] is not None
+    assert cli.main([*argv, "--prefill-backend", "trtllm", "--json", str(tmp_path / "trtllm.json")]) == 0
+    (refused,) = json.loads((tmp_path / "trtllm.json").read_text())["rows"]
+    assert not refused["mode_runs"] and "--dsa-prefill-backend" in refused["mode_refused"]
+    assert "refused" in capsys.readouterr().out
 
 
 def test_a_batch_past_the_reservation_is_flagged_not_timed(capsys):

@@ -45,6 +45,7 @@ register_cpu_ci(est_time=90, suite="cpkv-cpu")
 REPO = Path(__file__).resolve().parents[3]
 PD = REPO / "scripts" / "pd"
 DSA_MODEL = REPO / "test" / "registered" / "upstream" / "fixtures" / "dsa_v32"  # a local DeepseekV32 config.json
+GLM51_FP8 = REPO / "python" / "sglang_cpkv" / "capacity" / "models" / "glm-5.1-fp8"  # the default model's config.json
 SECRETS = {"PD_PREFILL_EXTRA_ARGS": "--api-key sekrit-api-1 --admin-api-key=sekrit-admin-2"}
 SECRET_VALUES = ("sekrit-api-1", "sekrit-admin-2")
 
@@ -152,11 +153,79 @@ def test_cp_shared_kv_flag_is_opt_in_and_only_the_prefill_gets_the_all_ranks_var
         ({"PD_LOG_KEEP": "1000000000"}, "PD_LOG_KEEP=1000000000 must be <= 100"),
         ({"PD_LOG_MAX_BYTES": "1K"}, "PD_LOG_MAX_BYTES='1K' must be between 64K and 1024G bytes"),
         ({"PD_LOG_MAX_BYTES": "5000G"}, "PD_LOG_MAX_BYTES='5000G' must be between 64K and 1024G bytes"),
+        ({"PD_PREFILL_MEM_FRACTION_STATIC": "1.5"}, "PD_PREFILL_MEM_FRACTION_STATIC='1.5' must be a fraction"),
+        ({"PD_DECODE_MEM_FRACTION_STATIC": "most"}, "PD_DECODE_MEM_FRACTION_STATIC='most' must be a fraction"),
     ],
 )
 def test_bad_environment_names_the_variable(env, message):
     with pytest.raises(pd_launch.PDLaunchError, match=re.escape(message)):
         cfg(**env)
+
+
+def test_the_memory_fraction_is_the_prefill_s_own_setting_and_upstream_s_on_the_decode_by_default():
+    """The launchers pass --mem-fraction-static to the prefill (upstream's own default leaves GLM-5.1-FP8's prefill on
+    8 x H200 at chunk 65,536 no KV budget: 0.258); ``auto`` leaves a server to upstream's heuristic."""
+    prefill, decode = pd_launch.build_command("prefill", cfg()), pd_launch.build_command("decode", cfg())
+    assert (
+        prefill[prefill.index("--mem-fraction-static") + 1] == pd_launch.ENV_DEFAULTS["PD_PREFILL_MEM_FRACTION_STATIC"]
+    )
+    assert "--mem-fraction-static" not in decode
+    given = cfg(PD_PREFILL_MEM_FRACTION_STATIC="auto", PD_DECODE_MEM_FRACTION_STATIC="0.9")
+    assert "--mem-fraction-static" not in pd_launch.build_command("prefill", given)
+    decode = pd_launch.build_command("decode", given)
+    assert decode[decode.index("--mem-fraction-static") + 1] == "0.9"
+
+
+def pd_dry_run(env: dict, *roles: str) -> subprocess.CompletedProcess:
+    """``scripts/pd/pd.sh dry-run ROLES`` with this interpreter as PD_PYTHON, the default model's config.json local."""
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "PD_PYTHON": sys.executable, **env}
+    env.setdefault("PD_MODEL_PATH", str(GLM51_FP8))
+    return subprocess.run([PD / "pd.sh", "dry-run", *roles], env=env, capture_output=True, text=True, timeout=600)
+
+
+ONE_HOST_B300 = {"PD_PREFILL_TP": "4", "PD_PREFILL_CP": "4", "PD_DECODE_TP": "4", "PD_DECODE_DP": "4"}
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"PD_GPU_CAPABILITY": "9.0"},
+        {"PD_GPU_CAPABILITY": "10.3", "PD_ENV_FILE": str(PD / "glm51-fp8-b300.env")},
+        {"PD_GPU_CAPABILITY": "10.3", **ONE_HOST_B300, "PD_DECODE_BASE_GPU_ID": "4"},
+    ],
+    ids=["h200", "b300-env-file", "b300-one-host"],
+)
+def test_the_default_deployment_holds_one_request_of_the_context_length(settings):
+    """Issue 54: the dry-run sizes each server's KV pool as upstream does from the --mem-fraction-static upstream
+    resolves for it on the GPU (PD_GPU_CAPABILITY: its documented memory), and the default deployment on each
+    documented GPU holds one request of GLM-5.1's 202,752-token context on the prefill and on the decode."""
+    done = pd_dry_run(settings, "prefill", "decode")
+    assert done.returncode == 0, done.stderr[-3000:]
+    for role in ("prefill", "decode"):
+        (line,) = [line for line in done.stdout.splitlines() if line.startswith(f"# {role}: flags accepted")]
+        assert "KV budget per GPU: --mem-fraction-static" in line, line
+        assert "one request of the context length (202,752 tokens) fits" in line, line
+    assert "--mem-fraction-static 0.85 (as given)" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("fraction", "fragments"),
+    [
+        ("auto", ["--mem-fraction-static 0.258 (upstream's default for this server)", "no KV budget"]),
+        ("0.77", ["--mem-fraction-static 0.77 (as given)", "fewer than one request needs"]),
+    ],
+    ids=["upstream-default", "too-small"],
+)
+def test_a_kv_budget_that_cannot_hold_one_request_of_the_context_is_refused(fraction, fragments):
+    """Issue 54: GLM-5.1-FP8's prefill (TP8 / CP8, chunk 65,536) on 8 x H200 with upstream's own --mem-fraction-static
+    (0.258: it keeps 1.5 MB of activations per chunk token) leaves no KV budget at all: the dry-run refuses it, naming
+    the flag and the launchers' variable; so does a fraction whose budget holds less than one request."""
+    done = pd_dry_run({"PD_GPU_CAPABILITY": "9.0", "PD_PREFILL_MEM_FRACTION_STATIC": fraction}, "prefill")
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "cannot hold one request of the context length (202,752 tokens)" in done.stderr, done.stderr
+    assert "PD_PREFILL_MEM_FRACTION_STATIC" in done.stderr
+    for fragment in fragments:
+        assert fragment in done.stderr, done.stderr
 
 
 @pytest.mark.parametrize("newline", ["\n", "\r\n"])
@@ -392,7 +461,17 @@ def test_redaction_covers_both_flag_forms_and_argument_variables():
         "--redis-url",
         REDACTED,
     ]
-    assert secret_values(router) == ["a:admin:k-1", "b:user:k-2", "redis://u:p@h"]
+    # and a URL's credentials, as values too (scrubbed from free text wherever they appear)
+    assert secret_values(router) == ["a:admin:k-1", "b:user:k-2", "redis://u:p@h", "u:p", "p"]
+    # Any URL's credentials, in any variable, argument or free text (issue 54: SGLANG_CPKV_INDEX_URL in the header).
+    assert redact_env_value("SGLANG_CPKV_INDEX_URL", "https://u:pw-1@h:8/s?x=1") == "https://<redacted>@h:8/s?x=1"
+    assert redact_argv(["--prefill", "http://tok@h:1", "--tp", "8"]) == [
+        "--prefill",
+        "http://<redacted>@h:1",
+        "--tp",
+        "8",
+    ]
+    assert scrub("see 'https://a:b@c@h/p' and ftp://h/x@y", []) == "see 'https://<redacted>@h/p' and ftp://h/x@y"
     env = {
         "HF_TOKEN": "hf_abcdef",
         "SGLANG_API_KEY": "k-3-long",
@@ -452,6 +531,8 @@ def stub_env(tmp_path):
         "PD_HEALTH_TIMEOUT": "30",
         "PD_STOP_TIMEOUT": "5",
         "STUB_CHILD_PID_FILE": str(tmp_path / "child.pid"),
+        # The GPUs the launchers count on this host, whatever the machine has (CUDA_VISIBLE_DEVICES, else nvidia-smi).
+        "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(16)),
         "NCCL_IB_HCA": "mlx5_0,mlx5_1",
         "SGLANG_API_KEY": "do-not-log-me",
         **SECRETS,

@@ -30,8 +30,13 @@ SECRET_ENV = {
     "PD_PREFILL_EXTRA_ARGS": "--api-key sk-api-111 --admin-api-key=sk-admin-222 --ssl-keyfile-password sk-pass-333",
     "PD_ROUTER_EXTRA_ARGS": "--control-plane-api-keys cp1:admin:sk-cp-444 cp2:user:sk-cp-555",
     "HF_TOKEN": "hf_sk666token",
+    # A URL-valued variable with a credential (issue 54: the log header printed it whole).
+    "SGLANG_CPKV_INDEX_URL": "https://alice:sk-idx-777@index.example/simple/",
 }
-SECRETS = ("sk-api-111", "sk-admin-222", "sk-pass-333", "sk-cp-444", "sk-cp-555", "hf_sk666token")
+SECRETS = ("sk-api-111", "sk-admin-222", "sk-pass-333", "sk-cp-444", "sk-cp-555", "hf_sk666token", "sk-idx-777")
+# The GPUs the launchers see on this host, whatever the machine has: they count CUDA_VISIBLE_DEVICES when it is set
+# (else nvidia-smi's list). 16, so that a test may place the decode after an 8-GPU prefill.
+SIXTEEN_GPUS = ",".join(str(i) for i in range(16))
 
 
 def leaked(*texts: str) -> list[str]:
@@ -55,6 +60,7 @@ def env(tmp_path):
         "PD_HEALTH_TIMEOUT": "60",
         "PD_STOP_TIMEOUT": "5",
         "STUB_CHILD_PID_FILE": str(tmp_path / "child.pid"),
+        "CUDA_VISIBLE_DEVICES": SIXTEEN_GPUS,
         **SECRET_ENV,
     }
     yield env
@@ -160,6 +166,24 @@ def test_the_servers_own_output_is_scrubbed_in_the_log_stdout_and_the_failure_ta
     assert not leaked(*texts, foreground.stdout, foreground.stderr), leaked(*texts, foreground.stdout)
 
 
+def test_a_urls_credentials_are_redacted_in_the_header_the_command_the_record_and_the_output(env, tmp_path):
+    """Issue 54: the log header printed SGLANG_CPKV_INDEX_URL with its password. Any URL with ``user:password@``, in
+    a variable or an argument, shows ``<redacted>`` in place of its credentials everywhere the launchers write it."""
+    urls = {**env, "PD_DECODE_EXTRA_ARGS": "--tokenizer-path https://carol:sk-arg-999@hub.example/tok"}
+    started = launch(PD / "run_decode.sh", env=urls)
+    assert started.returncode == 0, started.stderr
+    log = (tmp_path / "logs" / "decode.log").read_text()
+    assert "# env SGLANG_CPKV_INDEX_URL=https://<redacted>@index.example/simple/" in log
+    shown = "--tokenizer-path 'https://<redacted>@hub.example/tok'"
+    assert f"# env PD_DECODE_EXTRA_ARGS={shown}" in log and f"--attn-dp-size 8 {shown}" in log  # and the command
+    printed = launch(PD / "pd.sh", "print", "decode", env=urls)
+    assert printed.returncode == 0 and shown in printed.stdout
+    pid_record = (tmp_path / "logs" / "decode.pid").read_text()
+    assert launch(PD / "stop.sh", env=urls).returncode == 0
+    texts = (log, pid_record, printed.stdout, started.stdout, started.stderr)
+    assert not leaked(*texts) and not any("sk-arg-999" in text for text in texts)
+
+
 # ---------------------------------------------------------------------------------- logs
 
 
@@ -254,6 +278,62 @@ def test_up_with_the_sizes_unset_fits_one_8_gpu_host(env, tmp_path):
     gpus = (record(tmp_path, "prefill")["gpus"], record(tmp_path, "decode")["gpus"])
     assert gpus == (["0", "1", "2", "3"], ["4", "5", "6", "7"])
     assert launch(PD / "stop.sh", env=env).returncode == 0
+
+
+def test_a_second_up_refuses_and_leaves_the_running_roles_running(env, tmp_path):
+    """Issue 54: a second ``up`` while all three roles ran refused ("prefill already runs") and then stopped all
+    three. It refuses before it starts anything, and stops nothing it did not start."""
+    up = launch(PD / "up.sh", env=env)
+    assert up.returncode == 0, up.stderr
+    records = {role: record(tmp_path, role) for role in ("prefill", "decode", "router")}
+    again = launch(PD / "up.sh", env=env)
+    assert again.returncode == 2 and "prefill already runs" in again.stderr, again.stderr
+    assert ": stopped" not in again.stderr and "started " not in again.stderr
+    assert {role: record(tmp_path, role) for role in records} == records
+    assert all(alive(rec["pid"]) for rec in records.values())
+    assert launch(PD / "pd.sh", "status", env=env).returncode == 0
+    assert launch(PD / "stop.sh", env=env).returncode == 0
+
+
+def fake_nvidia_smi(tmp_path: Path, gpus: int) -> str:
+    """A directory for PATH holding an ``nvidia-smi`` that lists ``gpus`` GPUs as ``nvidia-smi -L`` does."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    smi = bin_dir / "nvidia-smi"
+    lines = "".join(f"echo 'GPU {i}: NVIDIA B300 SXM6 AC (UUID: GPU-{i:08d})'\n" for i in range(gpus))
+    smi.write_text(f'#!/bin/sh\n[ "$1" = -L ] || exit 9\n{lines}')
+    smi.chmod(0o755)
+    return str(bin_dir)
+
+
+def test_up_refuses_gpus_this_host_lacks_before_starting_anything(env, tmp_path):
+    """Issue 54: ``up`` with the documented B300 env file (prefill TP8/CP8, decode TP8/DP8) on an 8-GPU host started
+    the decode on GPUs 8-15. Refused before anything starts, naming the variables; the GPUs are counted as the
+    servers see them (CUDA_VISIBLE_DEVICES when set, else nvidia-smi's list)."""
+    host = {k: v for k, v in env.items() if k != "CUDA_VISIBLE_DEVICES"}
+    host["PATH"] = fake_nvidia_smi(tmp_path, 8) + os.pathsep + env["PATH"]
+    b300 = {
+        **host,
+        "PD_ENV_FILE": str(PD / "glm51-fp8-b300.env"),
+        "PD_PREFILL_URL": f"http://127.0.0.1:{env['PD_PREFILL_PORT']}",
+        "PD_DECODE_URL": f"http://127.0.0.1:{env['PD_DECODE_PORT']}",
+    }
+    up = launch(PD / "up.sh", env=b300)
+    assert up.returncode == 2, up.stderr
+    assert "PD_DECODE_BASE_GPU_ID=8 and PD_DECODE_TP=8 put the decode on GPU 8-15" in up.stderr, up.stderr
+    assert "this host has 8 GPUs (0-7, nvidia-smi -L)" in up.stderr
+    assert not list((tmp_path / "logs").glob("*.pid")) and "started " not in up.stderr
+    # The README's one-host split on a host that shows 4 GPUs to the launchers.
+    four = launch(PD / "up.sh", env={**host, "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    assert four.returncode == 2 and "put the decode on GPU 4-7" in four.stderr, four.stderr
+    assert "this host has 4 GPUs (0-3, CUDA_VISIBLE_DEVICES=0,1,2,3)" in four.stderr
+    # One role by hand past the host's GPUs.
+    decode = launch(PD / "run_decode.sh", env={**host, "PD_DECODE_BASE_GPU_ID": "4"})
+    assert decode.returncode == 2 and "PD_DECODE_BASE_GPU_ID=4 and PD_DECODE_TP=8" in decode.stderr, decode.stderr
+    assert not list((tmp_path / "logs").glob("*.pid"))
+    # Within the host: starts (the stubs need no GPU).
+    fits = launch(PD / "run_decode.sh", env={**host, "PD_DECODE_TP": "8", "PD_DECODE_DP": "8"})
+    assert fits.returncode == 0, fits.stderr
 
 
 def test_a_misspelled_role_is_refused_by_name(env):
