@@ -9,11 +9,14 @@
 # the Python packages of this checkout's CPU environment (.venv, from `make setup`: torch CPU, triton, the upstream
 # import closure, sglang-router, Mooncake's engine) copied into the system site-packages; libibverbs1, g++ and
 # ninja (upstream's image has its build tools); and with --cuda a copy of the host's CUDA toolkit at
-# /usr/local/cuda (nvcc on PATH), for the image's CUDA build.
+# /usr/local/cuda (nvcc on PATH) and, in place of the CPU torch, the CUDA build of the same torch version with its
+# NVIDIA libraries (--cuda-wheels: a directory of wheels, no index needed), for the image's CUDA build.
 #
-#   docker/test/make-standin-base.sh [--tag TAG] [--cuda DIR] [--workdir DIR]
+#   docker/test/make-standin-base.sh [--tag TAG] [--cuda DIR --cuda-wheels DIR] [--workdir DIR]
 #     --tag TAG      image tag (default cpkv-standin-base:0.5.23-cpu; with --cuda: ...-cuda)
 #     --cuda DIR     copy this CUDA toolkit (e.g. /usr/local/cuda-13.0) into the base
+#     --cuda-wheels DIR  torch's CUDA wheel of the environment's torch version and its NVIDIA library wheels, e.g.
+#                    pip download --no-deps -d DIR "torch===2.13.0" nvidia-cudnn-cu13 ... (the platform's tags)
 #     --workdir DIR  where the Debian root file system is made and kept (default /var/tmp/cpkv-standin-base)
 # Needs root (debootstrap), debootstrap, a running Docker engine, and the Debian mirror. Prints the tag.
 set -euo pipefail
@@ -21,6 +24,7 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 tag=""
 cuda=""
+cuda_wheels=""
 workdir=/var/tmp/cpkv-standin-base
 mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 
@@ -31,8 +35,9 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --tag) tag="${2:?--tag needs a value}"; shift 2 ;;
     --cuda) cuda="${2:?--cuda needs a directory}"; shift 2 ;;
+    --cuda-wheels) cuda_wheels="${2:?--cuda-wheels needs a directory}"; shift 2 ;;
     --workdir) workdir="${2:?--workdir needs a value}"; shift 2 ;;
-    -h | --help) sed -n '2,18p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
     *) die "unknown argument: $1 (see --help)" ;;
   esac
 done
@@ -42,6 +47,8 @@ command -v debootstrap >/dev/null || die "debootstrap is missing (apt-get instal
 docker version >/dev/null 2>&1 || die "no Docker engine answers (start dockerd)"
 if [ -n "$cuda" ]; then
   [ -x "$cuda/bin/nvcc" ] || die "--cuda $cuda: no bin/nvcc there"
+  [ -n "$cuda_wheels" ] || die "--cuda needs --cuda-wheels (the CUDA build of torch: the ops link it)"
+  ls "$cuda_wheels"/torch-*.whl >/dev/null 2>&1 || die "--cuda-wheels $cuda_wheels: no torch wheel there"
 fi
 venv_site="$(ls -d "$repo"/.venv/lib/python3.11/site-packages 2>/dev/null)" ||
   die "no $repo/.venv with Python 3.11 (run make setup): its packages make the base's Python environment"
@@ -74,8 +81,15 @@ echo /sgl-workspace/sglang/python >"$site/sglang-workspace.pth"
 
 changes=(--change 'ENV PYTHONUNBUFFERED=1' --change 'WORKDIR /sgl-workspace' --change 'CMD ["bash"]')
 if [ -n "$cuda" ]; then
-  log "copying the CUDA toolkit $cuda to /usr/local/cuda"
+  log "copying the CUDA toolkit $cuda to /usr/local/cuda; torch's CUDA build from $cuda_wheels"
   cp -a "$(readlink -f "$cuda")" "$stage/usr/local/cuda"
+  echo /usr/local/cuda/lib64 >"$stage/etc/ld.so.conf.d/cuda.conf"
+  rm -rf "$site"/torch "$site"/torch-*.dist-info
+  mkdir -p "$stage/tmp/wheels"
+  cp "$cuda_wheels"/*.whl "$stage/tmp/wheels/"
+  chroot "$stage" sh -c 'python3 -m pip install -q --no-deps --no-index --break-system-packages /tmp/wheels/*.whl && ldconfig' ||
+    die "installing the CUDA wheels into the base failed"
+  rm -rf "$stage/tmp/wheels"
   changes+=(--change 'ENV CUDA_HOME=/usr/local/cuda' \
     --change 'ENV PATH=/usr/local/cuda/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin')
 fi
@@ -83,5 +97,5 @@ log "docker import -> $tag"
 tar -C "$stage" -c . | docker import "${changes[@]}" \
   --message "TEST-ONLY stand-in for upstream's image (docker/test/make-standin-base.sh)" - "$tag" >/dev/null
 rm -rf "$stage"
-docker run --rm --network none "$tag" python3 -c 'import sglang, torch; print("[standin-base] sglang", sglang.__version__, "at", sglang.__path__[0], "torch", torch.__version__)' >&2
+docker run --rm --network none "$tag" python3 -c 'import sglang, torch; print("[standin-base] sglang", sglang.__version__, "at", sglang.__path__[0], "torch", torch.__version__, "CUDA", torch.version.cuda)' >&2
 echo "$tag"

@@ -102,7 +102,11 @@ class WorkloadReceiver:
     def recv_requests(self, local_reqs=()) -> list[Any]:
         self.iteration += 1
         s = self.s
+        unexpected = len(self.ledger.unexpected)
         self.ledger.take(s.recorder.outputs, self.by_rid)
+        if self.to_decode is not None:  # the client's connection closes: the decode's copy of the request is aborted
+            for ended in self.ledger.unexpected[unexpected:]:
+                self.to_decode.put(("abort", ended["request"]))
         self.checker.after_iteration(self.ledger)
         self._same_on_every_rank()
         out = list(local_reqs)

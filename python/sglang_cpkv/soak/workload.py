@@ -52,7 +52,7 @@ class WorkloadConfig:
     new_conversation: float = 0.45  # else a new turn of an open conversation
     median_message: int = 48
     message_sigma: float = 1.3  # lognormal: a long tail of many pages
-    max_prompt: int = 2000  # at most 40% of a node's pool in the soak's scenarios (docs/design/cp-shared-kv-soak.md)
+    max_prompt: int = 2000  # under each scenario's arrival bound (the node pool less admission's N-page reserve)
     page_aligned: float = 0.3  # a prompt padded to a page boundary
     ignore_eos: float = 0.3
     abort: float = 0.06  # per kind

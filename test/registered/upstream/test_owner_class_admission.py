@@ -258,36 +258,5 @@ def test_a_pool_without_skew_is_neither_evicted_nor_admitted_differently(monkeyp
     assert [r.rid for r in adder.can_run_list] == ["small"] and world.snapshot() == before
 
 
-@pytest.mark.parametrize("mode_on", [False, True], ids=["kv-cache-sharding", "cp-shared-kv"])
-def test_the_longest_prompt_the_server_accepts_is_admitted_on_an_empty_pool(monkeypatch, mode_on):
-    """Upstream's arrival bound (``TpModelWorker.get_worker_info``: a prompt shorter than ``max_req_input_len``)
-    against admission's N-page reserve. Pristine: ``max_req_input_len`` is capacity less 6, and a prompt of
-    capacity less a page, accepted, gets NO_TOKEN forever on an empty pool."""
-    from types import SimpleNamespace
-
-    from sglang.srt.managers.tp_worker import TpModelWorker
-
-    world = World(monkeypatch, mode_on)
-    worker = SimpleNamespace(  # what get_worker_info reads of a worker whose runner sized this pool
-        model_runner=SimpleNamespace(
-            effective_logical_max_total_num_tokens=PAGES_PER_RANK * PAGE,
-            logical_max_total_num_tokens=PAGES_PER_RANK * PAGE,
-            token_to_kv_pool_allocator=world.allocator,
-            max_running_requests=64,
-            forward_stream=None,
-            req_to_token_pool=world.req_to_token_pool,
-            token_to_kv_pool=world.allocator.get_kvcache(),
-        ),
-        model_config=SimpleNamespace(context_len=16384),
-        dllm_algorithm=None,
-        random_seed=0,
-        device="cpu",
-    )
-    max_req_input_len = TpModelWorker.get_worker_info(worker)[5]
-    longest = max_req_input_len - 1  # the scheduler refuses len(input_ids) >= max_req_input_len
-    adder, results = world.prefill_pass([make_req("longest", list(range(900_000, 900_000 + longest)))])
-    assert [r.rid for r in adder.can_run_list] == ["longest"], (longest, results)
-
-
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -1,8 +1,7 @@
-"""Prefill admission on a page-interleave pool: admit what eviction makes allocatable, defer what it cannot, and accept
-no request it could never admit.
+"""Prefill admission on a page-interleave pool: admit what eviction makes allocatable, defer what it cannot.
 
 Called by ``patches/upstream-fixes/admit-on-owner-class-floors.patch`` (``PageInterleavePoolAllocator.
-create_prefill_budget``, the capacity hook upstream's allocators override; ``TpModelWorker.get_worker_info``). Upstream's ``PrefillBudget`` admits when
+create_prefill_budget``, the capacity hook upstream's allocators override). Upstream's ``PrefillBudget`` admits when
 ``total_tokens < available_size() + evictable_size()``: the pool's free floor (N x page x the free pages of its
 emptiest owner class) plus the cache's evictable tokens counted over every class. With free pages spread unevenly
 over the classes that figure is wrong both ways (``docs/upstream-findings.md`` item 5): it under-counts what eviction
@@ -36,16 +35,3 @@ def _budget_class() -> type:
             return (True, chunk_limit) if self.allocator.available_size() >= need else (False, None)
 
     return OwnerClassPrefillBudget
-
-
-def admissible_request_len(max_req_len: int, kv_capacity: int, allocator: Any) -> int:
-    """Upstream's ``max_req_len`` (``TpModelWorker.get_worker_info``), bounded on a page-interleave pool so that the
-    longest request it accepts is admitted on an empty pool: admission adds N x page tokens of rounding reserve to a
-    request (``PrefillAdder.per_req_token_overhead``), and the arrival check accepts a prompt up to
-    ``max_req_len - 6`` tokens, so a longer bound leaves prompts that wait at the head of the queue forever."""
-    from sglang.srt.mem_cache.allocator.page_interleave import page_interleave_shard_size
-
-    shard_size = page_interleave_shard_size(allocator)
-    if shard_size == 1:
-        return max_req_len
-    return min(max_req_len, kv_capacity - shard_size * allocator.page_size - 2)
