@@ -187,7 +187,7 @@ class ImageTest:
         self.lifecycle(prefill)
 
     def validate(self) -> None:
-        line = readme_block_line("docker run --rm --network host -v $HOME/.local/state/sglang-cpkv/pd-logs")
+        line = readme_block_line("docker run --rm --network host --user")
         argv = (
             line.replace("$HOME", str(self.home))
             .replace('"$(id -u):$(id -g)"', USER)
