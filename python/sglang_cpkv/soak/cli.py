@@ -77,26 +77,28 @@ def ci_scenarios() -> list[tuple[ServerConfig, WorkloadConfig]]:
 LONG_REQUESTS = {1: 550, 2: 1500, 4: 550, 8: 400}
 
 
-def long_scenarios(cps: list[int], seed: int) -> Iterator[tuple[ServerConfig, WorkloadConfig]]:
-    """The long soak's matrix, round after round with new seeds: every cp with each prefill route and pool format,
-    the radix cache on and off, chunks that are and are not page multiples, HiCache on and off, the overlap scheduler
-    on and off."""
+def long_scenarios(cps: list[int], seed: int, first_round: int = 0) -> Iterator[tuple[ServerConfig, WorkloadConfig]]:
+    """The long soak's matrix, round after round with new seeds: every cp with each prefill route and pool format
+    (one route a round), and across a round's scenarios the radix cache on and off (so every route runs with both),
+    HiCache on every fourth scenario with the radix cache, chunks that are and are not page multiples, the overlap
+    scheduler every third round."""
     routes = (
         ("flashmla_sparse", False),
         ("flashmla_kv", True),
         ("triton_sparse_mla", False),
         ("flashmla_sparse", True),
     )
-    for round_ in itertools.count():
-        for cp in cps:
+    for round_ in itertools.count(first_round):
+        for index, cp in enumerate(cps):
             backend, fp8 = routes[round_ % len(routes)]
-            radix = round_ % 2 == 0
+            scenario = round_ * len(cps) + index
+            radix = scenario % 2 == 0
             server = ServerConfig(
                 cp=cp,
                 prefill_backend=backend,
                 fp8=fp8,
                 radix_cache=radix,
-                hicache=radix and round_ % 4 == 2,
+                hicache=radix and scenario % 4 == 0,
                 chunked_prefill_size=(200, 256, 320, 136)[(round_ + cp) % 4],
                 overlap=round_ % 3 == 1,
             )
@@ -169,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_cpkv.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ci", action="store_true", help="the CI soak: fixed seed, cp 1 and cp 2, about 3 minutes")
     parser.add_argument("--minutes", type=float, help="a long soak: run the matrix until this many minutes passed")
+    parser.add_argument("--scenarios", type=int, help="a long soak: stop after this many scenarios (default: none)")
+    parser.add_argument("--round", type=int, default=0, help="a long soak: the matrix's first round (default 0)")
     parser.add_argument("--cp", default="1,2,4", help="CP sizes of the long soak (default 1,2,4)")
     parser.add_argument("--seed", type=int, default=1, help="the long soak's first seed (the CI soak's are fixed)")
     parser.add_argument("--requests", type=int, help="requests per scenario (default: the scenario's)")
@@ -186,11 +190,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--cp {args.cp!r}: each CP size must be 1, 2, 4 or 8")
     os.environ.setdefault("TRITON_INTERPRET", "0" if args.device == "cuda" else "1")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="cpkv-soak-"))
-    scenarios = ci_scenarios() if args.ci else long_scenarios(cps, args.seed)
+    if (args.scenarios is not None and args.scenarios < 1) or args.round < 0:
+        parser.error("--scenarios must be at least 1 and --round at least 0")
+    scenarios = ci_scenarios() if args.ci else long_scenarios(cps, args.seed, args.round)
     deadline = None if args.minutes is None else time.monotonic() + args.minutes * 60
     reports = []
     for i, (server, workload) in enumerate(scenarios):
-        if deadline is not None and time.monotonic() > deadline:
+        if (deadline is not None and time.monotonic() > deadline) or (
+            args.scenarios is not None and i >= args.scenarios
+        ):
             break
         if args.requests:
             workload = replace(workload, requests=args.requests)
