@@ -34,7 +34,10 @@ DOCUMENTED_TAG = "sglang-cpkv:0.5.23"
 STUB = "/opt/sglang-cpkv/python/sglang_cpkv/testing/pd_stub.py"
 MODEL = "zai-org/GLM-5.1-FP8"  # the launchers' default PD_MODEL_PATH
 MODEL_CONFIG = REPO / "test" / "registered" / "upstream" / "fixtures" / "glm5_dsa" / "config.json"
-SECRETS = {"HF_TOKEN": "hf_imagetestsecret0123", "SGLANG_CPKV_INDEX_URL": "https://ci:pw-imagetest-9876@index.invalid/simple"}
+SECRETS = {
+    "HF_TOKEN": "hf_imagetestsecret0123",
+    "SGLANG_CPKV_INDEX_URL": "https://ci:pw-imagetest-9876@index.invalid/simple",
+}
 SECRET_WORDS = ("hf_imagetestsecret0123", "pw-imagetest-9876")
 USER = "1000:1000"  # an operator's own uid, as the README's `--user $(id -u):$(id -g)`
 
@@ -141,7 +144,18 @@ class ImageTest:
 
     def start_role(self, role: str, extra: list[str] = (), name: str | None = None) -> str:
         name = name or f"cpkv-imagetest-{role}-{os.getpid()}"
-        stub = [] if role == "router" else ["-v", f"{self.stub}:/stub/python:ro", "-e", "PD_PYTHON=/stub/python", "-e", "PD_LAUNCH_PYTHON=python3"]
+        stub = (
+            []
+            if role == "router"
+            else [
+                "-v",
+                f"{self.stub}:/stub/python:ro",
+                "-e",
+                "PD_PYTHON=/stub/python",
+                "-e",
+                "PD_LAUNCH_PYTHON=python3",
+            ]
+        )
         out = self.docker_run(["-d", "--name", name, *self.common(), *stub, *extra, self.image, role])
         if out.returncode:
             raise AssertionError(f"docker run {role}: {out.stderr}")
@@ -159,7 +173,11 @@ class ImageTest:
     # ------------------------------------------------------------------ the checks
     def help(self) -> None:
         out = self.docker_run(["--rm", self.image])
-        self.check("help (the image's default command)", out.returncode == 0 and "prefill | decode | router" in out.stdout, out.stdout + out.stderr)
+        self.check(
+            "help (the image's default command)",
+            out.returncode == 0 and "prefill | decode | router" in out.stdout,
+            out.stdout + out.stderr,
+        )
 
     def dry_run(self) -> None:
         line = readme_block_line("docker run --rm -v $HOME/.cache/huggingface")
@@ -168,7 +186,8 @@ class ImageTest:
         text = out.stdout + out.stderr
         self.check(
             "dry-run, the README's line, config.json in the mounted Hugging Face cache",
-            out.returncode == 0 and all(f"# {r}: flags accepted" in text for r in ("prefill", "decode", "router"))
+            out.returncode == 0
+            and all(f"# {r}: flags accepted" in text for r in ("prefill", "decode", "router"))
             and text.count("start-up checks passed") == 2,
             text,
         )
@@ -176,12 +195,24 @@ class ImageTest:
     def roles(self) -> None:
         prefill, decode = self.start_role("prefill"), self.start_role("decode")
         ok = [self.wait_status(c, r) for c, r in ((prefill, "prefill"), (decode, "decode"))]
-        self.check("prefill and decode (stand-in servers) healthy: entrypoint status", all(o.returncode == 0 for o in ok), "\n".join(o.stdout + o.stderr for o in ok))
+        self.check(
+            "prefill and decode (stand-in servers) healthy: entrypoint status",
+            all(o.returncode == 0 for o in ok),
+            "\n".join(o.stdout + o.stderr for o in ok),
+        )
         router = self.start_role("router")
         out = self.wait_status(router, "router")
-        self.check("router (the real sglang-router) healthy with both workers: entrypoint status", out.returncode == 0, out.stdout + out.stderr)
+        self.check(
+            "router (the real sglang-router) healthy with both workers: entrypoint status",
+            out.returncode == 0,
+            out.stdout + out.stderr,
+        )
         health = run([*self.docker, "exec", router, "/opt/sglang-cpkv/docker/entrypoint.sh", "health"])
-        self.check("health (the image's HEALTHCHECK command) of the router container", health.returncode == 0, health.stdout + health.stderr)
+        self.check(
+            "health (the image's HEALTHCHECK command) of the router container",
+            health.returncode == 0,
+            health.stdout + health.stderr,
+        )
         self.validate()
         self.secrets_absent([prefill, decode, router])
         self.lifecycle(prefill)
@@ -209,17 +240,40 @@ class ImageTest:
         for c in containers:
             logs = run([*self.docker, "logs", c])
             seen.append(logs.stdout + logs.stderr)
-            seen.append(run([*self.docker, "inspect", c]).stdout.replace(SECRETS["HF_TOKEN"], "").replace(SECRETS["SGLANG_CPKV_INDEX_URL"], ""))
+            seen.append(
+                run([*self.docker, "inspect", c])
+                .stdout.replace(SECRETS["HF_TOKEN"], "")
+                .replace(SECRETS["SGLANG_CPKV_INDEX_URL"], "")
+            )
         seen += [p.read_text(errors="replace") for p in self.logs.rglob("*") if p.is_file()]
         leaked = [w for w in SECRET_WORDS if any(w in text for text in seen)]
-        self.check("no secret in docker logs, the launch logs or docker inspect (beyond the env given)", not leaked, f"leaked: {leaked}")
-        image = run([*self.docker, "inspect", self.image]).stdout + run([*self.docker, "history", "--no-trunc", self.image]).stdout
-        self.check("no credential in the image's labels or history", "@" not in json.dumps(json.loads(run([*self.docker, "inspect", "-f", "{{json .Config.Labels}}", self.image]).stdout)) and "pw-" not in image, image[-500:])
+        self.check(
+            "no secret in docker logs, the launch logs or docker inspect (beyond the env given)",
+            not leaked,
+            f"leaked: {leaked}",
+        )
+        image = (
+            run([*self.docker, "inspect", self.image]).stdout
+            + run([*self.docker, "history", "--no-trunc", self.image]).stdout
+        )
+        self.check(
+            "no credential in the image's labels or history",
+            "@"
+            not in json.dumps(
+                json.loads(run([*self.docker, "inspect", "-f", "{{json .Config.Labels}}", self.image]).stdout)
+            )
+            and "pw-" not in image,
+            image[-500:],
+        )
 
     def lifecycle(self, container: str) -> None:
         stopped = run([*self.docker, "stop", "-t", "30", container], timeout=120)
         state = run([*self.docker, "inspect", "-f", "{{.State.Status}} {{.State.ExitCode}}", container]).stdout.strip()
-        self.check("docker stop ends the role (SIGTERM, within PD_STOP_TIMEOUT)", stopped.returncode == 0 and state.startswith("exited"), state + stopped.stderr)
+        self.check(
+            "docker stop ends the role (SIGTERM, within PD_STOP_TIMEOUT)",
+            stopped.returncode == 0 and state.startswith("exited"),
+            state + stopped.stderr,
+        )
         run([*self.docker, "start", container])
         out = self.wait_status(container, "prefill")
         self.check("docker start after stop: healthy again", out.returncode == 0, out.stdout + out.stderr)
@@ -229,22 +283,40 @@ class ImageTest:
         run([*self.docker, "kill", container])
         run([*self.docker, "start", container])
         out = self.wait_status(container, "prefill")
-        self.check("docker kill (SIGKILL), then start: healthy again (stale records cleared)", out.returncode == 0, out.stdout + out.stderr)
+        self.check(
+            "docker kill (SIGKILL), then start: healthy again (stale records cleared)",
+            out.returncode == 0,
+            out.stdout + out.stderr,
+        )
 
     def default_user(self) -> None:
         """Without --user (uid 10001) on the operator's 0755 directory: refused at once, naming what is not writable."""
-        out = self.docker_run(["--rm", "--network", "host", "-v", f"{self.logs}:/var/log/sglang-cpkv", self.image, "prefill"], timeout=120)
-        self.check("uid 10001 with an unwritable log directory: refused at start, naming it", out.returncode == 78 and "/var/log/sglang-cpkv" in out.stderr, out.stdout + out.stderr)
+        out = self.docker_run(
+            ["--rm", "--network", "host", "-v", f"{self.logs}:/var/log/sglang-cpkv", self.image, "prefill"], timeout=120
+        )
+        self.check(
+            "uid 10001 with an unwritable log directory: refused at start, naming it",
+            out.returncode == 78 and "/var/log/sglang-cpkv" in out.stderr,
+            out.stdout + out.stderr,
+        )
 
     def read_only(self) -> None:
         bare = self.docker_run(["--rm", "--read-only", self.image, "prefill"], timeout=120)
-        self.check("--read-only alone: refused at start, naming every directory to mount", bare.returncode == 78 and "--tmpfs /tmp" in bare.stderr, bare.stdout + bare.stderr)
+        self.check(
+            "--read-only alone: refused at start, naming every directory to mount",
+            bare.returncode == 78 and "--tmpfs /tmp" in bare.stderr,
+            bare.stdout + bare.stderr,
+        )
         line = readme_block_line("docker run -d --name cpkv-prefill-ro")
         flags = line.split(DOCUMENTED_TAG)[0].split()
         ro = flags[flags.index("--read-only") :]  # the README's line: the role's common flags, then these
         name = self.start_role("prefill", extra=ro, name=f"cpkv-imagetest-ro-{os.getpid()}")
         out = self.wait_status(name, "prefill")
-        self.check(f"--read-only with the README's mounts ({' '.join(ro)}): healthy", out.returncode == 0, out.stdout + out.stderr)
+        self.check(
+            f"--read-only with the README's mounts ({' '.join(ro)}): healthy",
+            out.returncode == 0,
+            out.stdout + out.stderr,
+        )
         run([*self.docker, "rm", "-f", name], timeout=120)
 
     def compose(self) -> None:
@@ -253,7 +325,8 @@ class ImageTest:
 
         spec = yaml.safe_load(COMPOSE.read_text())
         for service in spec["services"].values():
-            service.pop("deploy", None)  # no GPU here; nothing else of the file changes
+            service.pop("deploy", None)  # no GPU here, and an unprivileged engine may not raise memlock;
+            service.get("ulimits", {}).pop("memlock", None)  # nothing else of the file changes
         for role in ("prefill", "decode"):
             spec["services"][role]["environment"].update(PD_PYTHON="/stub/python", PD_LAUNCH_PYTHON="python3")
             spec["services"][role]["volumes"] = [*spec["services"][role]["volumes"], f"{self.stub}:/stub/python:ro"]
@@ -277,7 +350,9 @@ class ImageTest:
             ok = validate.returncode == 0 and (fresh / "pd-logs" / "contamination.json").is_file()
             seen += validate.stdout + validate.stderr
         down = run([*compose, "down"], timeout=300, env=env)
-        self.check("compose up (fresh host directories), validate, down", ok and down.returncode == 0, seen + down.stderr)
+        self.check(
+            "compose up (fresh host directories), validate, down", ok and down.returncode == 0, seen + down.stderr
+        )
 
     def cuda_library(self, image: str) -> None:
         code = (
@@ -292,7 +367,11 @@ class ImageTest:
             "import torch; torch.ops.load_library(str(lib)); print('loaded')\n"
         )
         out = self.docker_run(["--rm", "--entrypoint", "python3", image, "-c", code], timeout=300)
-        self.check(f"{image}: the AOT-built CUDA library matches its sources, exports its symbols and loads", out.returncode == 0 and "loaded" in out.stdout, out.stdout + out.stderr)
+        self.check(
+            f"{image}: the AOT-built CUDA library matches its sources, exports its symbols and loads",
+            out.returncode == 0 and "loaded" in out.stdout,
+            out.stdout + out.stderr,
+        )
 
     def build_checks(self) -> None:
         """A clone under umask 027 whose origin carries credentials, built with the documented command."""
@@ -305,11 +384,26 @@ class ImageTest:
         for path in (clone / "docker" / "entrypoint.sh", clone / "docker" / "install.sh"):
             # the working tree's uncommitted state is what is under test
             shutil.copy(REPO / path.relative_to(clone), path)
-        run(["git", "-C", str(clone), "remote", "set-url", "origin", "https://ci-bot:tok-imagetest-4321@git.invalid/org/repo.git"], check=True)
+        run(
+            [
+                "git",
+                "-C",
+                str(clone),
+                "remote",
+                "set-url",
+                "origin",
+                "https://ci-bot:tok-imagetest-4321@git.invalid/org/repo.git",
+            ],
+            check=True,
+        )
         tag = f"sglang-cpkv:imagetest-umask{os.getpid()}"
         env = {**os.environ}
         built = run([str(clone / "docker" / "build.sh"), "--tag", tag, "--no-kernels"], timeout=1800, env=env)
-        ok = self.check("make image from a clone made under umask 027 (--no-kernels)", built.returncode == 0, built.stdout[-1500:] + built.stderr[-1500:])
+        ok = self.check(
+            "make image from a clone made under umask 027 (--no-kernels)",
+            built.returncode == 0,
+            built.stdout[-1500:] + built.stderr[-1500:],
+        )
         if ok:
             out = self.docker_run(["--rm", tag, "help"])
             self.check("its entry point runs (modes made readable)", out.returncode == 0, out.stdout + out.stderr)
@@ -317,11 +411,17 @@ class ImageTest:
             history = run([*self.docker, "history", "--no-trunc", tag]).stdout
             self.check(
                 "the clone URL's credentials are in no label and nowhere in the history",
-                "git.invalid/org/repo.git" in labels and "tok-imagetest" not in labels + history and "ci-bot" not in labels + history,
+                "git.invalid/org/repo.git" in labels
+                and "tok-imagetest" not in labels + history
+                and "ci-bot" not in labels + history,
                 labels,
             )
             base = json.loads(labels).get("org.opencontainers.image.base.name", "")
-            self.check("the base image's label names the base", bool(base) and base == os.environ.get("BASE_IMAGE", base), labels)
+            self.check(
+                "the base image's label names the base",
+                bool(base) and base == os.environ.get("BASE_IMAGE", base),
+                labels,
+            )
             run([*self.docker, "rmi", "-f", tag], timeout=300)
         direct = run(
             [*self.docker, "build", "--network", "none", "-f", str(clone / "docker" / "Dockerfile"), "--build-arg", "CPKV_KERNELS=0",
@@ -329,7 +429,11 @@ class ImageTest:
              *(["--build-arg", f"BASE_IMAGE={os.environ['BASE_IMAGE']}"] if os.environ.get("BASE_IMAGE") else []), str(clone)],
             timeout=1800,
         )  # fmt: skip
-        self.check("docker build given a CPKV_SOURCE with credentials: refused", direct.returncode != 0 and "refused" in direct.stdout + direct.stderr, direct.stdout[-800:] + direct.stderr[-800:])
+        self.check(
+            "docker build given a CPKV_SOURCE with credentials: refused",
+            direct.returncode != 0 and "refused" in direct.stdout + direct.stderr,
+            direct.stdout[-800:] + direct.stderr[-800:],
+        )
 
 
 def main() -> int:
@@ -361,10 +465,19 @@ def main() -> int:
         finally:
             test.cleanup()
     failed = [r["check"] for r in test.results if not r["passed"]]
-    summary = {"image": args.image, "seconds": round(time.monotonic() - started), "checks": len(test.results), "failed": failed, "results": test.results}
+    summary = {
+        "image": args.image,
+        "seconds": round(time.monotonic() - started),
+        "checks": len(test.results),
+        "failed": failed,
+        "results": test.results,
+    }
     if args.out:
         args.out.write_text(json.dumps(summary, indent=1))
-    print(f"{len(test.results) - len(failed)} of {len(test.results)} checks passed in {summary['seconds']} s" + (f"; failed: {failed}" if failed else ""))
+    print(
+        f"{len(test.results) - len(failed)} of {len(test.results)} checks passed in {summary['seconds']} s"
+        + (f"; failed: {failed}" if failed else "")
+    )
     return 1 if failed else 0
 
 

@@ -2,7 +2,7 @@
 
 The launcher tests point ``PD_PYTHON`` at a script that runs this file, so the real launchers start,
 supervise and stop it as they would a server. It serves ``/health`` (200) on ``--host``/``--port`` and
-answers ``POST /generate`` and ``/v1/completions`` with a fixed completion, appending each request's JSON
+answers ``POST /generate`` and ``/v1/completions`` (in OpenAI's shape) with a fixed completion, appending each request's JSON
 body to ``STUB_REQUESTS_FILE`` when that is set (what the router hands a server: its ``bootstrap_host``).
 It spawns a child (its pid in ``STUB_CHILD_PID_FILE``) so a test can see the whole process group end, and
 at start prints what upstream prints: its ``server_args`` with every secret value in plain text.
@@ -55,6 +55,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if requests_file:
             with open(requests_file, "a") as f:
                 f.write(json.dumps({"path": self.path, "body": json.loads(body or b"{}")}) + "\n")
+        if self.path.startswith("/v1/completions"):  # OpenAI's shape (the contamination client's)
+            return self._answer(
+                200, {"object": "text_completion", "choices": [{"index": 0, "text": "stub", "finish_reason": "length"}]}
+            )
         self._answer(200, {"text": "stub", "meta_info": {"finish_reason": {"type": "stop"}}})
 
     def log_message(self, *args):
