@@ -2,6 +2,7 @@
 
     python -m sglang_cpkv.soak --ci --out soak.json                 # the CI soak (make test runs it)
     python -m sglang_cpkv.soak --minutes 60 --cp 1,2,4 --out s.json # a long soak: scenarios and seeds in turn
+    python -m sglang_cpkv.soak --gpu --device cuda --out g.json     # the GPU soak: the real attention kernels
 
 A scenario is one P/D deployment (:class:`~sglang_cpkv.soak.server.ServerConfig`) serving one seeded workload
 (:class:`~sglang_cpkv.soak.workload.WorkloadConfig`): the driver starts upstream's bootstrap server, the prefill CP
@@ -72,6 +73,30 @@ def ci_scenarios() -> list[tuple[ServerConfig, WorkloadConfig]]:
     ]
 
 
+def gpu_scenarios() -> list[tuple[ServerConfig, WorkloadConfig]]:
+    """The GPU soak (``--gpu``): the real attention kernels of every Hopper prefill route of the mode in place of the
+    stand-in's captured reads, each query row's output checked against the function (zero queries: the mean of the
+    rows it reads); cp 1 and cp 2 (gloo ranks on the one GPU), the radix cache on; upstream's fake transfer backend and
+    no decode (Mooncake's CUDA engine cannot be installed on the GPU machines: the CPU soak proves the transfer). One
+    seed."""
+    routes = (
+        (1, "flashmla_sparse", False, 256),
+        (1, "flashmla_kv", True, 200),
+        (2, "flashmla_sparse", True, 320),  # FP8 RAGGED: the dequantized rows
+        (2, "triton_sparse_mla", False, 136),
+    )
+    return [
+        (
+            ServerConfig(cp=cp, prefill_backend=backend, fp8=fp8, chunked_prefill_size=chunk, transfer_backend="fake"),
+            WorkloadConfig(requests=GPU_REQUESTS, seed=21, median_message=32, max_prompt=1200),
+        )
+        for cp, backend, fp8, chunk in routes
+    ]
+
+
+GPU_REQUESTS = 100
+
+
 # Requests per scenario of the long soak, by cp: four rounds of the matrix (every route at every cp) pass 10,000
 # requests with 2,000 at each cp. cp 2 takes the most: on a 2-core machine its two ranks run a request fastest.
 LONG_REQUESTS = {1: 550, 2: 1500, 4: 550, 8: 400}
@@ -117,15 +142,17 @@ def run_scenario(server: ServerConfig, workload: WorkloadConfig, *, device: str,
     model_dir = write_model_dir(workdir / "model")
     port = _free_port()
     os.environ.update(PROCESS_ENV)
+    with_decode = server.transfer_backend == "mooncake"
     bootstrap = _bootstrap_server(port)
     ctx = mp.get_context("spawn")
-    to_decode, results = ctx.Queue(), ctx.Queue()
+    to_decode, results = (ctx.Queue() if with_decode else None), ctx.Queue()
     procs = []
     for rank in range(server.cp):
         job = RankJob(server, workload, rank, model_dir, port, f"file://{workdir}/prefill_init_{port}", device=device)
         procs.append(ctx.Process(target=run_prefill_rank, args=(job, to_decode, results), name=f"prefill{rank}"))
-    decode_job = DecodeJob(server, workload, model_dir, port, f"file://{workdir}/decode_init_{port}", device=device)
-    procs.append(ctx.Process(target=run_decode, args=(decode_job, to_decode, results), name="decode"))
+    if with_decode:
+        decode_job = DecodeJob(server, workload, model_dir, port, f"file://{workdir}/decode_init_{port}", device=device)
+        procs.append(ctx.Process(target=run_decode, args=(decode_job, to_decode, results), name="decode"))
     start = time.monotonic()
     for proc in procs:
         proc.start()
@@ -170,6 +197,7 @@ def _bootstrap_server(port: int):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sglang_cpkv.soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--ci", action="store_true", help="the CI soak: fixed seed, cp 1 and cp 2, about 3 minutes")
+    parser.add_argument("--gpu", action="store_true", help="the GPU soak: the real attention kernels (--device cuda)")
     parser.add_argument("--minutes", type=float, help="a long soak: run the matrix until this many minutes passed")
     parser.add_argument("--scenarios", type=int, help="a long soak: stop after this many scenarios (default: none)")
     parser.add_argument("--round", type=int, default=0, help="a long soak: the matrix's first round (default 0)")
@@ -180,8 +208,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="the JSON report")
     parser.add_argument("--workdir", type=Path, help="scratch directory (default: a temporary one)")
     args = parser.parse_args(argv)
-    if args.ci == (args.minutes is not None):
-        parser.error("give exactly one of --ci and --minutes")
+    if [args.ci, args.gpu, args.minutes is not None].count(True) != 1:
+        parser.error("give exactly one of --ci, --gpu and --minutes")
+    if args.gpu and args.device != "cuda":
+        parser.error("--gpu runs the real kernels: give --device cuda")
     try:
         cps = [int(x) for x in args.cp.split(",")]
     except ValueError:
@@ -192,7 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="cpkv-soak-"))
     if (args.scenarios is not None and args.scenarios < 1) or args.round < 0:
         parser.error("--scenarios must be at least 1 and --round at least 0")
-    scenarios = ci_scenarios() if args.ci else long_scenarios(cps, args.seed, args.round)
+    if args.ci:
+        scenarios = ci_scenarios()
+    elif args.gpu:
+        scenarios = gpu_scenarios()
+    else:
+        scenarios = long_scenarios(cps, args.seed, args.round)
     deadline = None if args.minutes is None else time.monotonic() + args.minutes * 60
     reports = []
     for i, (server, workload) in enumerate(scenarios):

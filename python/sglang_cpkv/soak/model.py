@@ -41,6 +41,7 @@ class Checks:
     batches: int = 0
     tokens: int = 0
     reads_checked: int = 0
+    kernel_outputs_checked: int = 0  # query rows whose real attention kernel's output was checked (a GPU run)
     index_k_rows_checked: int = 0
     pool_rows_checked: int = 0
     dense_slots_max: int = 0  # the most dense slots a batch's plan took
@@ -309,6 +310,28 @@ class StandInWorker(SoakWorker):
             where = sel.nonzero()[bad]
             for i, k in where.tolist():
                 self._mismatch_at(reqs, row_req, row_pos, positions, i, k, layer, "wrong row")
+        if call.output is not None:
+            self._check_output(call.output[:n], sel, distinct, which, layer, reqs, row_req, row_pos)
+
+    def _check_output(self, output, sel, distinct, which, layer, reqs, row_req, row_pos) -> None:
+        """The real kernel's output (a GPU run). The stand-in's queries are zero, so every read of a query row weighs
+        the same: its output is the mean of the latent rows it reads, the function's values (exact in bf16 and FP8,
+        so the tolerance is the bf16 rounding of the output)."""
+        n = output.shape[0]
+        latent = kv_function.latent_rows(distinct, layer)[0].float()[which]
+        query = sel.nonzero()[:, 0]
+        sums = torch.zeros(n, NOPE).index_add_(0, query, latent)
+        counts = torch.zeros(n).index_add_(0, query, torch.ones(query.numel()))
+        read = counts > 0
+        want = sums[read] / counts[read, None]
+        got = output.float().cpu()[read]
+        wrong = ~torch.isclose(got, want[:, None, :], atol=0.03, rtol=0.01).flatten(1).all(dim=1)
+        self.checks.kernel_outputs_checked += int(read.sum())
+        for i in read.nonzero()[:, 0][wrong].tolist()[:3]:
+            self.checks.mismatch(
+                kind="kernel output", request=reqs[int(row_req[i])].rid, position=int(row_pos[i]), layer=layer
+            )
+        self.checks.mismatches += max(0, int(wrong.sum()) - 3)
 
     def _mismatch_at(self, reqs, row_req, row_pos, positions, i, k, layer, kind) -> None:
         self.checks.mismatch(

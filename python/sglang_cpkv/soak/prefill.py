@@ -98,6 +98,12 @@ class WorkloadReceiver:
         self.checker = invariants.IterationChecker(scheduler, worker, job.rank)
         self.started = self.last_progress = time.monotonic()
         self.vocab = scheduler.model_config.vocab_size
+        if job.server.transfer_backend == "fake":
+            from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+            self._bootstrap_host = FAKE_BOOTSTRAP_HOST
+        else:
+            self._bootstrap_host = "127.0.0.1"
 
     def recv_requests(self, local_reqs=()) -> list[Any]:
         self.iteration += 1
@@ -200,7 +206,7 @@ class WorkloadReceiver:
             top_logprobs_num=0,
             token_ids_logprob=None,
             stream=False,
-            bootstrap_host="127.0.0.1",
+            bootstrap_host=self._bootstrap_host,
             bootstrap_port=self.job.bootstrap_port,
             bootstrap_room=bootstrap_room(spec.rid),
         )

@@ -22,6 +22,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -70,6 +71,10 @@ class ServerConfig:
     max_batch_tokens: int | None = None  # --cp-shared-kv-max-batch-tokens (None: the default)
     overlap: bool = False
     topk: int = 32
+    # "mooncake": the decode server and the real transfer engine; "fake": no decode, every request on upstream's fake
+    # bootstrap host (its fake sender), the Mooncake KV manager over an engine stand-in that moves nothing (the GPU
+    # soak: the engine's CUDA build cannot be installed on the GPU machines; the CPU soak proves the transfer)
+    transfer_backend: str = "mooncake"
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -140,7 +145,10 @@ def start_process(config: ServerConfig, role: str, rank: int, model_dir: str, bo
     from sglang_cpkv.testing import dsa_kit
 
     dsa_kit._upstream()  # torchvision stub, the device capability of a Hopper GPU
-    require_transfer_engine()
+    if config.transfer_backend == "mooncake":
+        require_transfer_engine()
+    else:
+        sys.modules["mooncake"] = sys.modules["mooncake.engine"] = _EngineStandIn
     import msgspec
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import init_mooncake_transfer_engine
@@ -167,6 +175,31 @@ def start_process(config: ServerConfig, role: str, rank: int, model_dir: str, bo
     parallel_state.initialize_model_parallel()
     init_mooncake_transfer_engine("127.0.0.1", gpu_id=0, ib_device=None)
     return args
+
+
+class _EngineStandIn:
+    """TEST-ONLY, the fake transfer (``ServerConfig.transfer_backend``): ``mooncake.engine`` for a KV manager that is
+    built but never used (every request goes to upstream's fake sender). Moving bytes raises."""
+
+    class TransferEngine:
+        def initialize(self, *args: Any) -> int:
+            return 0
+
+        def get_rpc_port(self) -> int:
+            return 0
+
+        def register_memory(self, *args: Any) -> int:
+            return 0
+
+        unregister_memory = batch_register_memory = batch_unregister_memory = register_memory
+
+        def get_engine(self) -> Any:
+            return self
+
+        def transfer_sync_write(self, *args: Any) -> int:
+            raise RuntimeError("the soak's fake transfer moves nothing: a request reached the Mooncake engine")
+
+        batch_transfer_sync_write = send_probe = transfer_sync_write
 
 
 def stop_kv_manager(disagg_queue: Any) -> None:
