@@ -103,6 +103,7 @@ class ImageTest:
     def cleanup(self) -> None:
         for name in self.containers:
             run([*self.docker, "rm", "-f", name], timeout=120)
+        self.containers = []
 
     def prepare_host(self) -> None:
         snapshot = self.hf / "hub" / f"models--{MODEL.replace('/', '--')}" / "snapshots" / ("0" * 40)
@@ -216,6 +217,7 @@ class ImageTest:
         self.validate()
         self.secrets_absent([prefill, decode, router])
         self.lifecycle(prefill)
+        self.cleanup()  # compose's roles take the same ports
 
     def validate(self) -> None:
         line = readme_block_line("docker run --rm --network host --user")
@@ -349,6 +351,8 @@ class ImageTest:
             validate = run([*compose, "--profile", "validate", "run", "--rm", "validate"], timeout=600, env=env)
             ok = validate.returncode == 0 and (fresh / "pd-logs" / "contamination.json").is_file()
             seen += validate.stdout + validate.stderr
+        if not ok:  # what the services said, before they are removed
+            seen += run([*compose, "ps"], env=env).stdout + run([*compose, "logs", "--tail", "40"], env=env).stdout
         down = run([*compose, "down"], timeout=300, env=env)
         self.check(
             "compose up (fresh host directories), validate, down", ok and down.returncode == 0, seen + down.stderr
