@@ -231,6 +231,29 @@ def test_the_report_fails_a_scenario_for_each_kind_of_problem():
     assert "ended unexpectedly" in unexpected["problems"][0]
 
 
+def test_a_real_kernels_output_is_checked_against_the_mean_of_its_reads():
+    """The GPU soak's check of a real attention kernel (zero queries: each row's output is the mean of its reads),
+    here on outputs made from the function, right and wrong."""
+    from types import SimpleNamespace
+
+    from sglang_cpkv.soak.model import Checks, StandInWorker
+
+    hashes = torch.tensor([11, 12, 13], dtype=torch.int64)
+    sel = torch.tensor([[True, True, False], [True, False, False], [False, False, False]])  # row 2 reads nothing
+    read = torch.tensor([0, 2, 1])  # the distinct hash each selected read is, in sel's row-major order
+    rows = kv_function.latent_rows(hashes, 1)[0].float()
+    mean = torch.stack([(rows[0] + rows[2]) / 2, rows[1], torch.zeros_like(rows[0])])
+    output = mean[:, None, :].expand(3, 2, -1).to(torch.bfloat16)  # 2 heads, bf16 as a kernel writes it
+    worker = SimpleNamespace(checks=Checks(rank=0))
+    reqs, row_req, row_pos = [SimpleNamespace(rid="r0")], torch.zeros(3, dtype=torch.int64), torch.arange(3)
+    StandInWorker._check_output(worker, output, sel, hashes, read, 1, reqs, row_req, row_pos)
+    assert (worker.checks.kernel_outputs_checked, worker.checks.mismatches) == (2, 0)
+    wrong = output.clone()
+    wrong[1, 1, 5] += 0.5
+    StandInWorker._check_output(worker, wrong, sel, hashes, read, 1, reqs, row_req, row_pos)
+    assert worker.checks.mismatches == 1 and worker.checks.examples[0]["kind"] == "kernel output"
+
+
 def test_a_prefill_abort_that_reaches_the_decode_first_is_an_abort():
     """The prefill's mid-transfer abort fails the decode's transfer an iteration before the router's abort is read."""
     import queue
