@@ -31,7 +31,13 @@ from sglang_cpkv.soak import report as soak_report
 from sglang_cpkv.soak.server import ServerConfig, write_model_dir
 from sglang_cpkv.soak.workload import WorkloadConfig
 
-PROCESS_TIMEOUT_S = 1800
+
+# A scenario's processes give up after this long (a stalled server is caught sooner, by the stall detector): at least
+# 30 minutes, and 4 s a request, so that a long scenario on a 2-core machine shared with other work is not cut short.
+def time_limit_s(workload: WorkloadConfig) -> float:
+    return max(1800.0, 4.0 * workload.requests)
+
+
 CRASH_GRACE_S = 10
 
 
@@ -148,10 +154,27 @@ def run_scenario(server: ServerConfig, workload: WorkloadConfig, *, device: str,
     to_decode, results = (ctx.Queue() if with_decode else None), ctx.Queue()
     procs = []
     for rank in range(server.cp):
-        job = RankJob(server, workload, rank, model_dir, port, f"file://{workdir}/prefill_init_{port}", device=device)
+        job = RankJob(
+            server,
+            workload,
+            rank,
+            model_dir,
+            port,
+            f"file://{workdir}/prefill_init_{port}",
+            device=device,
+            max_seconds=time_limit_s(workload),
+        )
         procs.append(ctx.Process(target=run_prefill_rank, args=(job, to_decode, results), name=f"prefill{rank}"))
     if with_decode:
-        decode_job = DecodeJob(server, workload, model_dir, port, f"file://{workdir}/decode_init_{port}", device=device)
+        decode_job = DecodeJob(
+            server,
+            workload,
+            model_dir,
+            port,
+            f"file://{workdir}/decode_init_{port}",
+            device=device,
+            max_seconds=time_limit_s(workload),
+        )
         procs.append(ctx.Process(target=run_decode, args=(decode_job, to_decode, results), name="decode"))
     start = time.monotonic()
     for proc in procs:
@@ -167,7 +190,7 @@ def run_scenario(server: ServerConfig, workload: WorkloadConfig, *, device: str,
             except Exception:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 late = crashed_at is not None and time.monotonic() - crashed_at > CRASH_GRACE_S
-                if dead or late or time.monotonic() - start > PROCESS_TIMEOUT_S:
+                if dead or late or time.monotonic() - start > time_limit_s(workload) + 120:
                     reported = {(r.get("role"), r.get("rank")) for r in reports}
                     reports += [
                         {"role": p.name, "crash": f"stopped: no report (exit code {p.exitcode})"}
