@@ -93,7 +93,10 @@ def gpu_scenarios() -> list[tuple[ServerConfig, WorkloadConfig]]:
     )
     return [
         (
-            ServerConfig(cp=cp, prefill_backend=backend, fp8=fp8, chunked_prefill_size=chunk, transfer_backend="fake"),
+            # FlashMLA's sparse prefill reads top-k in blocks of 128 (it asserts topk % 128 == 0 on an H100)
+            ServerConfig(
+                cp=cp, prefill_backend=backend, fp8=fp8, chunked_prefill_size=chunk, transfer_backend="fake", topk=128
+            ),
             WorkloadConfig(requests=GPU_REQUESTS, seed=21, median_message=32, max_prompt=1200),
         )
         for cp, backend, fp8, chunk in routes
