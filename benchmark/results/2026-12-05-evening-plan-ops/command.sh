@@ -21,4 +21,5 @@ SGLANG_CPKV_REQUIRE_UPSTREAM=1 python3 -m pytest -q test/registered/runtime/test
 python3 .ab-before/benchmark/bench_plan_host.py --requests 1,8,64 --reps 30 --out plan_host_flashmla_kv_h100_before.json
 python3 benchmark/bench_plan_host.py --requests 1,8,64 --reps 30 --out plan_host_flashmla_kv_h100_after.json
 python3 benchmark/plan_host_phases.py --requests 1,8,64 --out plan_phases_flashmla_kv_h100.json
-# call 9 also: PHASE_SYNC=1 python3 phases_precursor_55a50be.py plan_phases_flashmla_kv_h200_55a50be.json  (the precursor of benchmark/plan_host_phases.py)
+# call 9 also: PHASE_SYNC=1 python3 phases_precursor_55a50be.py plan_phases_flashmla_kv_h200_55a50be.json  (the precursor of benchmark/plan_host_phases.py;
+#   removed from this folder in issue 55, code does not live under results/: git show 8586cf3:benchmark/results/2026-12-05-evening-plan-ops/phases_precursor_55a50be.py)

@@ -56,7 +56,7 @@ KV_SHARDING_SERVER = {
 
 @dataclass(frozen=True)
 class MeasuredLayer:
-    """An attention layer the project measured (``benchmark/RESULTS.md``), shown beside a matching batch."""
+    """An attention layer the project measured (a record under ``benchmark/results/``), shown beside a matching batch."""
 
     gpu: str
     cp_size: int

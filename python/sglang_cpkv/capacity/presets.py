@@ -17,7 +17,7 @@ tensor-parallel width: an estimate, overridable (``--weights-gib``).
 
 GPUs: vendor figures (NVIDIA's data sheets): HBM capacity and bandwidth, NVLink bandwidth per GPU (the per
 direction half of the bidirectional figure is what one all-gather receives at). The planner's times are lower
-bounds at these peaks; measured copies reach less (the H200 of ``benchmark/RESULTS.md``: 4211 GB/s for a plain
+bounds at these peaks; measured copies reach less (the H200 of ``benchmark/results/2026-12-01-h200-serving-path/``: 4211 GB/s for a plain
 device copy, 88% of 4.8 TB/s).
 """
 

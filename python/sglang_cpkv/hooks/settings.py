@@ -39,7 +39,7 @@ def layer_ahead(cp_size: int) -> bool:
     ``SGLANG_CPKV_LAYER_AHEAD`` decides when set (read at start-up: the reservation holds two dense views per kind
     for it, one without); by default layer-ahead under CP, where the history is an all-gather worth overlapping
     with the layer before, and synchronous at cp 1, where it is a local copy and the side stream costs more than
-    it hides (benchmark/RESULTS.md, kit layer)."""
+    it hides (benchmark/results/2026-12-01-h200-session3/NOTES.md, kit layer)."""
     return env_flag(LAYER_AHEAD_ENV, default=cp_size > 1)
 
 

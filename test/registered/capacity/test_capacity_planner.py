@@ -7,18 +7,18 @@ Calibration (each figure the planner predicts that the project measures):
   reservation the kit's cp 2 world publishes, whose bytes ``test_cp_shared_kv_kit.py``
   (``test_cp2_the_buffers_are_the_reservation_reused_across_batches``) proves the backend holds;
 * the GLM-5.1-FP8 cp 8 reservation and its pool cost equal the recorded benchmark
-  (``benchmark/results/2026-12-01-shared-history/reservation_glm51_cp8.json``, the reservation row of RESULTS.md);
+  (``benchmark/results/2026-12-01-shared-history/reservation_glm51_cp8.json``, the reservation row of the NOTES.md beside it);
 * the dense rows of the dense-layout table's batches equal the recorded benchmark (``dense_layout_ratio.json``);
 * the cp 1 history copy time of the profiled kit layer (one H200, ``profiled_kit_layer_bf16_h4_k128.json``) is
   within the stated tolerance of the planner's lower bound: the prediction at the vendor's 4.8 TB/s must not
   exceed the measurement (it is a lower bound) and the measurement must be within 1.25x of it. Why 1.25: that
-  H200's own measured device-copy roofline was 4211 GB/s (RESULTS.md), 0.877 of the vendor figure, so a perfect
+  H200's own measured device-copy roofline was 4211 GB/s (``benchmark/results/2026-12-01-h200-serving-path/``), 0.877 of the vendor figure, so a perfect
   copy takes 1.14x the vendor-peak time; the remaining 10% allows for the page-granular indexed copy (64-token
   pages of 1152 + 132 bytes per token, one kernel per layer and kind) against a plain memcpy.
 * the measured layer times the planner shows are those of the recorded runs.
 
 No two-GPU machine was lent when this was written, so the exchange time is not calibrated against NCCL
-(RESULTS.md says so).
+(``benchmark/README.md`` says so).
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from sglang_cpkv.ops.reference import build_page_inverse as contract
 from sglang_cpkv.ops.triton._common import check_errors, check_index, next_power_of_2
 
 # GPU: 128 entries per program: a program's probe loop runs until its slowest lane is done, so smaller programs wait
-# less (one H200, 8 x 2048 entries: 53 us at 128, 78 at 256, 96 at 64, 135 at 512, 189 at 1024; benchmark/RESULTS.md).
+# less (one H200, 8 x 2048 entries: 53 us at 128, 78 at 256, 96 at 64, 135 at 512, 189 at 1024; benchmark/results/
+# 2026-12-03-h200-hash-inverse/triton_tiles.txt).
 _GPU_BLOCK = 128
 # Interpreter: each program instance costs ~1 ms, so one program for up to 64K entries.
 _CPU_MAX_BLOCK = 1 << 16

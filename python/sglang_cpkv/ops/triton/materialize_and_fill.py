@@ -2,7 +2,7 @@
 
 Contract: :func:`sglang_cpkv.ops.reference.materialize_and_fill`. Two launches in stream order, so a
 current row overwrites the copied page it lands in; only the CUDA backend fuses them into one
-(measured: `benchmark/RESULTS.md`).
+(measured: `benchmark/results/2026-11-30-h200x2-validation/NOTES.md`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from sglang_cpkv.ops.triton.build_page_inverse import find_cells
 
 # GPU: 128 locations per program, one warp: a program's probe loop runs until its slowest lane is done, so small
 # programs wait less (one H200, 4096 x 2048 top-k: 104 us at 128 x 1 warp, 96 us at 64, 333 us at 4096 x 4 warps;
-# benchmark/RESULTS.md).
+# benchmark/results/2026-12-03-h200-hash-inverse/triton_tiles.txt).
 _GPU_TILE = 128
 _GPU_MAX_BLOCK_K = 128
 _GPU_WARPS = 1

@@ -1,3 +1,10 @@
+"""Triton tiles of the hash-table inverse's remap and build on one GPU (issue 33; its record:
+benchmark/results/2026-12-03-h200-hash-inverse/triton_tiles.txt, where this script lived until issue 55). The tile
+lists were edited between that session's calls; the defaults of ops/triton/ come from them.
+
+    PYTHONPATH=$PWD/python SGLANG_CPKV_OPS_BACKEND=triton python3 benchmark/probe_triton_tiles.py
+"""
+
 import torch
 import triton
 

@@ -1,8 +1,9 @@
 """A small soak scenario of the FP8 RAGGED route (flashmla_sparse with an FP8 pool) at cp 2 with the radix cache on.
 
-Run at commit 761ae9b's tree (its report ragged-cp2.json):
+Run at commit 761ae9b's tree (its report benchmark/results/2026-12-07-soak/ragged-cp2.json; the script lived in that
+folder as ragged_scenario.py until issue 55):
     cd /tmp && TRITON_INTERPRET=1 /work/main/.venv/bin/python \
-        /work/main/benchmark/results/2026-12-07-soak/ragged_scenario.py 100 106 /tmp/ragged-soak ragged-cp2.json
+        /work/main/benchmark/soak_ragged_scenario.py 100 106 /tmp/ragged-soak ragged-cp2.json
 """
 
 import json
