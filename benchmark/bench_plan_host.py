@@ -25,12 +25,16 @@ import json
 import os
 import pstats
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from sglang_cpkv.runtime import host_layout
 from sglang_cpkv.testing.batches import BatchCase
 from sglang_cpkv.testing.dsa_kit import PAGE, KitRoute, KitWorld, distinct_page_tables, kit_capacity
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # kit_timing, a sibling module
+from kit_timing import timed_metadata
 
 CONFIGS = (("mode off", False, "0"), ("mode on, layer-ahead", True, "1"), ("mode on, synchronous", True, "0"))
 
@@ -86,7 +90,7 @@ def main(argv=None) -> int:
             for round_ in range(args.reps + 2):  # two warm-up rounds; the order turns each round
                 for label, world, forward_batch in worlds[round_ % 3 :] + worlds[: round_ % 3]:
                     world.make_current()
-                    times[label].append(world.timed_metadata(forward_batch))
+                    times[label].append(timed_metadata(world, forward_batch))
             if args.profile:
                 for label, world, forward_batch in worlds:
                     world.make_current()
@@ -106,10 +110,9 @@ def main(argv=None) -> int:
                 }
             )
         del worlds
-    layout = "compiled" if host_layout.library() is not None else "numpy"
     print(
         f"init_forward_metadata, {args.backend}, {'FP8' if args.fp8 else 'bf16'} pool, {args.device}: requests x "
-        f"({args.history} history + {args.extend} extend), median of {args.reps}; the plan's host layout: {layout}"
+        f"({args.history} history + {args.extend} extend), median of {args.reps}"
     )
     for row in rows:
         device = "" if row["device_ms"] is None else f"  device window {row['device_ms']:7.3f} ms"
@@ -121,7 +124,7 @@ def main(argv=None) -> int:
         print(f"\n--- {name}\n{text}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "host_layout": layout, "rows": rows, "profiles": profiles}, f, indent=1)
+            json.dump({"args": vars(args), "rows": rows, "profiles": profiles}, f, indent=1)
     return 0
 
 

@@ -18,7 +18,7 @@
 #   forward: the whole-forward time of the flashmla routes at the deployed shape, three processes (issue 35;
 #            FORWARD_ROUTES="flashmla_kv:fp8" for one route, FORWARD_HISTORY, FORWARD_REPS);
 #   ragged: issue 34's repro on pristine upstream and with the queue, and the fix's per-layer cost;
-#   plan-host: the host cost of the mode's per-batch plan by request count; its host layout, compiled vs numpy.
+#   plan-host: the host cost of the mode's per-batch plan by request count.
 set -uo pipefail
 # Absolute: the suite runner starts each test file in the file's own directory.
 export PYTHONPATH="$PWD/python" PYTHONUNBUFFERED=1
@@ -57,7 +57,6 @@ fi
 step "AOT build of the CUDA ops (${AOT_ARCHS:=90a,100a,103a})"
 python3 -m sglang_cpkv.ops.cuda_build --aot --arch "$AOT_ARCHS" --out /tmp/cpkv_aot 2>&1 | tee "$OUT/aot.log" | tail -3
 export SGLANG_CPKV_CUDA_LIB=/tmp/cpkv_aot
-python3 -m sglang_cpkv.runtime.host_layout_build || status=1
 python3 -c "from sglang_cpkv.ops import cuda; assert cuda.is_available(), cuda.unavailable_reason(); print('CUDA ops loaded from the AOT library')" || status=1
 
 if want suite; then
@@ -153,9 +152,6 @@ if want plan-host; then
   step "host cost of the mode's per-batch plan by request count (flashmla_kv FP8)"
   python3 benchmark/bench_plan_host.py --device cuda --out "$OUT/plan_host.json" > "$OUT/plan_host.log" 2>&1 || status=1
   tail -n 20 "$OUT/plan_host.log"
-  step "the plan's host layout on this host, compiled vs its numpy reference"
-  python3 benchmark/bench_host_layout.py --reps 100 --out "$OUT/host_layout.json" > "$OUT/host_layout.log" 2>&1 || status=1
-  tail -n 13 "$OUT/host_layout.log"
 fi
 
 if want ops; then

@@ -24,7 +24,9 @@ import functools
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -34,6 +36,9 @@ import sglang_cpkv.runtime.plan as plan
 from sglang_cpkv.runtime.reservation import Reservation
 from sglang_cpkv.testing.batches import BatchCase
 from sglang_cpkv.testing.dsa_kit import PAGE, KitRoute, KitWorld, distinct_page_tables, kit_capacity
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # kit_timing, a sibling module
+from kit_timing import timed_metadata
 
 WAIT = "wait for upstream's queued device work"
 # (owner, attribute, label): the hook, what it calls, and the plan's steps.
@@ -50,8 +55,8 @@ PHASES = (
     (plan, "_validate_lengths", "build_plan / _validate_lengths"),
     (plan, "_pages_needed", "build_plan / _pages_needed"),
     (torch.Tensor, "cpu", "build_plan / Tensor.cpu (the page table's host read)"),
-    (plan, "_host_layout", "build_plan / _host_layout (compiled where built)"),
-    (plan, "_stage", "build_plan / _stage"),
+    (plan, "_BatchLayout", "build_plan / _BatchLayout (the layout in numpy)"),
+    (plan.PlanStaging, "stage", "build_plan / PlanStaging.stage"),
     (plan.ops, "build_page_inverse", "build_plan / build_page_inverse"),
     (plan.ops, "current_dense_locs", "build_plan / current_dense_locs"),
     (plan, "_owned_cache_write_locs", "build_plan / _owned_cache_write_locs"),
@@ -109,7 +114,7 @@ def main(argv=None) -> int:
                 for call in range(args.reps + 3):
                     if call == 3:
                         times.clear()
-                    host_ms, window_ms = world.timed_metadata(forward_batch)
+                    host_ms, window_ms = timed_metadata(world, forward_batch)
                     host.append(host_ms)
                     window.append(window_ms)
             phases = {label: statistics.median(v) * 1e3 for label, v in times.items()} if mode_on else {}
@@ -122,11 +127,10 @@ def main(argv=None) -> int:
             del world, forward_batch
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-    layout = "compiled" if plan.host_layout.library() is not None else "numpy"
     print(
         f"init_forward_metadata, {route.prefill_backend}, {'FP8' if route.fp8 else 'bf16'} pool, {args.device}: requests x "
         f"({args.history} + {args.extend}), "
-        f"median of {args.reps} calls; phases (ms per call) with the mode on; the plan's host layout: {layout}"
+        f"median of {args.reps} calls; phases (ms per call) with the mode on"
     )
     for name, row in results.items():
         window = "" if row["device_window_ms"] is None else f"  device window {row['device_window_ms']:7.3f} ms"
@@ -135,7 +139,7 @@ def main(argv=None) -> int:
             print(f"      {ms:7.3f}  {label}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "host_layout": layout, "results": results}, f, indent=1)
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
     return 0
 
 

@@ -124,9 +124,6 @@ else
   log "--no-kernels: skipping the CUDA ops build (serving would fall back to the Triton ops)"
 fi
 
-# 3b. The plan's compiled host layout (C++, no CUDA), into the installed package: with or without the kernels.
-py -m sglang_cpkv.runtime.host_layout_build
-
 # 4. Verification.
 py -m sglang_cpkv.overlay --queue-root "$repo" verify --sglang-root "$sglang_root" \
   || die "the installed sglang does not carry the patch queue (overlay verify, above)"
@@ -141,7 +138,6 @@ for rel in record["files"]:
 print(f"[install] {len(record['files'])} patched upstream files compile ({record['upstream']}, queue {record['queue_sha256'][:12]})", file=sys.stderr)
 PY
 py -c 'import sglang_cpkv, sglang_cpkv.ops, sglang_cpkv.pd_launch, sglang_cpkv.contamination_client; print("[install] sglang_cpkv", sglang_cpkv.__version__, "imports", file=__import__("sys").stderr)'
-py -c 'import sys; from sglang_cpkv.runtime import host_layout; sys.exit(0 if host_layout.library() is not None else "[install] error: the compiled host layout does not load from the installed package")'
 if [ "$kernels" = 1 ]; then
   py - <<'PY'
 import sys

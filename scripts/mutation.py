@@ -44,8 +44,6 @@ TABLE = REPO / "docs" / "design" / "cp-shared-kv-compatibility.md"
 RECORD = REPO / "docs" / "design" / "cp-shared-kv-mutations.toml"
 REPORT = REPO / "docs" / "design" / "cp-shared-kv-mutations-report.md"
 TESTS = Path("test") / "registered"
-# Sources of the compiled host layout: a mutation there is rebuilt before its tests run.
-HOST_LAYOUT_SOURCES = "sgl-kernel/csrc/cp_shared_kv_host/"
 NEEDS_GPU = "not run (needs a GPU)"
 TEST_REF = re.compile(r"`([\w/]+\.py)::(\w+)`")
 
@@ -121,12 +119,6 @@ def _scratch_env(root: Path) -> dict[str, str]:
     )
 
 
-def _build_host_layout(root: Path) -> None:
-    """The scratch tree's compiled host layout for its sources as they are now (the plan loads only a library built
-    from its sources: without a rebuild a mutated source would leave the plan on its numpy reference)."""
-    subprocess.run([sys.executable, "-m", "sglang_cpkv.runtime.host_layout_build"], env=_scratch_env(root), check=True)
-
-
 def _run_tests(root: Path, refs: list[str], timeout: int) -> tuple[int, float, str]:
     env = _scratch_env(root)
     env.setdefault("TRITON_INTERPRET", "1")
@@ -196,7 +188,6 @@ def main(argv=None) -> int:
     results = []
     root = _scratch_copy()
     try:
-        _build_host_layout(root)
         baseline = sorted({ref for m in muts for ref in refs_of(m)})
         print(f"[mutation] the unchanged tree: {len(baseline)} tests", flush=True)
         rc, seconds, summary = _run_tests(root, baseline, args.timeout)
@@ -212,16 +203,11 @@ def main(argv=None) -> int:
                 continue
             path = root / m.file
             original = path.read_text()
-            compiled = m.file.startswith(HOST_LAYOUT_SOURCES)
             path.write_text(original.replace(m.find, m.replace, 1))
             try:
-                if compiled:
-                    _build_host_layout(root)
                 rc, seconds, summary = _run_tests(root, refs, args.timeout)
             finally:
                 path.write_text(original)
-                if compiled:
-                    _build_host_layout(root)
             verdict = "missed" if rc == 0 else "caught"
             results.append((m, verdict, seconds, summary))
             print(f"[mutation]   {verdict}: {summary} ({seconds:.0f} s)", flush=True)

@@ -66,8 +66,6 @@ fi
 
 # 2. Our package, editable (imports with torch and triton only).
 "${pip[@]}" install --no-deps --no-build-isolation -e python/
-# The plan's compiled host layout (C++, a second to build; its file name carries the source's hash).
-"$py" -m sglang_cpkv.runtime.host_layout_build
 
 # 3. The pinned upstream, --no-deps, freshly installed so the patch queue applies to pristine files.
 wheel="$("$py" -m sglang_cpkv.overlay fetch)"

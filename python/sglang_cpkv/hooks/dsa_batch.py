@@ -28,6 +28,7 @@ from sglang_cpkv.hooks.hicache import after_layer_load
 from sglang_cpkv.hooks.settings import FLAG, enabled
 from sglang_cpkv.ops.errors import CpSharedKvError, describe_errors
 from sglang_cpkv.runtime import CpGroup, CpSharedKvPlan, LayerPipeline, PagedKind, as_pages
+from sglang_cpkv.runtime.plan import PlanStaging
 from sglang_cpkv.runtime.reservation import Reservation
 
 # The backend attribute that holds its BackendState (absent: the mode never ran on it).
@@ -123,6 +124,14 @@ class BackendState:
         self._in_transit: list[_ErrorsInTransit] = []
         self._kinds_made: dict[tuple, list[PagedKind]] = {}
         self._read_counters: list[torch.Tensor] = []  # pinned host counters already read: the next transits' buffers
+        self._staging: dict[tuple, PlanStaging] = {}
+
+    def plan_staging(self, reservation: Reservation, device: torch.device) -> PlanStaging:
+        """The pinned buffer every batch's plan stages through, made once at the size the reservation gives it."""
+        key = (reservation, torch.device(device))
+        if key not in self._staging:  # first use (or another reservation: tests)
+            self._staging = {key: PlanStaging(reservation.plan_staging_bytes, device, reservation.plan_staging_refusal)}
+        return self._staging[key]
 
     def surface_errors(self) -> None:
         """Raise, once, for the earlier batches whose counters have reached the host and show dropped ids; the

@@ -87,6 +87,7 @@ def on_extend_metadata(
         page_size=page_size,
         split=split,
         checked=config.checked,
+        staging=backend_state(backend).plan_staging(reservation, forward_batch.out_cache_loc.device),
     )
     reservation.check_batch(plan.needed_slots * page_size, plan.num_slots, plan.num_tokens, plan.entries)
     batch = backend_state(backend).begin(backend, forward_batch, plan, group, reservation)

@@ -10,9 +10,7 @@ Called from ``patches/core/create-cp-shared-kv-exchange-group.patch``: right aft
   not run concurrently from two streams, so its all-gathers never share upstream's communicators
   (upstream's kv-shard prefetch has a group of its own for the same reason);
 * warms the CP shared-KV ops up on this rank's device (:func:`sglang_cpkv.ops.warm_up`: the CUDA
-  library is loaded and probed here, a synchronizing step that must never happen inside a forward), and loads the
-  plan's compiled host layout (:mod:`sglang_cpkv.runtime.host_layout`: a missing build is logged at start-up, not at
-  the first batch).
+  library is loaded and probed here, a synchronizing step that must never happen inside a forward).
 
 The group is a process-wide resource (one per process, shared by the target's and the draft's
 backends), not batch state: it is kept in the mode's process state (:mod:`.state`).
@@ -64,9 +62,7 @@ def on_attn_cp_group_created(attn_cp_group: Any) -> None:
     import torch.distributed as dist
 
     from sglang_cpkv import ops
-    from sglang_cpkv.runtime import host_layout
 
     create_exchange_group(list(attn_cp_group.ranks), dist.get_backend(attn_cp_group.device_group))
     if torch.cuda.is_available():
         ops.warm_up(torch.device("cuda", torch.cuda.current_device()))
-    host_layout.library()

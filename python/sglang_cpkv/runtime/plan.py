@@ -26,9 +26,9 @@ No slot is written by two requests: the region is written by the history step on
 only. The view has :func:`~.buckets.round_dense_slots` ``(H + own)`` slots (under 3.2% more, so shapes repeat); the
 rounding slots hold no page. Every dense location is checked to fit int32 here.
 
-Synchronization: the layout is host work (:mod:`.host_layout`, compiled; the numpy functions here are its reference
-and its stand-in where it is not built); the plan's device work is a handful of ops with no host sync, and
-every host value it needs goes to the device in one pinned staging. Host-side lengths are validated always (free).
+Synchronization: the layout is host work in numpy (a few dozen linear passes over the entries); its results go to
+the device in one copy from :class:`PlanStaging`, a pinned host buffer sized at start-up and reused by every batch.
+The plan's device work is a handful of ops with no host sync. Host-side lengths are validated always (free).
 Page ids and ``out_cache_loc`` are validated on the host when they are host tensors; on a GPU a bad or repeated page
 id is counted in the plan's device error counter instead (the surfacing is the caller's: checked mode raises at
 once). One host sync per batch that has history, before the first layer: the history region is a function of the
@@ -54,10 +54,8 @@ import torch
 from sglang_cpkv import ops
 from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, NUM_ERROR_KINDS, CpSharedKvError
 from sglang_cpkv.runtime import checked as checked_mode
-from sglang_cpkv.runtime import host_layout
 from sglang_cpkv.runtime.buckets import round_dense_slots
 from sglang_cpkv.runtime.cp_split import CpSplit
-from sglang_cpkv.runtime.host_layout import CompiledLayout
 from sglang_cpkv.runtime.ownership import owner_pool_loc, owner_pool_page, page_owner, pool_pages_per_rank
 
 PADDING_ID = -1
@@ -77,8 +75,7 @@ class CpSharedKvPlan:
         prefix_lens, extend_lens: per request, history and current token counts.
         request_pages: ``n_r`` per request (its page-table entries).
         entry_starts: per request, the index of its first entry (entries are ``(r, j)`` in order).
-        entry_slots_staged: int32 ``[sum n_r]``, the dense slot of every entry (module docstring): the host side of
-            the staging (:attr:`entry_slots_host` reads it).
+        entry_slots_host: int64 host ``[sum n_r]``, the dense slot of every entry (module docstring).
         history_region_slots: ``H``, the slots of the history region (distinct pages read as history).
         gather_blocks: under CP, ``(start, count)`` of each rank's block of the history region (empty at cp 1).
         needed_slots: slots the batch's pages fill: the history region and the own slots (the view rounds it up).
@@ -105,7 +102,7 @@ class CpSharedKvPlan:
         errors: int32 ``[NUM_ERROR_KINDS]`` device error counter shared by every op of the batch.
 
     Made on first use (the serving path never asks; checked mode, the harness and the tests do):
-    :attr:`entry_slots_host`, :attr:`slot_req`, :attr:`token_req_id`, and this rank's side of the CP split (the
+    :attr:`slot_req`, :attr:`token_req_id`, and this rank's side of the CP split (the
     serving hooks take upstream's own split): :attr:`local_req_id`, :attr:`local_out_cache_loc`,
     :attr:`local_token_index`, :attr:`current_gather_index`.
     """
@@ -117,7 +114,7 @@ class CpSharedKvPlan:
     extend_lens: tuple[int, ...]
     request_pages: tuple[int, ...]
     entry_starts: tuple[int, ...]
-    entry_slots_staged: torch.Tensor
+    entry_slots_host: torch.Tensor
     history_region_slots: int
     gather_blocks: tuple[tuple[int, int], ...]
     needed_slots: int
@@ -135,11 +132,6 @@ class CpSharedKvPlan:
     out_cache_loc: torch.Tensor
     owned_cache_write_locs: torch.Tensor
     errors: torch.Tensor
-
-    @cached_property
-    def entry_slots_host(self) -> torch.Tensor:
-        """int64 host ``[sum n_r]``: the dense slot of every entry."""
-        return self.entry_slots_staged.to(torch.int64)
 
     @cached_property
     def slot_req(self) -> torch.Tensor:
@@ -204,7 +196,6 @@ class CpSharedKvPlan:
         held = self.inverse.nbytes
         for name, value in vars(self).items():  # the fields, and the split's tensors once made
             if isinstance(value, torch.Tensor) and name not in (
-                "entry_slots_staged",
                 "entry_slots_host",
                 "out_cache_loc",
             ):
@@ -257,22 +248,51 @@ class CpSharedKvPlan:
         ops.raise_if_errors(self.errors, where)
 
 
-def _stage(device: torch.device, layout: _NumpyLayout | CompiledLayout, num_slots: int):
-    """The layout's staging on ``device`` as int64 and int32 tensors, without a host sync: written into one byte
-    buffer, pinned, and copied once (on a GPU each staging is a pinned allocation and a copy launch). Returns the
-    int64 tensors and the int32 tensors, in :meth:`_NumpyLayout.stage_sizes`'s order, and the entries' slots on the
-    host side of the staging (int32)."""
-    sizes64, sizes32 = layout.stage_sizes(num_slots, NUM_ERROR_KINDS)
-    split = 8 * sum(sizes64)
-    host = torch.empty(split + 4 * sum(sizes32), dtype=torch.uint8, pin_memory=device.type == "cuda")
-    layout.fill(host, num_slots, NUM_ERROR_KINDS)
-    staged = host.to(device, non_blocking=True)
-    entry_slots_start = split + 4 * NUM_ERROR_KINDS  # the int32 part: the error counter, then the entries' slots
-    return (
-        list(torch.split_with_sizes(staged[:split].view(torch.int64), sizes64)),
-        list(torch.split_with_sizes(staged[split:].view(torch.int32), sizes32)),
-        host[entry_slots_start : entry_slots_start + 4 * layout.num_entries].view(torch.int32),
-    )
+class PlanStaging:
+    """The pinned host buffer every batch's plan stages through (:func:`build_plan`): sized once, at start-up, for
+    the largest batch the reservation admits (:func:`staging_bytes`); a batch that needs more is refused. Before a
+    batch writes it, the previous batch's copy out of it has finished (an event, not a device sync)."""
+
+    def __init__(self, nbytes: int, device: torch.device | str, refusal: str = "") -> None:
+        """``refusal``: what to tell the operator when a batch does not fit (the setting that sizes the buffer)."""
+        self.device = torch.device(device)
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        self.refusal = refusal
+        self._copied: torch.cuda.Event | None = None
+
+    def stage(self, layout: _BatchLayout, num_slots: int):
+        """The layout's staging on the device as int64 and int32 tensors (:meth:`_BatchLayout.stage_sizes`'s
+        order), with one copy and no host sync."""
+        sizes64, sizes32 = layout.stage_sizes(num_slots, NUM_ERROR_KINDS)
+        split = 8 * sum(sizes64)
+        nbytes = split + 4 * sum(sizes32)
+        if nbytes > self.buffer.numel():
+            raise CpSharedKvError(
+                f"the batch's plan stages {nbytes} bytes, more than the {self.buffer.numel()} reserved at start-up"
+                + (f": {self.refusal}" if self.refusal else "")
+            )
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous batch's copy has read the buffer
+        host = self.buffer[:nbytes]
+        layout.fill(host, num_slots, NUM_ERROR_KINDS)
+        if self.device.type == "cuda":
+            staged = host.to(self.device, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            staged = host.to(self.device, copy=True)  # the plan's tensors must outlive the next batch's staging
+        return (
+            list(torch.split_with_sizes(staged[:split].view(torch.int64), sizes64)),
+            list(torch.split_with_sizes(staged[split:].view(torch.int32), sizes32)),
+        )
+
+
+def staging_bytes(entries: int, slots: int) -> int:
+    """The most bytes one batch of at most ``entries`` page-table entries and ``slots`` dense slots stages
+    (:meth:`_BatchLayout.stage_sizes`): int64 per entry its request and, for ids not on the host, its table cell, per
+    request (at most one per entry) two offsets; int32 the error counter, per entry its slot, its page, and at most
+    two copy pairs (pool and view), per slot its page."""
+    return 8 * (2 * entries + 2 * entries) + 4 * (NUM_ERROR_KINDS + 6 * entries + slots)
 
 
 def _on_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -494,9 +514,8 @@ def _entries(pages_needed: Sequence[int], width: int) -> _Entries:
     return _Entries(starts, req, j, req * width + j)
 
 
-class _NumpyLayout:
-    """A batch's dense layout and staging in numpy: the reference of the compiled layout
-    (:class:`~.host_layout.CompiledLayout`, the same attributes and staging), used where that is not built."""
+class _BatchLayout:
+    """A batch's dense layout (:func:`_dense_layout`) and what it stages (:class:`PlanStaging`)."""
 
     def __init__(
         self,
@@ -533,7 +552,6 @@ class _NumpyLayout:
         self.region_slots = int(layout.region_pages.size)
         self.own_slots = int(layout.own_entries.size)
         self.gather_blocks = layout.gather_blocks
-        self.bad_request = None  # a bad host id raised above
         offsets = _current_token_offsets(layout.entry_slots, entries.starts, prefix, extend, page_size)
         self._int64s = [entries.req, *offsets] + ([] if self.pages_known else [entries.cells])
         self._int32s = [layout.entry_slots, *_history_copies(layout, cp_size, cp_rank)]
@@ -563,27 +581,6 @@ class _NumpyLayout:
         split = 8 * sum(a.size for a in int64s)
         np.concatenate(int64s, out=packed[:split].view(np.int64), casting="same_kind")
         np.concatenate(int32s, out=packed[split:].view(np.int32), casting="same_kind")
-
-
-def _host_layout(
-    table: torch.Tensor | None,
-    width: int,
-    prefix: tuple[int, ...],
-    extend: tuple[int, ...],
-    pages_needed: tuple[int, ...],
-    **kwargs,
-) -> _NumpyLayout | CompiledLayout:
-    """The batch's layout, compiled where the library is built (:mod:`.host_layout`), else in numpy. A bad host id
-    is named by the numpy validation either way."""
-    lib = host_layout.library()
-    if lib is None:
-        return _NumpyLayout(table, width, prefix, extend, pages_needed, **kwargs)
-    layout = CompiledLayout(lib, table, width, prefix, extend, pages_needed, **kwargs)
-    if layout.bad_request is not None:
-        entries = _entries(pages_needed, width)
-        _validate_host_ids(entries.page_ids(table), entries.req, entries.j, kwargs["capacity"])
-        raise CpSharedKvError(f"request {layout.bad_request}: a page id outside [0, capacity) or repeated")
-    return layout
 
 
 def _check_current_locations(out_cache_loc: torch.Tensor, num_tokens: int, capacity: int, page_size: int) -> None:
@@ -643,6 +640,7 @@ def build_plan(
     page_size: int,
     split: CpSplit,
     checked: bool | None = None,
+    staging: PlanStaging | None = None,
 ) -> CpSharedKvPlan:
     """Build the batch plan (once per batch, before the first layer).
 
@@ -660,6 +658,8 @@ def build_plan(
         split: how the current tokens are split over the CP group, seen from this rank (:mod:`.cp_split`: the
             serving path takes upstream's, :func:`~.cp_split.upstream_interleave_split`; ``cp_size = 1``: no CP).
         checked: checked mode; default from ``SGLANG_CPKV_CHECKED`` (:mod:`.checked`).
+        staging: the pinned buffer reserved at start-up on the plan's device (the serving hook's); None: one sized
+            for this batch (tools, tests).
 
     Raises:
         CpSharedKvError: page ids outside ``[0, C)`` or repeated within a request (host table), a batch
@@ -687,7 +687,7 @@ def build_plan(
     # (module docstring: the layout is a function of them). Without history every entry is its own slot whatever its
     # page id, so a device table's ids stay on the device.
     pages_on_host = table.device.type == "cpu" or has_history
-    layout = _host_layout(
+    layout = _BatchLayout(
         (table.cpu() if has_history else table) if pages_on_host else None,
         table.shape[1],
         prefix,
@@ -709,9 +709,11 @@ def build_plan(
 
     # Every host value the device work needs, in one staging (the error counter's zeros too); each slot's page from
     # the host ids, or from the entries gathered on the device.
-    (entry_req, token_ends, dense_offsets, *flat_entries), int32_dev, entry_slots_staged = _stage(
-        device, layout, num_slots
-    )
+    if staging is None:
+        staging = PlanStaging(staging_bytes(layout.num_entries, num_slots), device)
+    elif staging.device != device:
+        raise CpSharedKvError(f"the plan's staging is on {staging.device}, the batch's out_cache_loc on {device}")
+    (entry_req, token_ends, dense_offsets, *flat_entries), int32_dev = staging.stage(layout, num_slots)
     errors, entry_slots, pool_copy_pages, pool_copy_slots, view_src, view_dst, *host_pages = int32_dev
     if pages_on_host:
         entry_pages, slot_pages = host_pages
@@ -731,7 +733,7 @@ def build_plan(
         extend_lens=extend,
         request_pages=pages_needed,
         entry_starts=layout.entry_starts,
-        entry_slots_staged=entry_slots_staged,
+        entry_slots_host=torch.from_numpy(layout.entry_slots),
         history_region_slots=layout.region_slots,
         gather_blocks=layout.gather_blocks,
         needed_slots=needed,

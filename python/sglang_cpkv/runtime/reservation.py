@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from sglang_cpkv.ops.errors import CpSharedKvError
 from sglang_cpkv.ops.reference import inverse_bytes
 from sglang_cpkv.runtime.buckets import round_dense_slots
+from sglang_cpkv.runtime.plan import staging_bytes
 
 SETTING = "--cp-shared-kv-max-batch-tokens"
 
@@ -113,6 +114,16 @@ class Reservation:
         """``S``: dense slots (pages) of every dense buffer."""
         return round_dense_slots(-(-self.max_batch_tokens // self.page_size))
 
+    @property
+    def plan_staging_bytes(self) -> int:
+        """Pinned host bytes of the plan's staging buffer (:class:`~.plan.PlanStaging`) for the largest batch."""
+        return staging_bytes(self.max_batch_entries, self.dense_slots)
+
+    @property
+    def plan_staging_refusal(self) -> str:
+        """What a batch too large for the staging buffer is told."""
+        return f"raise {SETTING} (now {self.max_batch_tokens}, a batch's page-table entries at most)"
+
     def parts(self) -> dict[str, int]:
         """Bytes of each buffer group of one backend."""
         page_tokens = self.page_size
@@ -143,7 +154,8 @@ class Reservation:
         return (
             f"CP shared-KV: reserved {self.total_bytes / 2**30:.3f} GiB of the KV budget for {self.backends} "
             f"backend(s) ({SETTING} {self.max_batch_tokens}: {self.dense_slots} dense slots of {self.page_size} "
-            f"tokens, {self.views_per_kind} view(s) per kind, cp {self.cp_size}; per backend: {parts})"
+            f"tokens, {self.views_per_kind} view(s) per kind, cp {self.cp_size}; per backend: {parts}; "
+            f"plan staging {self.plan_staging_bytes / 2**20:.1f} MiB of pinned host memory)"
         )
 
     def check_batch(self, dense_tokens: int, num_slots: int, num_tokens: int, entries: int) -> None:

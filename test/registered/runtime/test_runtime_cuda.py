@@ -13,6 +13,8 @@ import torch
 
 from sglang_cpkv import ops
 from sglang_cpkv.runtime import LayerPipeline, SingleRankGroup, build_cp_split, build_plan, rows_kind
+from sglang_cpkv.runtime.buckets import round_dense_slots
+from sglang_cpkv.runtime.plan import PlanStaging, staging_bytes
 from sglang_cpkv.testing.batches import (
     B300_GLM51_CAPACITY,
     B300_GLM51_RESERVATION,
@@ -20,6 +22,7 @@ from sglang_cpkv.testing.batches import (
     BatchCase,
     RankResult,
     check_against_truth,
+    host_plan,
     make_pool_and_current,
     random_case,
     random_topk,
@@ -97,6 +100,44 @@ def test_gpu_layers_equal_cpu_without_host_sync(index):
         got = RankResult(ref.dense, ref.remapped, ref.local_req_id, ref.current_full, pools[layer].cpu())
         problems = check_against_truth(case, pool_before, current, topk_positions, [got])
         assert not problems, f"layer {layer}: pool after persist: " + "; ".join(problems[:5])
+
+
+def test_one_pinned_staging_serves_batch_after_batch_without_a_host_sync():
+    """The serving hook's staging (one pinned buffer, reused): each batch's plan equals the CPU plan, and a batch's
+    staging never overwrites what an earlier batch's copy still has to read."""
+    device = torch.device("cuda")
+    cases = CASES + [random_case(random.Random(100 + s), max_cp=4) for s in range(8)]
+    entries = max(sum(map(len, c.page_tables)) for c in cases)
+    staging = PlanStaging(staging_bytes(entries, round_dense_slots(entries)), device)
+    assert staging.buffer.is_pinned()
+    no_sync = ops.warm_up(device) != "torch"
+    plans = []
+    try:
+        if no_sync:
+            torch.cuda.set_sync_debug_mode("error")
+        for case in cases:
+            plans.append(
+                build_plan(
+                    [list(t) for t in case.page_tables],
+                    case.prefix_lens,
+                    case.extend_lens,
+                    torch.tensor(case.out_cache_loc(), dtype=torch.int64).to(device),
+                    capacity=case.capacity,
+                    page_size=case.page_size,
+                    split=build_cp_split(case.effective_strategy, case.extend_lens, case.cp_size, case.cp_size - 1),
+                    checked=False,
+                    staging=staging,
+                )
+            )
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for case, plan in zip(cases, plans):
+        want = host_plan(case, case.cp_size - 1)
+        for name, value in vars(want).items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(getattr(plan, name).cpu(), value), (name, case)
+        assert torch.equal(plan.inverse.keys.cpu(), want.inverse.keys), case
+        assert torch.equal(plan.inverse.slots.cpu(), want.inverse.slots), case
 
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])
