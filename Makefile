@@ -41,8 +41,8 @@ test-cuda:
 mutation: setup
 	TRITON_INTERPRET=1 $(PY) scripts/mutation.py
 
-# The image on a Docker engine (docker/build.sh; BASE_IMAGE picks the base), and every command the README and the
-# compose file document run in containers of it (docker/test/image_test.py; long: not part of `make test`).
+# The image on a Docker engine (docker/build.sh; BASE_IMAGE picks the base), and every command docs/operations.md and
+# the compose file document run in containers of it (docker/test/image_test.py; long: not part of `make test`).
 # Without the registry, make a TEST-ONLY stand-in base first: docker/test/make-standin-base.sh [--cuda DIR].
 image:
 	docker/build.sh $(IMAGE_ARGS)

@@ -10,7 +10,7 @@
 #   help                        this text
 #   anything else               run as a command (e.g. bash)
 # A role writes its temporary files (TMPDIR, default /tmp), its logs and pid records (PD_LOG_DIR) and the
-# compilers' and models' caches (under $HOME/.cache): with --read-only, mount those (README, "Read-only").
+# compilers' and models' caches (under $HOME/.cache): with --read-only, mount those (docs/operations.md, "Read-only").
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 tmp="${TMPDIR:-/tmp}"
@@ -26,7 +26,7 @@ require_writable() {
   [ ${#missing[@]} -eq 0 ] && return 0
   echo "error: not writable by uid $(id -u) in this container: ${missing[*]}" >&2
   echo "  a role writes TMPDIR (${tmp}), PD_LOG_DIR and \$HOME/.cache; with --read-only add" >&2
-  echo "  --tmpfs /tmp --tmpfs $HOME/.cache:mode=1777 and mount PD_LOG_DIR from the host (README, \"Read-only\")" >&2
+  echo "  --tmpfs /tmp --tmpfs $HOME/.cache:mode=1777 and mount PD_LOG_DIR from the host (docs/operations.md, \"Read-only\")" >&2
   exit 78 # EX_CONFIG
 }
 

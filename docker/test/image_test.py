@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Every command the README and the compose file document, run in containers of the image (`make image-test`).
+"""Every command docs/operations.md and the compose file document, run in containers of the image (`make image-test`).
 
 Not part of `make test` (minutes, and it needs a Docker engine): run for an image change, its report kept with the
 command (benchmark/results/). No GPU is needed: the two servers are stand-ins (sglang_cpkv/testing/pd_stub.py, as
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-README = REPO / "README.md"
+DOCS = REPO / "docs" / "operations.md"  # where the image's commands are documented
 COMPOSE = REPO / "docker" / "compose.pd.yaml"
 DOCUMENTED_TAG = "sglang-cpkv:0.5.23"
 STUB = "/opt/sglang-cpkv/python/sglang_cpkv/testing/pd_stub.py"
@@ -39,7 +39,7 @@ SECRETS = {
     "SGLANG_CPKV_INDEX_URL": "https://ci:pw-imagetest-9876@index.invalid/simple",
 }
 SECRET_WORDS = ("hf_imagetestsecret0123", "pw-imagetest-9876")
-USER = "1000:1000"  # an operator's own uid, as the README's `--user $(id -u):$(id -g)`
+USER = "1000:1000"  # an operator's own uid, as the documented `--user $(id -u):$(id -g)`
 
 
 def docker_cli() -> list[str]:
@@ -65,9 +65,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def readme_block_line(startswith: str) -> str:
-    """A documented command from the README, continuation lines joined (what an operator copies)."""
-    lines = README.read_text(encoding="utf-8").splitlines()
+def documented_line(startswith: str) -> str:
+    """A documented command from docs/operations.md, continuation lines joined (what an operator copies)."""
+    lines = DOCS.read_text(encoding="utf-8").splitlines()
     for i, line in enumerate(lines):
         line = line.strip()
         if line.startswith(startswith):
@@ -76,7 +76,7 @@ def readme_block_line(startswith: str) -> str:
                 i += 1
                 text = text[:-1].rstrip() + " " + lines[i].strip()
             return text
-    raise AssertionError(f"the README has no line starting {startswith!r}")
+    raise AssertionError(f"{DOCS.relative_to(REPO)} has no line starting {startswith!r}")
 
 
 class ImageTest:
@@ -111,7 +111,7 @@ class ImageTest:
         shutil.copy(MODEL_CONFIG, snapshot / "config.json")
         (snapshot.parents[1] / "refs").mkdir()
         (snapshot.parents[1] / "refs" / "main").write_text("0" * 40)
-        self.logs.mkdir(parents=True)  # the README: mkdir -p, then --user $(id -u):$(id -g)
+        self.logs.mkdir(parents=True)  # the docs: mkdir -p, then --user $(id -u):$(id -g)
         uid, gid = (int(x) for x in USER.split(":"))
         for path in (self.home, self.logs, *self.logs.parents):
             if str(path).startswith(str(self.home)):
@@ -135,7 +135,7 @@ class ImageTest:
         return [a for k, v in env.items() for a in ("-e", f"{k}={v}")]
 
     def common(self, *, user: str = USER) -> list[str]:
-        """The README's `common` flags, less the GPUs and the RDMA device this machine lacks, and `--ulimit memlock=-1`
+        """The documented `common` flags, less the GPUs and the RDMA device this machine lacks, and `--ulimit memlock=-1`
         (an unprivileged engine may not raise it)."""
         return [
             "--init", "--network", "host", "--ipc", "host", "--shm-size", "1g",
@@ -181,12 +181,12 @@ class ImageTest:
         )
 
     def dry_run(self) -> None:
-        line = readme_block_line("docker run --rm -v $HOME/.cache/huggingface")
+        line = documented_line("docker run --rm -v $HOME/.cache/huggingface")
         argv = line.replace("$HOME", str(self.home)).replace(DOCUMENTED_TAG, self.image).split()
         out = run([*self.docker, *argv[1:]], timeout=600)
         text = out.stdout + out.stderr
         self.check(
-            "dry-run, the README's line, config.json in the mounted Hugging Face cache",
+            "dry-run, the documented line, config.json in the mounted Hugging Face cache",
             out.returncode == 0
             and all(f"# {r}: flags accepted" in text for r in ("prefill", "decode", "router"))
             and text.count("start-up checks passed") == 2,
@@ -220,7 +220,7 @@ class ImageTest:
         self.cleanup()  # compose's roles take the same ports
 
     def validate(self) -> None:
-        line = readme_block_line("docker run --rm --network host --user")
+        line = documented_line("docker run --rm --network host --user")
         argv = (
             line.replace("$HOME", str(self.home))
             .replace('"$(id -u):$(id -g)"', USER)
@@ -232,7 +232,7 @@ class ImageTest:
         out = run([*self.docker, *argv[1:]], timeout=600)
         report = self.logs / "contamination.json"
         self.check(
-            "validate, the README's line, against the router (exit 0, report in the operator's log directory)",
+            "validate, the documented line, against the router (exit 0, report in the operator's log directory)",
             out.returncode == 0 and report.is_file(),
             out.stdout + out.stderr,
         )
@@ -309,13 +309,13 @@ class ImageTest:
             bare.returncode == 78 and "--tmpfs /tmp" in bare.stderr,
             bare.stdout + bare.stderr,
         )
-        line = readme_block_line("docker run -d --name cpkv-prefill-ro")
+        line = documented_line("docker run -d --name cpkv-prefill-ro")
         flags = line.split(DOCUMENTED_TAG)[0].split()
-        ro = flags[flags.index("--read-only") :]  # the README's line: the role's common flags, then these
+        ro = flags[flags.index("--read-only") :]  # the documented line: the role's common flags, then these
         name = self.start_role("prefill", extra=ro, name=f"cpkv-imagetest-ro-{os.getpid()}")
         out = self.wait_status(name, "prefill")
         self.check(
-            f"--read-only with the README's mounts ({' '.join(ro)}): healthy",
+            f"--read-only with the documented mounts ({' '.join(ro)}): healthy",
             out.returncode == 0,
             out.stdout + out.stderr,
         )

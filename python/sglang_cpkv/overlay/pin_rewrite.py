@@ -1,7 +1,7 @@
 """Moving the pin: ``UPSTREAM.toml`` rewritten with tomlkit, and every other file of the repo that names the version.
 
 ``UPSTREAM.toml`` is the one source of truth, but a Dockerfile ``ARG``, a compose image tag, a pip extra
-and the README's commands cannot read it, so they carry the version as text; ``rebase`` rewrites each of
+and the documented commands (README.md, docs/operations.md) cannot read it, so they carry the version as text; ``rebase`` rewrites each of
 them (:data:`VERSION_REFERENCES` in :data:`VERSION_REFERENCE_FILES` and every file under
 :data:`VERSION_REFERENCE_DIRS`) together with the pin, and a test fails when one of them disagrees.
 
@@ -21,7 +21,7 @@ from tomlkit.items import String, Table
 from sglang_cpkv.overlay.common import OverlayError
 from sglang_cpkv.overlay.pin import PIN_FILE, WheelPin
 
-VERSION_REFERENCE_FILES = ("README.md", "python/pyproject.toml")
+VERSION_REFERENCE_FILES = ("README.md", "docs/operations.md", "python/pyproject.toml")
 VERSION_REFERENCE_DIRS = ("docker",)
 _VERSION = r"\d+(?:\.\d+)+(?:(?:a|b|rc)\d+)?(?:\.post\d+)?(?:\.dev\d+)?"
 VERSION_REFERENCES = (

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-SCANNED_FILES = ("README.md", "python/pyproject.toml")
+SCANNED_FILES = ("README.md", "docs/operations.md", "python/pyproject.toml")
 SCANNED_DIRS = ("docker",)
 COPY_PATTERNS = (
     re.compile(r"\bsglang\s*===?\s*v?(\d[\w.+!]*)", re.I),

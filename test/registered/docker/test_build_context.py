@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[3]
 DOCKER = REPO / "docker"
 LOG_MOUNT = "/var/log/sglang-cpkv"
 # Where a log lands when an operator points the compose volume or PD_LOG_DIR at the tree the way the
-# README's commands run (from the repository root; compose resolves relative paths from docker/).
+# documented commands (docs/operations.md) run (from the repository root; compose resolves relative paths from docker/).
 IN_TREE_LOG_DIRS = ["pd-logs", "docker/pd-logs"]
 
 

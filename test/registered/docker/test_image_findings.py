@@ -2,7 +2,7 @@
 
 Each finding has its check here where a file can show it: the Dockerfile (its instructions, read as the builder
 reads them), docker/build.sh (run for real, with a stand-in ``docker`` on PATH that records its arguments), the entry
-point (run for real on this machine, as the uid a container runs as) and the README's documented commands.
+point (run for real on this machine, as the uid a container runs as) and the documented commands (docs/operations.md).
 ``make image-test`` (docker/test/image_test.py) runs the same findings in containers of a built image.
 """
 
@@ -165,9 +165,9 @@ def test_compose_prepares_the_host_directories_before_the_roles():
         assert spec["services"][role]["volumes"] == prepare["volumes"]
 
 
-def test_the_readmes_validate_line_runs_as_the_operator():
+def test_the_documented_validate_line_runs_as_the_operator():
     # As uid 10001 it could not write the operator's own `mkdir -p`'d log directory: exit 5 "not writable".
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "operations.md").read_text()
     (line,) = [
         line
         for line in readme.splitlines()
@@ -176,8 +176,8 @@ def test_the_readmes_validate_line_runs_as_the_operator():
     assert '--user "$(id -u):$(id -g)"' in line, line
 
 
-def test_the_readme_says_how_to_build_and_test_the_image():
-    readme = (REPO / "README.md").read_text()
+def test_the_docs_say_how_to_build_and_test_the_image():
+    readme = (REPO / "docs" / "operations.md").read_text()
     makefile = (REPO / "Makefile").read_text()
     assert "make image" in readme and "make image-test" in readme and "make-standin-base.sh" in readme
     assert re.search(r"^image:\n\tdocker/build\.sh", makefile, re.M) and "docker/test/image_test.py" in makefile

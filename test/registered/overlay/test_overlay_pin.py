@@ -1,6 +1,6 @@
 """The pin is the one source of truth: every copy of the version agrees with it, a rebase moves them all.
 
-Covers the copies outside ``UPSTREAM.toml`` (docker/, python/pyproject.toml, README.md), the tomlkit
+Covers the copies outside ``UPSTREAM.toml`` (docker/, python/pyproject.toml, README.md, docs/operations.md), the tomlkit
 rewrite of the pin itself (comments and quoting forms kept), ``Requires-Dist`` read with packaging, and
 a rebase of the real queue onto the pinned version, which must change no byte (the closure files included). Trees a test changes are
 temporary copies; the repo is only read.
@@ -55,9 +55,10 @@ def test_every_copy_of_the_version_names_the_pin() -> None:
     copies = version_copies(REPO)
     stale = [f"{path}:{line}: {version}" for path, line, version in copies if version != PIN.version]
     assert not stale, f"these disagree with {PIN_FILE} ({PIN.version}): {stale}"
-    # The copies the image, compose, the extra and the README must carry are all there to be checked.
+    # The copies the image, compose, the extra, the README and the operations guide carry are all there to be checked.
     where = {path for path, _, _ in copies}
-    assert {"docker/Dockerfile", "docker/compose.pd.yaml", "python/pyproject.toml", "README.md"} <= where
+    documented = {"README.md", "docs/operations.md"}
+    assert {"docker/Dockerfile", "docker/compose.pd.yaml", "python/pyproject.toml", *documented} <= where
     base = tomllib.loads((REPO / PIN_FILE).read_text())["image"]["base"]
     assert f"ARG BASE_IMAGE={base}\n" in (REPO / "docker" / "Dockerfile").read_text()
 

@@ -62,7 +62,7 @@ def _verdicts(report: str) -> dict[str, str]:
 
 
 def _copy_version_copies(root: Path, version: str) -> None:
-    """The repo's README, pyproject and docker/ under ``root``, with every copy of the pin naming ``version``."""
+    """The repo's README, docs/operations.md, pyproject and docker/ under ``root``, with every copy of the pin naming ``version``."""
     pinned = load_pin(REPO).version
     paths = [REPO / rel for rel in SCANNED_FILES] + [
         p for d in SCANNED_DIRS for p in (REPO / d).rglob("*") if p.is_file()

@@ -269,7 +269,7 @@ def test_one_host_refuses_overlapping_gpus_and_up_places_the_decode_after_the_pr
 
 
 def test_up_with_the_sizes_unset_fits_one_8_gpu_host(env, tmp_path):
-    """The one-host recipe as the README runs it (no TP set): prefill TP4/CP4 on GPUs 0-3, decode TP4/DP4 on 4-7
+    """The one-host recipe as docs/operations.md runs it (no TP set): prefill TP4/CP4 on GPUs 0-3, decode TP4/DP4 on 4-7
     (the defaults of one 8-GPU node per server would put the decode on GPUs 8-15), said on stderr."""
     env = {k: v for k, v in env.items() if k not in ("PD_PREFILL_TP", "PD_PREFILL_CP", "PD_DECODE_TP", "PD_DECODE_DP")}
     up = launch(PD / "up.sh", env=env)
@@ -323,7 +323,7 @@ def test_up_refuses_gpus_this_host_lacks_before_starting_anything(env, tmp_path)
     assert "PD_DECODE_BASE_GPU_ID=8 and PD_DECODE_TP=8 put the decode on GPU 8-15" in up.stderr, up.stderr
     assert "this host has 8 GPUs (0-7, nvidia-smi -L)" in up.stderr
     assert not list((tmp_path / "logs").glob("*.pid")) and "started " not in up.stderr
-    # The README's one-host split on a host that shows 4 GPUs to the launchers.
+    # The documented one-host split on a host that shows 4 GPUs to the launchers.
     four = launch(PD / "up.sh", env={**host, "CUDA_VISIBLE_DEVICES": "0,1,2,3"})
     assert four.returncode == 2 and "put the decode on GPU 4-7" in four.stderr, four.stderr
     assert "this host has 4 GPUs (0-3, CUDA_VISIBLE_DEVICES=0,1,2,3)" in four.stderr

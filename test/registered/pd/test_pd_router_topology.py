@@ -1,8 +1,8 @@
 """Upstream's real router (sglang_router, requirements/dev-cpu.txt) between stub servers on two addresses.
 
 127.0.0.2 stands for the prefill node and 127.0.0.3 for the decode node. The launchers start the stub
-servers (sglang_cpkv.testing.pd_stub as PD_PYTHON) and the real router, set the way the README's
-two-node recipe sets them; one request through the router must reach the decode with the prefill
+servers (sglang_cpkv.testing.pd_stub as PD_PYTHON) and the real router, set the way the documented
+two-node recipe (docs/operations.md) sets them; one request through the router must reach the decode with the prefill
 node's address as its ``bootstrap_host`` (where the decode fetches the KV from). The README's former
 recipe, the router given only PD_DECODE_URL, made that the loopback (on node B: the decode itself); it
 is refused now. With the prefill gone the router still answers its own ``/health`` with 200, so the
@@ -43,7 +43,7 @@ def nodes(tmp_path):
         "PD_DECODE_BASE_GPU_ID": "8",  # both "nodes" share this host's pid records
         "PD_ROUTER_HOST": "127.0.0.1",
         "PD_ROUTER_PORT": str(free_port()),
-        # The README's two-node recipe: every URL each role needs.
+        # The documented two-node recipe: every URL each role needs.
         "PD_PREFILL_URL": f"http://{NODE_A}:{prefill_port}",
         "PD_DECODE_URL": f"http://{NODE_B}:{decode_port}",
         # The router polls new workers every 10 s by default; a test need not wait that long.
