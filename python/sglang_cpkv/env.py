@@ -1,31 +1,10 @@
-"""Environment switches of the distribution, read one way."""
+"""Setting environment variables for a block of code (reading them: :mod:`sglang_cpkv.envs`, the registry)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
-
-
-def env_text(name: str) -> str:
-    """The environment variable ``name`` as set; ``""`` when unset."""
-    return os.environ.get(name, "")
-
-
-def env_flag(name: str, default: bool = False) -> bool:
-    """The boolean environment variable ``name``: ``1``/``true``/``yes``/``on`` or ``0``/``false``/``no``/``off``
-    (any case); ``default`` when unset or empty. Any other value is an error naming the variable."""
-    value = env_text(name).strip().lower()
-    if not value:
-        return default
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"{name}={os.environ[name]!r}: expected one of {', '.join(_TRUE + _FALSE)}")
 
 
 @contextlib.contextmanager

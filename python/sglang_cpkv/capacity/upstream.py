@@ -24,13 +24,14 @@ from typing import Any
 import torch
 
 from sglang_cpkv.env import environment
+from sglang_cpkv.envs import envs
 from sglang_cpkv.runtime.reservation import Reservation
 
 # The prefill server of the mode needs all-CP-ranks KV transfer (README, Settings); the draft's extend under CP.
-MODE_ENV = {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1", "SGLANG_CP_DRAFT_SHARED_KV": "1"}
+MODE_ENV = {envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.name: "1", envs.SGLANG_CPKV_DRAFT_SHARED_KV.name: "1"}
 # Set for the rest of the process by a resolution (upstream's kv-sharding, arg_groups/kv_shard_hook.py, and the
 # mode's, hooks/server_args.py): put back by scoped_runtime_context.
-RESOLUTION_SETS_ENV = ("SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND",)
+RESOLUTION_SETS_ENV = (envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.name,)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ non-grouped GEMM of this server ever runs a larger M. From reading 0.5.23 that n
    for target-layout drafts (DSA NextN / EAGLE, STANDALONE, ...), but SINGLE_GROUP drafts (EAGLE3,
    DFLASH, non-MoE DSpark: ``speculative/draft_parallel.py``) run it without CP; and on a server that
    decodes, the decode-time draft extend (DRAFT_EXTEND_V2) is never CP in 0.5.23. Either is a
-   full-M draft extend. ``SGLANG_CP_DRAFT_SHARED_KV=1`` declares that the draft's extends run under
+   full-M draft extend. ``SGLANG_CPKV_DRAFT_SHARED_KV=1`` declares that the draft's extends run under
    CP (:func:`~.settings.draft_extends_under_cp`; the seed's meaning, here for the decode-time one); it
    cannot change a SINGLE_GROUP draft, whose CP upstream switches off.
 4. **Non-CP batches stay small.** On a server that decodes, decode and target-verify batches run

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_cpkv.envs import envs
 from sglang_cpkv.hooks.hicache import validate_hicache_args
 from sglang_cpkv.hooks.settings import DRAFT_SHARED_KV_ENV, FLAG, draft_extends_under_cp
 
@@ -29,7 +30,7 @@ REQUIRED_CP_STRATEGY = "interleave"
 SUPPORTED_DSA_PREFILL_BACKENDS = ("flashmla_sparse", "flashmla_kv", "flashmla_auto", "triton_sparse_mla")
 # The owned-page filter of the DSA indexer state (index K) is wired into Mooncake's sender only.
 SUPPORTED_TRANSFER_BACKENDS = ("mooncake",)
-ALL_CP_RANKS_TRANSFER_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
+ALL_CP_RANKS_TRANSFER_ENV = envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.name
 
 
 def _refuse(reason: str) -> None:
@@ -215,7 +216,7 @@ REFUSED_FEATURES: tuple[Refusal, ...] = (
         lambda c: bool(c.enable_session_radix_cache),
     ),
 )
-TREE_CORE_ENV = "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"
+TREE_CORE_ENV = envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.name
 
 
 def _check_tree_core(cfg: Any) -> None:
@@ -223,8 +224,6 @@ def _check_tree_core(cfg: Any) -> None:
     ``UnifiedTreeCore``, the one that tracks rotation bases. Unset, :func:`_use_rotation_aware_tree_core` chooses it
     once every check has passed (as upstream's kv-sharding resolution does); another explicit choice is refused while
     the radix cache is on."""
-    from sglang.srt.environ import envs
-
     core = envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND
     if core.is_set() and not cfg.disable_radix_cache and core.get() != "python":
         _refuse(
@@ -237,8 +236,6 @@ def _check_tree_core(cfg: Any) -> None:
 def _use_rotation_aware_tree_core() -> None:
     """Choose the Python tree core where the operator did not (after every check: a refused start-up leaves the
     environment as it was)."""
-    from sglang.srt.environ import envs
-
     core = envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND
     if not core.is_set():
         core.set("python")
@@ -252,7 +249,7 @@ def _validate_draft(algorithm_name: str) -> None:
     P/D prefill server the only draft extend is the prefill-time one (decode-time DRAFT_EXTEND_V2
     runs on the decode server), an EXTEND batch that follows the target's CP split for drafts of
     the target's layout (EAGLE / NextN / MTP), so it gets its own per-request plan and dense view.
-    ``SGLANG_CP_DRAFT_SHARED_KV=1`` is required as the explicit declaration that the draft's KV is
+    ``SGLANG_CPKV_DRAFT_SHARED_KV=1`` is required as the explicit declaration that the draft's KV is
     CP-shared and its extend runs under CP (:func:`~.settings.draft_extends_under_cp`).
     Drafts that run their extend without CP (EAGLE3, DFLASH, DSpark: SINGLE_GROUP layouts) or
     whose draft path is not the DSA NextN one are refused.
@@ -300,7 +297,6 @@ def validate_cp_shared_kv_args(server_args: Any) -> None:
     """
     from sglang.srt.arg_groups.model_override_base import attention_backends_of, model_config_of, resolving_view
     from sglang.srt.configs.model_config import is_deepseek_dsa
-    from sglang.srt.environ import envs
 
     cfg = resolving_view(server_args)
     if not cfg.enable_cp_shared_kv:

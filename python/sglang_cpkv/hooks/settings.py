@@ -7,19 +7,18 @@ hook module for a setting (so the hooks form no import circle).
 * :func:`layer_ahead` - ``SGLANG_CPKV_LAYER_AHEAD``: whether each layer's history is prefetched one
   layer ahead on a side stream, or materialized by its own layer.
 * :func:`max_batch_tokens` - ``--cp-shared-kv-max-batch-tokens``, or its default.
-* :func:`draft_extends_under_cp` - ``SGLANG_CP_DRAFT_SHARED_KV``: the operator's declaration that the speculative
-  draft's extends run under the target's CP split.
+* :func:`draft_extends_under_cp` - ``SGLANG_CPKV_DRAFT_SHARED_KV`` (old name ``SGLANG_CP_DRAFT_SHARED_KV``): the
+  operator's declaration that the speculative draft's extends run under the target's CP split.
 """
 
 from __future__ import annotations
 
-from sglang_cpkv.env import env_flag
+from sglang_cpkv.envs import envs
 from sglang_cpkv.runtime.reservation import default_max_batch_tokens
 
 FLAG = "--enable-cp-shared-kv"
-# The layer-ahead history prefetch is on unless this is set to 0 (then each layer materializes its own).
-LAYER_AHEAD_ENV = "SGLANG_CPKV_LAYER_AHEAD"
-DRAFT_SHARED_KV_ENV = "SGLANG_CP_DRAFT_SHARED_KV"
+LAYER_AHEAD_ENV = envs.SGLANG_CPKV_LAYER_AHEAD.name
+DRAFT_SHARED_KV_ENV = envs.SGLANG_CPKV_DRAFT_SHARED_KV.name
 
 
 def enabled() -> bool:
@@ -40,7 +39,8 @@ def layer_ahead(cp_size: int) -> bool:
     for it, one without); by default layer-ahead under CP, where the history is an all-gather worth overlapping
     with the layer before, and synchronous at cp 1, where it is a local copy and the side stream costs more than
     it hides (benchmark/results/2026-12-01-h200-session3/NOTES.md, kit layer)."""
-    return env_flag(LAYER_AHEAD_ENV, default=cp_size > 1)
+    setting = envs.SGLANG_CPKV_LAYER_AHEAD.get()
+    return cp_size > 1 if setting is None else setting
 
 
 def max_batch_tokens(limit: int | None, context_len: int, chunk_tokens: int, page_size: int) -> int:
@@ -49,8 +49,8 @@ def max_batch_tokens(limit: int | None, context_len: int, chunk_tokens: int, pag
 
 
 def draft_extends_under_cp() -> bool:
-    """Whether ``SGLANG_CP_DRAFT_SHARED_KV=1`` declares that the speculative draft's extends run under the target's CP
-    split. A prefill server of the mode needs it for an EAGLE/NextN draft (the draft's pool is owner-sharded like the
-    target's: start-up refuses the draft without it); on a server that decodes it tells the DeepGEMM warm-up that no
-    draft extend runs at full M (``hooks/deep_gemm_warmup.py``)."""
-    return env_flag(DRAFT_SHARED_KV_ENV)
+    """Whether ``SGLANG_CPKV_DRAFT_SHARED_KV=1`` (old name ``SGLANG_CP_DRAFT_SHARED_KV``) declares that the speculative
+    draft's extends run under the target's CP split. A prefill server of the mode needs it for an EAGLE/NextN draft
+    (the draft's pool is owner-sharded like the target's: start-up refuses the draft without it); on a server that
+    decodes it tells the DeepGEMM warm-up that no draft extend runs at full M (``hooks/deep_gemm_warmup.py``)."""
+    return envs.SGLANG_CPKV_DRAFT_SHARED_KV.get()

@@ -34,7 +34,7 @@ from types import ModuleType
 
 import torch
 
-from sglang_cpkv.env import env_text
+from sglang_cpkv.envs import envs
 from sglang_cpkv.ops import reference
 from sglang_cpkv.ops.errors import (
     ERR_LOC_OUT_OF_RANGE,
@@ -46,7 +46,7 @@ from sglang_cpkv.ops.errors import (
 )
 from sglang_cpkv.ops.reference import PageInverse, implements, inverse_bytes
 
-BACKEND_ENV = "SGLANG_CPKV_OPS_BACKEND"
+BACKEND_ENV = envs.SGLANG_CPKV_OPS_BACKEND.name
 BACKENDS = ("auto", "cuda", "triton", "torch")
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def select_backend(device: torch.device | str) -> str:
     device type is decided once (:func:`_resolve`): a call costs a dictionary lookup, not the probe.
     """
     device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
-    requested = env_text(BACKEND_ENV).strip().lower() or "auto"
+    requested = envs.SGLANG_CPKV_OPS_BACKEND.get().strip().lower() or "auto"
     name = _resolve(requested, device_type)
     if name not in _logged_backends:
         _logged_backends.add(name)

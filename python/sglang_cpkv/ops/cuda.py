@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from sglang_cpkv.env import env_text
+from sglang_cpkv.envs import envs
 from sglang_cpkv.ops import cuda_build, reference
 from sglang_cpkv.ops.errors import new_error_counter
 from sglang_cpkv.ops.reference import PageInverse, implements
@@ -100,7 +100,7 @@ def _load() -> str | None:
                 torch.ops.load_library(str(library))
             except OSError as exc:
                 return f"loading {library} failed: {exc}"
-        elif env_text(cuda_build.JIT_ENV) == "1":
+        elif envs.SGLANG_CPKV_CUDA_JIT.get():
             if refused:
                 logger.warning("sglang_cpkv: prebuilt CUDA library refused (%s); JIT-building instead", refused)
             try:

@@ -34,12 +34,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from sglang_cpkv.env import env_text, environment
+from sglang_cpkv.env import environment
+from sglang_cpkv.envs import envs
 
 LIBRARY_NAME = "sglang_cpkv_cuda"
-LIB_ENV = "SGLANG_CPKV_CUDA_LIB"
-JIT_ENV = "SGLANG_CPKV_CUDA_JIT"
-CACHE_ENV = "SGLANG_CPKV_CUDA_CACHE"
+LIB_ENV = envs.SGLANG_CPKV_CUDA_LIB.name
+JIT_ENV = envs.SGLANG_CPKV_CUDA_JIT.name
+CACHE_ENV = envs.SGLANG_CPKV_CUDA_CACHE.name
 # Compiled sources, in link order; headers (*.h, *.cuh) are hashed too.
 SOURCES = (
     "build_page_inverse.cu",
@@ -83,9 +84,10 @@ def source_hash() -> str:
 
 
 def _cache_root() -> Path:
-    if env_text(CACHE_ENV):
-        return Path(env_text(CACHE_ENV))
-    base = env_text("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    configured = envs.SGLANG_CPKV_CUDA_CACHE.get()
+    if configured:
+        return Path(configured)
+    base = envs.XDG_CACHE_HOME.get() or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "sglang_cpkv" / "cuda"
 
 
@@ -172,7 +174,7 @@ def aot_build(out_dir: Path, archs: list[str], verbose: bool = False) -> Path:
 
 def prebuilt_library() -> Path | None:
     """The prebuilt library serving should load: ``$SGLANG_CPKV_CUDA_LIB``, else the package's ``ops/prebuilt/``."""
-    configured = env_text(LIB_ENV)
+    configured = envs.SGLANG_CPKV_CUDA_LIB.get()
     if configured:
         path = Path(configured)
         return path / f"{LIBRARY_NAME}.so" if path.is_dir() else path

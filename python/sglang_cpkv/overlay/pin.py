@@ -7,10 +7,10 @@ installed; ``rebase`` rewrites the pin (:mod:`sglang_cpkv.overlay.repin`).
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from pathlib import Path
 
+from sglang_cpkv.envs import envs
 from sglang_cpkv.overlay.common import OverlayError
 
 if sys.version_info >= (3, 11):
@@ -31,7 +31,7 @@ def find_queue_root(explicit: str | None = None) -> Path:
     ``--queue-root``, else ``$SGLANG_CPKV_ROOT``, else the repo around this file (editable install),
     else the current directory or one of its parents.
     """
-    for source, value in (("--queue-root", explicit), ("SGLANG_CPKV_ROOT", os.environ.get("SGLANG_CPKV_ROOT"))):
+    for source, value in (("--queue-root", explicit), (envs.SGLANG_CPKV_ROOT.name, envs.SGLANG_CPKV_ROOT.get())):
         if value:
             root = Path(value).resolve()
             if not _is_queue_root(root):

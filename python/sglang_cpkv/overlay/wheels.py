@@ -27,20 +27,21 @@ from pathlib import Path
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 
+from sglang_cpkv.envs import envs
 from sglang_cpkv.overlay.common import PACKAGE_DIR, OverlayError, log, sha256_file
 from sglang_cpkv.overlay.pin import Pin
 
 VERSION_FILES = ("_version.py", "version.py")
-INDEX_URL_ENV = "SGLANG_CPKV_INDEX_URL"
+INDEX_URL_ENV = envs.SGLANG_CPKV_INDEX_URL.name
 REDACTED = "<redacted>"
-DEFAULT_INDEX_URL = "https://pypi.org/simple"
+DEFAULT_INDEX_URL = envs.SGLANG_CPKV_INDEX_URL.default
 SIMPLE_JSON = "application/vnd.pypi.simple.v1+json"  # PEP 691; PEP 503 HTML is the fallback
 INDEX_TIMEOUT_S = 60
 
 
 def cache_dir(root: Path) -> Path:
     """Downloads: ``$SGLANG_CPKV_CACHE``, else ``<queue root>/.cache/upstream``."""
-    return Path(os.environ.get("SGLANG_CPKV_CACHE") or root / ".cache" / "upstream")
+    return Path(envs.SGLANG_CPKV_CACHE.get() or root / ".cache" / "upstream")
 
 
 def default_python_tag() -> str:
@@ -115,7 +116,7 @@ def index_files(package: str) -> list[IndexFile]:
 
     The one place the overlay tool reads the index (``$SGLANG_CPKV_INDEX_URL``, default PyPI's simple API).
     """
-    base = urllib.parse.urlsplit(os.environ.get(INDEX_URL_ENV) or DEFAULT_INDEX_URL)
+    base = urllib.parse.urlsplit(envs.SGLANG_CPKV_INDEX_URL.get())
     page = base._replace(path=f"{base.path.rstrip('/')}/{canonicalize_name(package)}/")
     request, shown = index_request(urllib.parse.urlunsplit(page))
     try:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import sglang_cpkv.pd_launch as package
+from sglang_cpkv.envs import envs
 from sglang_cpkv.pd_launch.commands import shell_command
 from sglang_cpkv.pd_launch.config import ONE_HOST_DEFAULTS, ROLES, PDConfig, PDLaunchError, require_role
 from sglang_cpkv.pd_launch.dry_run import dry_run
@@ -56,11 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "up":
             # One host: the servers' sizes split it and the decode's GPUs follow the prefill's, unless chosen (the
             # roles inherit the environment).
-            chosen = {name: value for name, value in ONE_HOST_DEFAULTS.items() if not os.environ.get(name)}
+            chosen = {name: value for name, value in ONE_HOST_DEFAULTS.items() if not envs.field(name).is_set()}
             os.environ.update(chosen)
             cfg = PDConfig.from_env()
-            if not os.environ.get("PD_DECODE_BASE_GPU_ID"):
-                os.environ["PD_DECODE_BASE_GPU_ID"] = str(cfg.prefill_base_gpu_id + cfg.prefill_tp)
+            if not envs.PD_DECODE_BASE_GPU_ID.is_set():
+                envs.PD_DECODE_BASE_GPU_ID.set(cfg.prefill_base_gpu_id + cfg.prefill_tp)
                 cfg = PDConfig.from_env()
             if chosen:
                 print(

@@ -12,66 +12,22 @@ from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from sglang_cpkv.envs import PD_LAUNCH, envs, parse_bool
+
 ROLES = ("prefill", "decode", "router")
 SERVER_ROLES = ("prefill", "decode")
 CP_SHARED_KV_FLAG = "--enable-cp-shared-kv"
 # Under CP shared-KV every prefill CP rank holds only the pages it owns, so every one of them must send:
 # upstream reads this on the prefill (sglang_cpkv.hooks.server_args refuses the flag without it). The decode
 # follows the mode the prefill publishes in its bootstrap info (sglang_cpkv.hooks.pd).
-ALL_CP_RANKS_TRANSFER_ENV = "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"
+ALL_CP_RANKS_TRANSFER_ENV = envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.name
 # The GPU the dry-run resolves for when the machine has none: the documented deployment's B300.
 DEFAULT_GPU_CAPABILITY = "10.3"
 
+# The launcher's variables with their defaults (PD_PYTHON's, this interpreter, is not a value), declared in
+# sglang_cpkv.envs.
 ENV_DEFAULTS: dict[str, str] = {
-    "PD_MODEL_PATH": "zai-org/GLM-5.1-FP8",
-    "PD_TRUST_REMOTE_CODE": "1",
-    "PD_TRANSFER_BACKEND": "mooncake",
-    "PD_IB_DEVICE": "",
-    "PD_BOOTSTRAP_PORT": "8998",
-    # flashmla_auto prefill with a flashmla_kv decode keeps both sides on the 656-byte FP8 row layout; leaving
-    # one side unset on SM>=10 FP8 pairs it with trtllm (576-byte rows), which the other side cannot read.
-    "PD_DSA_PREFILL_BACKEND": "flashmla_auto",
-    "PD_DSA_DECODE_BACKEND": "flashmla_kv",
-    # Both servers, so that both sides agree on the KV row layout on every GPU: upstream's own default ("auto") is
-    # bf16 for DSA on Hopper (1,284 bytes a token a layer: GLM-5.1-FP8's prefill on 8 x H200 then cannot hold one
-    # request of its context at any fraction that leaves room for activations) and FP8 on Blackwell.
-    "PD_KV_CACHE_DTYPE": "fp8_e4m3",
-    "PD_PREFILL_HOST": "0.0.0.0",
-    "PD_PREFILL_PORT": "30000",
-    "PD_PREFILL_TP": "8",
-    "PD_PREFILL_CP": "8",
-    "PD_PREFILL_DP": "1",
-    "PD_CP_STRATEGY": "interleave",
-    "PD_PREFILL_BASE_GPU_ID": "0",
-    "PD_CHUNKED_PREFILL_SIZE": "65536",
-    # --mem-fraction-static: weights + KV pool over the GPU's memory (the rest holds activations). Upstream's own
-    # default keeps 1.5 MB per chunk token, which at chunk 65536 leaves GLM-5.1-FP8's prefill on 8 x H200 no KV
-    # budget at all (0.258; 0.636 on B300); 0.85 holds one request of the context length on both (the dry-run checks
-    # it, the capacity planner's default). "auto": upstream's heuristic (the decode's default: 0.92-0.96 there).
-    "PD_PREFILL_MEM_FRACTION_STATIC": "0.85",
-    "PD_CP_SHARED_KV": "0",
-    "PD_PREFILL_EXTRA_ARGS": "",
-    "PD_DECODE_HOST": "0.0.0.0",
-    "PD_DECODE_PORT": "30001",
-    "PD_DECODE_TP": "8",
-    "PD_DECODE_DP": "8",
-    "PD_DECODE_BASE_GPU_ID": "0",
-    "PD_DECODE_CUDA_GRAPH_MAX_BS": "64",
-    "PD_DECODE_MEM_FRACTION_STATIC": "auto",
-    "PD_DECODE_EXTRA_ARGS": "",
-    "PD_ROUTER_HOST": "0.0.0.0",
-    "PD_ROUTER_PORT": "8000",
-    # How the router reaches the servers. The router hands the prefill URL's host to every decode as the
-    # address of the prefill's bootstrap server, so on two nodes both must be addresses the other nodes reach.
-    "PD_PREFILL_URL": "",  # default: http://127.0.0.1:$PD_PREFILL_PORT (one host)
-    "PD_DECODE_URL": "",  # default: http://127.0.0.1:$PD_DECODE_PORT (one host)
-    "PD_ROUTER_EXTRA_ARGS": "",
-    "PD_LOG_DIR": "",  # default: $XDG_STATE_HOME/sglang-cpkv/pd-logs (XDG_STATE_HOME defaults to ~/.local/state)
-    "PD_LOG_MAX_BYTES": "256M",  # a log file is rotated (<log>.1, .2, ...) when it would grow past this size
-    "PD_LOG_KEEP": "5",  # rotated files kept per log, and launch logs kept per role (LOG_KEEP_BOUNDS)
-    "PD_HEALTH_TIMEOUT": "1800",
-    "PD_STOP_TIMEOUT": "60",
-    "PD_GPU_CAPABILITY": "",  # default: this machine's GPU, else DEFAULT_GPU_CAPABILITY
+    name: field.default for name, field in envs.in_scope(PD_LAUNCH).items() if field.default is not None
 }
 
 
@@ -80,8 +36,7 @@ class PDLaunchError(Exception):
 
 
 def _get(env: Mapping[str, str], name: str) -> str:
-    value = env.get(name)
-    return ENV_DEFAULTS[name] if value is None or value == "" else value
+    return envs.field(name).get(env)
 
 
 # `up` runs the three roles on one host: unless the operator sets them, the servers split one 8-GPU host (prefill TP4 /
@@ -170,12 +125,11 @@ def _server_url(env: Mapping[str, str], name: str, port: int) -> ServerURL:
 
 
 def _flag(env: Mapping[str, str], name: str) -> bool:
-    raw = _get(env, name).strip().lower()
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise PDLaunchError(f"{name}={raw!r} must be 0 or 1")
+    raw = _get(env, name)
+    try:
+        return parse_bool(name, raw)
+    except ValueError:
+        raise PDLaunchError(f"{name}={raw.strip().lower()!r} must be 0 or 1") from None
 
 
 def _args(env: Mapping[str, str], name: str) -> list[str]:
@@ -186,7 +140,7 @@ def _args(env: Mapping[str, str], name: str) -> list[str]:
 
 
 def _model_path(env: Mapping[str, str]) -> str:
-    value = env.get("PD_MODEL_PATH")
+    value = envs.PD_MODEL_PATH.text(env)
     if value is not None and not value.strip():
         # An empty value is a mistake (an unset variable in a compose file or an env file), not a request for
         # the default model: the default would be downloaded from the hub.
@@ -200,7 +154,7 @@ def _model_path(env: Mapping[str, str]) -> str:
 def _log_dir(env: Mapping[str, str]) -> Path:
     raw = _get(env, "PD_LOG_DIR")
     if not raw:
-        state_home = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+        state_home = envs.XDG_STATE_HOME.get(env) or os.path.join(os.path.expanduser("~"), ".local", "state")
         return Path(state_home) / "sglang-cpkv" / "pd-logs"
     path = Path(raw).expanduser()
     if not path.is_absolute():
@@ -285,7 +239,7 @@ class PDConfig:
         decode_port = _port(env, "PD_DECODE_PORT")
         cfg = cls(
             model_path=_model_path(env),
-            python=env.get("PD_PYTHON") or sys.executable,
+            python=envs.PD_PYTHON.get(env) or sys.executable,
             trust_remote_code=_flag(env, "PD_TRUST_REMOTE_CODE"),
             transfer_backend=_get(env, "PD_TRANSFER_BACKEND"),
             ib_device=_get(env, "PD_IB_DEVICE"),
@@ -323,7 +277,7 @@ class PDConfig:
             health_timeout=float(_int(env, "PD_HEALTH_TIMEOUT", 1)),
             stop_timeout=float(_int(env, "PD_STOP_TIMEOUT", 1)),
             gpu_capability=_gpu_capability(env),
-            all_cp_ranks_transfer=env.get(ALL_CP_RANKS_TRANSFER_ENV, ""),
+            all_cp_ranks_transfer=envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.text(env) or "",
         )
         cfg._check_layout()
         cfg._check_cp_shared_kv()
@@ -392,7 +346,7 @@ class PDConfig:
             "prefill": (self.prefill_base_gpu_id, self.prefill_tp),
             "decode": (self.decode_base_gpu_id, self.decode_tp),
         }[role]
-        visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        visible = [d.strip() for d in (envs.CUDA_VISIBLE_DEVICES.get() or "").split(",") if d.strip()]
         ids = range(base, base + count)
         return [visible[i] if i < len(visible) else f"#{i}" for i in ids] if visible else [str(i) for i in ids]
 
@@ -410,7 +364,12 @@ class PDConfig:
                 f"PD_CP_SHARED_KV=1 needs PD_PREFILL_CP > 1 ({CP_SHARED_KV_FLAG} keeps each KV page on one "
                 f"prefill CP rank), got PD_PREFILL_CP={self.prefill_cp}"
             )
-        if self.all_cp_ranks_transfer not in ("", "1", "true", "True"):
+        transfer = envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER
+        try:
+            sends = not self.all_cp_ranks_transfer or transfer.parse(transfer.name, self.all_cp_ranks_transfer)
+        except ValueError:  # not a boolean to upstream, which then warns and reads its default (off)
+            sends = False
+        if not sends:
             raise PDLaunchError(
                 f"PD_CP_SHARED_KV=1 needs {ALL_CP_RANKS_TRANSFER_ENV}=1 on the prefill (each CP rank sends the "
                 f"pages it owns), but the environment sets it to {self.all_cp_ranks_transfer!r}"

@@ -32,6 +32,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from sglang_cpkv.envs import envs
 from sglang_cpkv.pd_launch.commands import build_command, role_env
 from sglang_cpkv.pd_launch.config import ROLES, PDConfig, PDLaunchError, is_loopback, require_role
 from sglang_cpkv.pd_launch.logs import LOG_FILE_MODE, LogSink, ensure_log_dir, new_log, open_private, tail
@@ -213,7 +214,7 @@ def host_gpus() -> tuple[int, str] | None:
     As the servers count them: ``--base-gpu-id`` and ``--tp-size`` index ``CUDA_VISIBLE_DEVICES`` when it is set,
     else every GPU of the host (``nvidia-smi -L``, the driver's list; a container sees the GPUs it was given).
     """
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    visible = envs.CUDA_VISIBLE_DEVICES.get() or ""
     if visible.strip():
         return len([d for d in visible.split(",") if d.strip()]), f"CUDA_VISIBLE_DEVICES={visible}"
     try:

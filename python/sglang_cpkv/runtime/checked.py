@@ -24,19 +24,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sglang_cpkv.env import env_flag
+from sglang_cpkv.envs import envs
 from sglang_cpkv.ops.errors import CpSharedKvError, raise_if_errors
 from sglang_cpkv.ops.reference import lookup_slots
 
 if TYPE_CHECKING:
     from sglang_cpkv.runtime.plan import CpSharedKvPlan
 
-CHECKED_ENV_VAR = "SGLANG_CPKV_CHECKED"
+CHECKED_ENV_VAR = envs.SGLANG_CPKV_CHECKED.name
 
 
 def enabled() -> bool:
     """Whether ``SGLANG_CPKV_CHECKED`` asks for checked mode (``1``, ``true``, ``yes``, ``on``)."""
-    return env_flag(CHECKED_ENV_VAR)
+    return envs.SGLANG_CPKV_CHECKED.get()
 
 
 def _foreign_slot_reads(plan: CpSharedKvPlan, dense_locs: torch.Tensor, req_id: torch.Tensor) -> torch.Tensor:

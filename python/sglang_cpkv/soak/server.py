@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from sglang_cpkv.envs import envs as cpkv_envs
 from sglang_cpkv.soak import cpu_kernels
 from sglang_cpkv.testing.dsa_kit import DSA_CONFIG
 
@@ -42,7 +43,7 @@ HEADS = 4
 PROCESS_ENV = {
     "SGLANG_HOST_IP": "127.0.0.1",
     "MOONCAKE_PROTOCOL": "tcp",
-    "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1",
+    cpkv_envs.SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER.name: "1",
     "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "1800",
     "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "1800",
     "SGLANG_DSA_PREFILL_DENSE_ATTN_KV_LEN_THRESHOLD": "0",
@@ -141,7 +142,7 @@ def start_process(config: ServerConfig, role: str, rank: int, model_dir: str, bo
     with the radix tree core the mode's resolution selects (the Python one)."""
     os.environ.update(PROCESS_ENV)
     if role == "prefill" and config.cp == 1 and config.mode_on:
-        os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = "python"
+        cpkv_envs.SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND.set("python")
     from sglang_cpkv.testing import dsa_kit
 
     dsa_kit._upstream()  # torchvision stub, the device capability of a Hopper GPU
@@ -156,7 +157,7 @@ def start_process(config: ServerConfig, role: str, rank: int, model_dir: str, bo
     from sglang.srt.server_args import prepare_server_args
 
     dsa_kit._upstream()["kit"]._parallel_override.__exit__(None, None, None)  # the kit pins cp 1 at its import
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if cpkv_envs.TRITON_INTERPRET.get():
         cpu_kernels.install()
     if not torch.cuda.is_available():
         torch.cuda.Event = _CpuEvent  # the overlap scheduler's prefill path makes CUDA events by name; a CPU has none

@@ -24,13 +24,13 @@ import argparse
 import importlib
 import importlib.metadata
 import json
-import os
 import re
 import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from sglang_cpkv.envs import envs
 from sglang_cpkv.overlay.common import OverlayError, sha256_file
 from sglang_cpkv.overlay.pin import find_queue_root, load_pin
 from sglang_cpkv.testing.upstream_env import REQUIRE_UPSTREAM_ENV
@@ -40,7 +40,7 @@ CLOSURE_FILE = Path("requirements") / "gpu-test-closure.txt"
 MARKER_FILE = ".sglang-cpkv-gpu-test-env"
 PTH_FILE = "sglang_cpkv_sgl_kernel_standin.pth"
 ENV_FILE = "cpkv-env.sh"
-ENV_DIR_VAR = "SGLANG_CPKV_GPU_TEST_ENV"
+ENV_DIR_VAR = envs.SGLANG_CPKV_GPU_TEST_ENV.name
 # Upstream modules the upstream-backed CUDA tests and the DSA attention kit import: `check` imports each.
 IMPORT_CHECKS = (
     "sglang.srt.mem_cache.memory_pool",
@@ -234,7 +234,7 @@ def check(repo: Path, wheel_dir: Path) -> int:
     """Inside the env: print what it is made of, fail when a needed upstream module does not import."""
     import platform
 
-    target = os.environ.get(ENV_DIR_VAR)
+    target = envs.SGLANG_CPKV_GPU_TEST_ENV.get()
     if not target:
         raise GpuEnvError(f"{ENV_DIR_VAR} is not set: source the env file that install.sh wrote first")
     print(f"python {platform.python_version()} ({sys.executable})")

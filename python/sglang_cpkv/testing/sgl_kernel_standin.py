@@ -28,8 +28,10 @@ import os
 import sys
 import types
 
+from sglang_cpkv.envs import envs
+
 PACKAGE = "sgl_kernel"
-ENV_MARKER = "SGLANG_CPKV_SGL_KERNEL_STANDIN"
+ENV_MARKER = envs.SGLANG_CPKV_SGL_KERNEL_STANDIN.name
 _HINT = (
     "it is the import-only TEST stand-in (sglang_cpkv.testing.sgl_kernel_standin, put on the path by "
     "scripts/gpu_env/install.sh): the real sgl_kernel (sglang-kernel) is not installed here, so code that "

@@ -15,9 +15,9 @@ from __future__ import annotations
 import unittest
 from typing import NoReturn
 
-from sglang_cpkv.env import env_flag
+from sglang_cpkv.envs import envs
 
-REQUIRE_UPSTREAM_ENV = "SGLANG_CPKV_REQUIRE_UPSTREAM"
+REQUIRE_UPSTREAM_ENV = envs.SGLANG_CPKV_REQUIRE_UPSTREAM.name
 
 
 def set_cp_shared_kv_flag(on: bool) -> None:
@@ -34,7 +34,7 @@ def set_cp_shared_kv_flag(on: bool) -> None:
 
 def upstream_required() -> bool:
     """Whether upstream-backed tests must run here (``SGLANG_CPKV_REQUIRE_UPSTREAM``, set by the GPU test env)."""
-    return env_flag(REQUIRE_UPSTREAM_ENV)
+    return envs.SGLANG_CPKV_REQUIRE_UPSTREAM.get()
 
 
 def skip_or_fail(reason: str) -> NoReturn:

@@ -195,7 +195,7 @@ BAD_CASES = [
         "dsa",
         [*CP, *PREFILL, *EAGLE, FLAG],
         ALL_RANKS_ENV,
-        "requires SGLANG_CP_DRAFT_SHARED_KV=1",
+        "requires SGLANG_CPKV_DRAFT_SHARED_KV=1",
     ),
     ("EAGLE3 draft", "dsa", [*CP, *PREFILL, "--speculative-algorithm", "EAGLE3", FLAG], DRAFT_ENV, "got 'EAGLE3'"),
     (
