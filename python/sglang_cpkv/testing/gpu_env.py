@@ -47,6 +47,7 @@ IMPORT_CHECKS = (
     "sglang.srt.runtime_context",
     "sglang.kernels.ops.kvcache.dsa_fused_store_index_cache",
     "sglang.srt.layers.attention.dsa_backend",
+    "sglang.srt.managers.scheduler",  # the GPU soak drives its methods
     "sglang.kernels.ops.attention.dsa.triton_sparse_mla_prefill",
     "sglang.kernels.ops.attention.flash_mla_interface",  # the flash_mla library: the flashmla_* routes' kernels
     "sglang.test.kits.attention_unittest.attention_methods.dsa_attention",
