@@ -1,44 +1,11 @@
 """The per-batch CP shared-KV plan: built once per batch, reused by every layer.
 
-:func:`build_plan` turns the batch's request page tables, host lengths and current-token pool
-locations into a frozen :class:`CpSharedKvPlan`: every per-batch value the layers need, computed once
-(the per-layer work is :class:`~sglang_cpkv.runtime.pipeline.LayerPipeline`, which only reads it).
-Terms (page id, capacity ``C``, request row ``r``, page index ``j``, dense slot, shared history slot, per-request
-inverse) are those of ``docs/design/cp-shared-kv-contract.md``.
-
-Dense layout: request ``r``'s page table has ``n_r = ceil((prefix_r + extend_r) / page_size)`` entries ``(r, j)``.
-
-* **the history region**, slots ``[0, H)``: one slot per distinct page id some view reads from the region (its pool
-  rows, taken before this forward writes the pool): at cp 1 the pages of history-only entries (below), in page-id
-  order; under CP every page read as history (an own slot's history rows come from the gathered region), ordered
-  as the exchange delivers it: rank ``k``'s block holds the pages it owns (``page % cp == k``), in page-id order,
-  after the blocks of ranks ``0..k-1``, so each rank packs its block from its pool straight into the view and one
-  all-gather (blocks of uneven size) fills the whole region in every rank's view.
-* **own slots**, after the region, in ``(r, j)`` order: every entry a request writes (its current pages, its
-  CURRENT_REUSE page: a history ending mid-page continued by its current tokens) and every history page that some
-  request of the batch writes as current in this forward (allocator reuse, the contract's second class). Such an
-  entry's history rows are copied into its own slot from the region (at cp 1 straight from the pool).
-* an entry that is history only (a page no request of the batch writes, the entry taking no current token: a full
-  history page, or the partial last page of a request without current tokens) points at the page's region slot:
-  the readers of a shared prompt share one copy (the contract's "shared history slot").
-
-No slot is written by two requests: the region is written by the history step only, an own slot by its request
-only. The view has :func:`~.buckets.round_dense_slots` ``(H + own)`` slots (under 3.2% more, so shapes repeat); the
-rounding slots hold no page. Every dense location is checked to fit int32 here.
-
-Synchronization: the layout is host work in numpy (a few dozen linear passes over the entries); its results go to
-the device in one copy from :class:`PlanStaging`, a pinned host buffer sized at start-up and reused by every batch.
-The plan's device work is a handful of ops with no host sync. Host-side lengths are validated always (free).
-Page ids and ``out_cache_loc`` are validated on the host when they are host tensors; on a GPU a bad or repeated page
-id is counted in the plan's device error counter instead (the surfacing is the caller's: checked mode raises at
-once). One host sync per batch that has history, before the first layer: the history region is a function of the
-page ids (which pages are shared, who owns them), so a device page table is copied to the host once; a host page
-table needs none, and without history its ids stay on the device.
-
-Pools under CP: page ids are global (upstream's page-interleave allocator numbers ``C = cp_size x`` one rank's
-pool pages); a rank's pool holds the pages it owns, page ``p`` at its pool page ``p // cp_size``
-(:mod:`.ownership`). Every pool address the plan hands out (the pages a rank packs, the rows it persists) is such a
-pool page or row; every dense and remap input stays in page ids.
+:func:`build_plan` turns a batch's page tables, host lengths and current-token pool locations into a frozen
+:class:`CpSharedKvPlan` (the dense layout with shared history slots, the per-request inverse, the history copies,
+the owned cache rows); :class:`~.pipeline.LayerPipeline` only reads it. Called by ``hooks/dsa_metadata.py`` (serving),
+the harness, the demo and the tests. The layout is numpy host work staged to the device in one copy through
+:class:`PlanStaging`; page ids are global, a rank's pool holds the pages it owns (:mod:`.ownership`).
+Terms: ``docs/design/cp-shared-kv-contract.md``; the layout and its costs: ``docs/design/cp-shared-kv.md`` section 3.
 """
 
 from __future__ import annotations
@@ -52,8 +19,9 @@ import numpy as np
 import torch
 
 from sglang_cpkv import ops
+from sglang_cpkv.envs import envs
 from sglang_cpkv.ops.errors import ERR_LOC_OUT_OF_RANGE, NUM_ERROR_KINDS, CpSharedKvError
-from sglang_cpkv.runtime import checked as checked_mode
+from sglang_cpkv.ops.reference import lookup_slots
 from sglang_cpkv.runtime.buckets import round_dense_slots
 from sglang_cpkv.runtime.cp_split import CpSplit
 from sglang_cpkv.runtime.ownership import owner_pool_loc, owner_pool_page, page_owner, pool_pages_per_rank
@@ -740,7 +708,7 @@ def build_plan(
         num_slots=num_slots,
         num_tokens=num_tokens,
         split=split,
-        checked=checked_mode.enabled() if checked is None else checked,
+        checked=envs.SGLANG_CPKV_CHECKED.get() if checked is None else checked,
         slot_pages=slot_pages,
         inverse=inverse,
         current_dense_locs=current_dense_locs,
@@ -753,8 +721,75 @@ def build_plan(
         errors=errors,
     )
     if plan.checked:
-        checked_mode.check_plan(plan)
+        check_plan(plan)
     return plan
+
+
+def check_plan(plan: CpSharedKvPlan) -> None:
+    """Checked mode's plan invariants (:mod:`.checked`); raises :class:`CpSharedKvError`: no op dropped a bad id; the
+    entries, the slots and the inverse agree (entry ``(r, j)`` holding page ``p`` points at a slot that holds ``p``,
+    and the inverse finds it for ``(r, p)`` and holds nothing else); no page id twice in one request; a history-region
+    slot belongs to no request and holds a page no other region slot holds; an own slot belongs to the one request
+    whose entry points at it; every current token's dense location is at its own position in an own slot of its
+    request, and no dense location is written by two tokens; padded local rows have request id -1 and location -1."""
+    plan.raise_if_errors("plan build")
+    slot_pages = plan.slot_pages.to(torch.int64).cpu()
+    slot_req = plan.slot_req.cpu()
+    region = plan.history_region_slots
+    region_pages = slot_pages[:region]
+    if bool((slot_req[:region] != -1).any()) or region_pages.unique().numel() != region:
+        raise CpSharedKvError("the history region holds a request's slot or a page id twice")
+    inverse = plan.inverse
+    for r in range(plan.num_requests):
+        slots = plan.request_slots(r)
+        pages = slot_pages[slots]
+        uniq, counts = pages.unique(return_counts=True)
+        if bool((counts > 1).any()):
+            raise CpSharedKvError(f"request {r}: page ids {uniq[counts > 1].tolist()} appear twice in its page table")
+        own = slots >= region
+        if not bool((slot_req[slots[own]] == r).all()):
+            raise CpSharedKvError(f"request {r}: its own slots {slots[own].tolist()} are not all its own")
+        got = lookup_slots(inverse, torch.full_like(pages, r).to(inverse.device), pages.to(inverse.device)).cpu()
+        if not torch.equal(got, slots):
+            raise CpSharedKvError(
+                f"inverse disagrees with request {r}'s entries: page ids {pages.tolist()} -> slots {got.tolist()}, "
+                f"expected {slots.tolist()}"
+            )
+    own_slots = plan.entry_slots_host[plan.entry_slots_host >= region]
+    if own_slots.unique().numel() != own_slots.numel():
+        raise CpSharedKvError("an own slot is pointed at by two entries")
+    if bool((slot_pages[plan.needed_slots :] != -1).any()) or bool((slot_req[plan.needed_slots :] != -1).any()):
+        raise CpSharedKvError("the layout's rounding slots hold a page or a request")
+    held = inverse.held_entries()
+    if held != plan.entries:
+        raise CpSharedKvError(f"inverse holds {held} entries, the batch's tables {plan.entries}")
+
+    dense = plan.current_dense_locs.to(torch.int64).cpu()
+    expected = torch.tensor(
+        [
+            plan.dense_location(r, p)
+            for r, (pre, ext) in enumerate(zip(plan.prefix_lens, plan.extend_lens))
+            for p in range(pre, pre + ext)
+        ],
+        dtype=torch.int64,
+    )
+    wrong = (dense != expected).nonzero().flatten().tolist()
+    if wrong:
+        req = plan.token_req_id.cpu()
+        raise CpSharedKvError(
+            "current tokens do not land at their own request's position (token, request, dense loc, expected): "
+            f"{[(t, int(req[t]), int(dense[t]), int(expected[t])) for t in wrong[:8]]}"
+        )
+    if dense.unique().numel() != dense.numel():
+        raise CpSharedKvError("two current tokens write the same dense location")
+    token_req = plan.token_req_id.cpu()
+    writer_slot = torch.div(dense, plan.page_size, rounding_mode="floor")
+    if bool((writer_slot < region).any()) or not torch.equal(slot_req[writer_slot], token_req):
+        raise CpSharedKvError("a current token writes a history-region slot or another request's slot")
+    local_req = plan.local_req_id.cpu()
+    local_loc = plan.local_out_cache_loc.cpu()
+    if not torch.equal(local_req < 0, local_loc < 0):
+        raise CpSharedKvError("CP split: padded rows of request ids and locations disagree")
 
 
 def dense_to_pool_locs(plan: CpSharedKvPlan, dense_locs: torch.Tensor) -> torch.Tensor:
