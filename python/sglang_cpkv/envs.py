@@ -6,7 +6,8 @@ Read one as ``envs.SGLANG_CPKV_CHECKED.get()``; a test sets one for a block with
 (upstream warns and takes the default). Unset and empty read the same: the default. Booleans are parsed here
 only (:func:`parse_bool`). The fields marked ``user_facing`` are the README's settings table
 (``test/registered/env/test_settings_registry.py`` holds the two together). Standard library only: the overlay
-tool and the P/D launcher import it. Setting variables for a block of code: :func:`sglang_cpkv.env.environment`.
+tool and the P/D launcher import it. Setting raw variables for a block of code (a child's environment):
+:func:`environment`.
 """
 
 from __future__ import annotations
@@ -339,3 +340,19 @@ class Envs:
 
 
 envs = Envs()
+
+
+@contextlib.contextmanager
+def environment(values: Mapping[str, str] = {}, keep: tuple[str, ...] = ()) -> Iterator[None]:
+    """For the block only: ``values`` set in ``os.environ``; those names and ``keep`` (names the block itself may
+    set) are put back as they were after it, an unset one unset."""
+    saved = {name: os.environ.get(name) for name in (*values, *keep)}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

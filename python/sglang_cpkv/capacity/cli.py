@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from sglang_cpkv.capacity.presets import GPUS, MODELS
-from sglang_cpkv.env import environment
+from sglang_cpkv.envs import environment
 from sglang_cpkv.pd_launch.config import ENV_DEFAULTS
 
 GIB = 2**30

@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from sglang_cpkv.env import environment
-from sglang_cpkv.envs import envs
+from sglang_cpkv.envs import environment, envs
 from sglang_cpkv.runtime.reservation import Reservation
 
 # The prefill server of the mode needs all-CP-ranks KV transfer (README, Settings); the draft's extend under CP.

@@ -34,8 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from sglang_cpkv.env import environment
-from sglang_cpkv.envs import envs
+from sglang_cpkv.envs import environment, envs
 
 LIBRARY_NAME = "sglang_cpkv_cuda"
 LIB_ENV = envs.SGLANG_CPKV_CUDA_LIB.name

@@ -35,7 +35,7 @@ import json
 import sys
 from pathlib import Path
 
-from sglang_cpkv.env import environment
+from sglang_cpkv.envs import environment
 from sglang_cpkv.pd_launch.config import CP_SHARED_KV_FLAG, DEFAULT_GPU_CAPABILITY
 
 MEM_FRACTION_FLAG = "--mem-fraction-static"

@@ -29,7 +29,7 @@ import json
 import sys
 import time
 
-from sglang_cpkv.env import environment
+from sglang_cpkv.envs import environment
 
 HANDSHAKE_TIMEOUT_S = 30.0
 

@@ -18,7 +18,7 @@ import argparse
 import json
 import sys
 
-from sglang_cpkv.env import environment
+from sglang_cpkv.envs import environment
 
 
 def _resolve(case: dict) -> dict:

@@ -1,6 +1,6 @@
 """The distribution's environment variables, read one way (:mod:`sglang_cpkv.envs`): a boolean refuses a value it does
 not know, naming the variable; unset and empty read as the default; an old name still reads, and disagreeing with the
-new one is an error; ``override`` and a scoped environment (:func:`sglang_cpkv.env.environment`) put back exactly what
+new one is an error; ``override`` and a scoped environment (:func:`sglang_cpkv.envs.environment`) put back exactly what
 they found."""
 
 import os
@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from sglang_cpkv.env import environment
-from sglang_cpkv.envs import SERVING, EnvBool, EnvInt, EnvStr, envs
+from sglang_cpkv.envs import SERVING, EnvBool, EnvInt, EnvStr, environment, envs
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=2, suite="cpkv-cpu")
