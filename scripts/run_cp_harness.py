@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-from sglang_cpkv.harness import main
+from sglang_cpkv.harness.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -7,7 +7,3 @@ support, not in the wheel; needs the pinned upstream.
 
     python scripts/run_cp_harness.py --cp 1,2 --bs-list 2,4,8 --device cuda --out harness.json
 """
-
-from sglang_cpkv.harness.cli import main
-
-__all__ = ["main"]

@@ -49,9 +49,9 @@ from functools import cached_property
 
 import torch
 
+import sglang_cpkv.runtime.checked as checked_mode
 from sglang_cpkv import ops
 from sglang_cpkv.ops.errors import CpSharedKvError
-from sglang_cpkv.runtime import checked as checked_mode
 from sglang_cpkv.runtime.group import CpGroup
 from sglang_cpkv.runtime.plan import CpSharedKvPlan
 

@@ -660,24 +660,3 @@ def padded_page_table(case: BatchCase, pages_per_request: int) -> torch.Tensor:
     for r, row in enumerate(case.page_tables):
         table[r, : len(row)] = torch.tensor(row, dtype=torch.int32)
     return table
-
-
-def value_keyed_read_mismatches(
-    case: BatchCase, pool: torch.Tensor, current_kv: torch.Tensor, topk_locs: torch.Tensor, topk_positions: torch.Tensor
-) -> list[tuple[int, int, int]]:
-    """The negative control (cp=1): ``(token, request, position)`` of every top-k read through the
-    1-D value-keyed inverse that does not return the truth row (dropped or another row)."""
-    from sglang_cpkv.testing.value_keyed_inverse import value_keyed_pipeline
-
-    dense, remapped = value_keyed_pipeline(case, pool, current_kv, topk_locs)
-    truth = truth_rows(case, pool, current_kv)
-    token_req = [r for r in range(case.num_requests) for _ in range(case.extend_lens[r])]
-    wrong = []
-    for t, r in enumerate(token_req):
-        for col, p in enumerate(topk_positions[t].tolist()):
-            if p < 0:
-                continue
-            d = int(remapped[t, col])
-            if d < 0 or not same_bytes(dense[d], truth[r][p]):
-                wrong.append((t, r, p))
-    return wrong

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from sglang_cpkv.testing.batches import BatchCase, padded_page_table
+from sglang_cpkv.testing.batches import BatchCase, padded_page_table, same_bytes, truth_rows
 
 PADDING_ID = -1
 
@@ -90,3 +90,22 @@ def value_keyed_pipeline(
     keep = fill_locs >= 0
     dense[fill_locs[keep]] = current_kv[keep]
     return dense, remap_value_keyed(topk_locs, inverse_1d, page_size)
+
+
+def value_keyed_read_mismatches(
+    case: BatchCase, pool: torch.Tensor, current_kv: torch.Tensor, topk_locs: torch.Tensor, topk_positions: torch.Tensor
+) -> list[tuple[int, int, int]]:
+    """The negative control (cp=1): ``(token, request, position)`` of every top-k read through the
+    1-D value-keyed inverse that does not return the truth row (dropped or another row)."""
+    dense, remapped = value_keyed_pipeline(case, pool, current_kv, topk_locs)
+    truth = truth_rows(case, pool, current_kv)
+    token_req = [r for r in range(case.num_requests) for _ in range(case.extend_lens[r])]
+    wrong = []
+    for t, r in enumerate(token_req):
+        for col, p in enumerate(topk_positions[t].tolist()):
+            if p < 0:
+                continue
+            d = int(remapped[t, col])
+            if d < 0 or not same_bytes(dense[d], truth[r][p]):
+                wrong.append((t, r, p))
+    return wrong

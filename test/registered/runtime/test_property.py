@@ -40,9 +40,9 @@ from sglang_cpkv.testing.batches import (
     random_topk,
     run_case_on_ranks,
     sharing_patterns,
-    value_keyed_read_mismatches,
 )
 from sglang_cpkv.testing.ci_register import register_cpu_ci
+from sglang_cpkv.testing.value_keyed_inverse import value_keyed_read_mismatches
 
 register_cpu_ci(est_time=120, suite="cpkv-cpu")
 
