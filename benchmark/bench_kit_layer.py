@@ -41,6 +41,9 @@ import torch
 from sglang_cpkv.testing.batches import BatchCase
 from sglang_cpkv.testing.dsa_kit import PAGE, KitRoute, KitWorld, distinct_page_tables, kit_capacity
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # kit_timing, a sibling module
+from kit_timing import prepare_timing, time_layers, timed_forward
+
 CONFIGS = (("mode off", False, "1"), ("mode on, layer-ahead", True, "1"), ("mode on, synchronous", True, "0"))
 BACKENDS = ("triton_sparse_mla", "flashmla_sparse", "flashmla_kv", "flashmla_auto")
 SHARING = ("distinct", "shared")
@@ -90,14 +93,14 @@ def measure(args, cp: int = 1, rank: int = 0, model_dir: str = "") -> list[dict]
                     topk=args.topk,
                 )
                 world.write_history(case)
-                worlds.append((label, mode_on, world, world.prepare_timing(case)))
+                worlds.append((label, mode_on, world, prepare_timing(world, case)))
             rounds: dict[str, list[tuple[float, float, float]]] = {label: [] for label, *_ in worlds}
             for round_ in range(args.reps + 1):  # the first round warms every kernel and buffer
                 for label, mode_on, world, timing in worlds[round_ % 3 :] + worlds[: round_ % 3]:
                     if cp > 1:
                         publish_prefill_cp_server_args(model_dir, cp, mode_on=mode_on)
                     world.make_current()
-                    timed = world.timed_forward(timing)
+                    timed = timed_forward(world, timing)
                     rounds[label].append((timed.plan_ms, timed.layer_ms[0], timed.later_layer_ms))
             for label, _, world, _ in worlds:
                 row = {"history": history, "sharing": sharing, "config": label, "rounds": rounds[label][1:]}
@@ -270,7 +273,7 @@ def _profile(world: KitWorld, case: BatchCase) -> dict[str, float]:
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        world.time_layers(case, 1)
+        time_layers(world, case, 1)
         host_us = (time.perf_counter() - start) * 1e6
     kernels: dict[str, float] = {}
     for event in prof.key_averages():

@@ -6,7 +6,7 @@ Through :class:`sglang_cpkv.testing.dsa_kit.KitWorld` (upstream's kit runner, po
 the first ``--with-history`` of them over ``--history`` cached tokens each, the others without history (the batch the
 fix changes). Each layer is timed **before** the fix (its write of the history-less requests' bf16 rows replaced by
 "leave the dequantized rows", upstream's behaviour) and **after**, alternating ``--rounds`` times in one process on
-the same world, CUDA events around the layer loop (``KitWorld.time_layers``), medians of ``--reps`` forwards; the
+the same world, CUDA events around the layer loop (``kit_timing.time_layers``), medians of ``--reps`` forwards; the
 figure is the layer's time after minus before, with its spread over the rounds.
 
     python benchmark/bench_ragged_history_less.py --backend flashmla_sparse --heads 64 --topk 2048 \\
@@ -18,13 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
 from sglang_cpkv.hooks.upstream_fixes import ragged_current_rows
 from sglang_cpkv.testing.batches import BatchCase
 from sglang_cpkv.testing.dsa_kit import PAGE, KitRoute, KitWorld, distinct_page_tables, kit_capacity
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # kit_timing, a sibling module
+from kit_timing import time_layers
 
 
 @contextmanager
@@ -64,8 +69,8 @@ def measure(args) -> list[dict]:
         layer = {"before": [], "after": []}
         for _ in range(args.rounds):
             with _before_the_fix():
-                layer["before"].append(world.time_layers(case, args.reps)[1])
-            layer["after"].append(world.time_layers(case, args.reps)[1])
+                layer["before"].append(time_layers(world, case, args.reps)[1])
+            layer["after"].append(time_layers(world, case, args.reps)[1])
         deltas = [a - b for a, b in zip(layer["after"], layer["before"])]
         rows.append(
             {

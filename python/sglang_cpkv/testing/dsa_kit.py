@@ -15,7 +15,8 @@ layout as its ``loc_fn``) and its pool writer. What differs from the kit's own c
 * **CP**: on rank ``r`` of ``cp`` the query rows are upstream's interleave split (``attn_cp_metadata``
   from upstream's own strategy and padding), the current KV handed to ``forward_extend`` is the
   all-gathered chunk (:meth:`KitWorld.forward` projects every row on each rank, as upstream's attention-CP
-  all-gather - a CUDA-only op - would hand them; :meth:`KitWorld.time_layers` under CP runs that all-gather);
+  all-gather - a CUDA-only op - would hand them; the benchmarks' timed forward, ``benchmark/kit_timing.py``,
+  runs that all-gather under CP);
 * **page ids and pools**: a case's page ids number :attr:`KitWorld.capacity` pages (a multiple of ``cp``). With the
   mode on at cp > 1 the rank's pool is upstream's pool class of ``capacity / cp`` pages, holding only the pages it
   owns (page id ``p`` of rank ``p % cp`` at its pool page ``p // cp``, :mod:`sglang_cpkv.runtime.ownership`), and
@@ -37,18 +38,16 @@ Every captured kernel call is reduced to what it reads (:class:`KernelReads`): f
 of every KV row it addresses, in top-k order, so a mode-on run (dense view, dense locations) and a mode-off
 run (pool, pool locations) compare byte for byte.
 
-Only tests use this module (it imports upstream lazily and patches ``torch.cuda.get_device_capability``
-only on a CPU-only machine, to build the backend as on Hopper).
+Only tests and benchmarks use this module (it imports upstream lazily and patches
+``torch.cuda.get_device_capability`` only on a CPU-only machine, to build the backend as on Hopper); the benchmarks'
+timing of a world (the plan's window, each layer's) is ``benchmark/kit_timing.py``.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import json
 import os
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -613,9 +612,9 @@ class KitWorld:
                         )
                     hidden = self._hidden(cur_locs, layer)
                     q_nope, q_rope = module.project_q(hidden[local_tokens.to(device)])
-                    q_nope, q_rope = _pad_rows(q_nope, metadata_cp), _pad_rows(q_rope, metadata_cp)
+                    q_nope, q_rope = pad_rows(q_nope, metadata_cp), pad_rows(q_rope, metadata_cp)
                     k_nope, k_rope = module.project_k(hidden)  # the chunk's rows, as the all-gather hands them
-                    topk = _fused_topk(
+                    topk = fused_topk(
                         backend, metadata, case, local_tokens, q_nope.shape[0], route, device, up["extend"], self.topk
                     )
                     module.attn(q_nope, k_nope, k_nope, layers_batch, k_rope=k_rope, q_rope=q_rope, topk_indices=topk)
@@ -627,112 +626,6 @@ class KitWorld:
         ]
         self.forward_batch = forward_batch
         return KitRun(kernel_reads, index_reads, local_tokens, pool_after)
-
-    def timed_metadata(self, forward_batch: Any) -> tuple[float, float | None]:
-        """Host ms and (on a GPU) CUDA-event ms of one ``init_forward_metadata`` of ``forward_batch`` (the plan hook
-        inside it), the device synchronized before the clock starts."""
-        cuda = self.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t = time.perf_counter()
-        with self.up["context"](self.backend):
-            self.backend.init_forward_metadata(forward_batch)
-        host = (time.perf_counter() - t) * 1e3
-        if not cuda:
-            return host, None
-        end.record()
-        torch.cuda.synchronize()
-        return host, start.elapsed_time(end)
-
-    def time_layers(self, case: BatchCase, reps: int) -> tuple[float, float]:
-        """``(plan ms, ms per layer)``: medians of ``reps`` forwards of ``case`` (:meth:`timed_forward`; the layer
-        is the mean over the timed layers) after a warm-up forward."""
-        timing = self.prepare_timing(case)
-        times = [self.timed_forward(timing) for _ in range(reps + 1)][1:]  # the first warms every kernel and buffer
-        return statistics.median(t.plan_ms for t in times), statistics.median(t.mean_layer_ms for t in times)
-
-    def prepare_timing(self, case: BatchCase) -> LayerTiming:
-        """What :meth:`timed_forward` runs for ``case`` with the route's real kernel and no capture (on a GPU): the
-        forward batch, each layer's inputs and the top-k, made before any clock starts (the top-k after one
-        ``init_forward_metadata``: it depends on the batch's tables only)."""
-        up, route, device, backend = self.up, self.route, self.device, self.backend
-        if device.type != "cuda":
-            raise ValueError("timed forwards run the route's real kernel on a GPU")
-        missing = missing_kernel_library(route)
-        if missing:
-            raise ValueError(f"timed forwards: {route.prefill_backend} needs the {missing} library, not installed here")
-        forward_batch, cur_locs, local_tokens, metadata_cp = self._extend_batch(case)
-        inputs = []
-        for module in self.modules:
-            hidden = self._hidden(cur_locs, module.attn.layer_id)
-            q_nope, q_rope = module.project_q(hidden[local_tokens.to(device)])
-            k_nope, k_rope = _project_current_k(module, hidden, local_tokens, metadata_cp)
-            inputs.append((_pad_rows(q_nope, metadata_cp), _pad_rows(q_rope, metadata_cp), k_nope, k_rope))
-        with torch.no_grad(), up["context"](backend):
-            backend.init_forward_metadata(forward_batch)
-            rows = inputs[0][0].shape[0]
-            topk = _fused_topk(
-                backend, backend.forward_metadata, case, local_tokens, rows, route, device, up["extend"], self.topk
-            )
-        return LayerTiming(forward_batch, metadata_cp, inputs, topk)
-
-    def timed_forward(self, timing: LayerTiming) -> ForwardTime:
-        """One forward's times: CUDA events around ``init_forward_metadata`` and after each layer (attention only),
-        the device synchronized before the clock starts. The mode's flag and reservation in force are the
-        process's (a caller timing several worlds in turn sets them for each)."""
-        forward_batch, metadata_cp = timing.forward_batch, timing.metadata_cp
-        with torch.no_grad(), self.up["context"](self.backend):
-            torch.cuda.synchronize()
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(len(self.modules) + 2)]
-            events[0].record()
-            self.backend.init_forward_metadata(forward_batch)
-            events[1].record()
-            for module, (q_nope, q_rope, k_local, k_rope_local), done in zip(self.modules, timing.inputs, events[2:]):
-                # Under CP upstream's all-gather of the current KV is on the critical path (the clock runs).
-                k_nope, k_rope = _gather_current_kv(module, k_local, k_rope_local, forward_batch, metadata_cp)
-                module.attn(
-                    q_nope, k_nope, k_nope, forward_batch, k_rope=k_rope, q_rope=q_rope, topk_indices=timing.topk
-                )
-                done.record()
-            torch.cuda.synchronize()
-        return ForwardTime(
-            events[0].elapsed_time(events[1]), [a.elapsed_time(b) for a, b in itertools.pairwise(events[1:])]
-        )
-
-
-@dataclass(frozen=True)
-class ForwardTime:
-    """One timed forward: the plan's window and each layer's, in ms (GPU clock). The first layer's window also holds
-    the time the device waits for the host to issue it after the plan (once per forward, not once per layer), so a
-    model's forward is the plan, the first layer and its other layers at the later layers' mean
-    (``benchmark/bench_kit_layer.py``)."""
-
-    plan_ms: float
-    layer_ms: list[float]
-
-    @property
-    def mean_layer_ms(self) -> float:
-        return statistics.fmean(self.layer_ms)
-
-    @property
-    def later_layer_ms(self) -> float:
-        """The mean of the layers after the first (the steady state of a forward's layers)."""
-        if len(self.layer_ms) < 2:
-            raise ValueError("the steady layer time needs at least two timed layers")
-        return statistics.fmean(self.layer_ms[1:])
-
-
-@dataclass(frozen=True)
-class LayerTiming:
-    """A case made ready for :meth:`KitWorld.timed_forward`: its forward batch, ``attn_cp_metadata`` (None un-split),
-    each layer's ``(q_nope, q_rope, k_nope, k_rope)`` and the top-k."""
-
-    forward_batch: Any
-    metadata_cp: Any
-    inputs: list
-    topk: torch.Tensor
 
 
 def _act_quant():
@@ -758,26 +651,7 @@ def _cp_split(case: BatchCase, forward_batch: Any, cp_rank: int) -> tuple[torch.
     return torch.arange(cp_rank, n, case.cp_size), metadata
 
 
-def _project_current_k(module: Any, hidden: torch.Tensor, local_tokens: torch.Tensor, metadata: Any):
-    """The current K rows this rank projects: its own under CP, every row un-split."""
-    if metadata is None:
-        return module.project_k(hidden)
-    return module.project_k(hidden[local_tokens.to(hidden.device)])
-
-
-def _gather_current_kv(module: Any, k_nope: torch.Tensor, k_rope: torch.Tensor, forward_batch: Any, metadata: Any):
-    """The chunk's current KV as ``forward_extend`` receives it: under CP upstream's strategy all-gathers every
-    rank's own rows on the attention-CP group (``materialize_full_mla_kv``, the collective a server runs every
-    layer, beside the mode's history exchange; a CUDA-only op); un-split, the rows as projected."""
-    if metadata is None:
-        return k_nope, k_rope
-    from sglang.srt.layers.cp.base import get_cp_strategy
-
-    k_nope, k_rope = get_cp_strategy().materialize_full_mla_kv(forward_batch, module.attn, k_nope.unsqueeze(1), k_rope)
-    return k_nope.squeeze(1), k_rope
-
-
-def _pad_rows(x: torch.Tensor, metadata: Any) -> torch.Tensor:
+def pad_rows(x: torch.Tensor, metadata: Any) -> torch.Tensor:
     """Upstream pads a rank's local rows with zero rows to the physical length."""
     if metadata is None:
         return x
@@ -787,7 +661,7 @@ def _pad_rows(x: torch.Tensor, metadata: Any) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(physical - x.shape[0], *x.shape[1:])])
 
 
-def _fused_topk(
+def fused_topk(
     backend: Any,
     metadata: Any,
     case: BatchCase,
