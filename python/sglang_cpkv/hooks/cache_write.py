@@ -1,23 +1,11 @@
 """Which pool rows a CP rank writes in CP shared-KV mode (the seed's compute-padding fix, for 0.5.23).
 
-The seed's bug: under CP with CURRENT_REUSE the current KV reached the cache write already
-all-gathered to the global chunk (512 rows), while the padding branch selected rows by this rank's
-*compute* rows (64 expected) - a shape mismatch, fixed in the seed by re-localizing the KV first
-(``cp_localize_current_kv_to_compute_rows``).
-
-In 0.5.23 the cache write always sees the all-gathered chunk: ``N = sum(extend_lens)`` rows in
-token order, with ``out_cache_loc`` cut to ``N`` (``srt/layers/cp/utils.py:182``); padding exists
-only in each rank's local compute rows (``pad_logical_token_to_physical``: ``physical =
-roundup(max logical, cp)`` rows per rank, padding last). In CP shared-KV mode a rank persists the
-rows of the pages it *owns* (``page_id % cp == cp_rank``), and those rows come from every rank's
-compute rows, so the selection cannot be derived from this rank's compute rows at all: it is the
-plan's ``owned_cache_write_locs`` (token order, built once per batch from the split plan), and a
-write handed this rank's padded compute rows is refused with both row counts named.
-
-Rows this rank does not own are sent to upstream's reserved location 0 ("the padded slot 0 is used
-for writing dummy outputs from padded tokens", ``MLATokenToKVPool._create_buffers``); upstream's
-MLA write kernel skips it (``reserved_skip_index=0`` in ``set_mla_kv_buffer_kernel``), and page 0
-is never handed to a request. This keeps the write fixed-size (no host sync to count owned rows).
+In 0.5.23 the cache write sees the all-gathered chunk (``N = sum(extend_lens)`` rows in token order) while padding
+exists only in each rank's compute rows, so a rank's owned rows (``page_id % cp == cp_rank``) come from every rank's:
+the selection is the plan's ``owned_cache_write_locs``, and a write handed this rank's padded compute rows is refused
+naming both counts. Rows this rank does not own go to upstream's reserved location 0, which its MLA write kernel
+skips (fixed size, no host sync). Used by the DSA hooks (:mod:`.dsa_latent`, :mod:`.dsa_index_k`, :mod:`.dsa_batch`);
+design: ``docs/design/cp-shared-kv.md`` section 5, and the contract's "CP".
 """
 
 from __future__ import annotations

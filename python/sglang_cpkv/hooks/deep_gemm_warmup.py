@@ -1,41 +1,12 @@
-"""The DeepGEMM warmup M grid under DSA prefill CP (hooks in upstream 0.5.23's ``compile_utils.py``).
+"""The DeepGEMM warm-up M grid under DSA prefill CP (hooks in upstream 0.5.23's ``compile_utils.py``).
 
-Upstream compiles one M list (1..m_max, m_max up to 128K) for every DeepGEMM shape it meets. Under
-DSA prefill CP a rank's non-grouped GEMMs (``num_groups == 1``) can run at the per-rank M, about
-``ceil(M / cp)``, while the grouped MoE GEMMs (contiguous and masked) run at the full M: the
-all-to-all brings every routed token to its expert's rank whatever the CP split. Compiling the
-non-grouped shapes for ``1..max(ceil(m_max / cp), 2048)`` only is safe exactly when *no*
-non-grouped GEMM of this server ever runs a larger M. From reading 0.5.23 that needs all of:
-
-1. **Prefill CP splits every token-heavy batch.** ``is_cp_active`` (``layers/cp/utils.py``) holds
-   for EXTEND and MIXED only (``ForwardMode.is_context_parallel_extend``; no caller passes
-   ``include_draft_extend_v2=True``, so decode-time draft extend, target verify and decode are never
-   CP) and when the strategy's ``can_apply`` accepts the batch, else the batch runs un-split on every
-   rank. *Interleave* refuses only batches of fewer than ``cp`` tokens (tiny M). *Zigzag* refuses a
-   batch when any request extends fewer than ``2 * cp`` tokens, so at bs > 1 a short request drags a
-   whole chunk (up to ``chunked_prefill_size`` tokens) to full M; its launch warning asks for
-   batch size 1, which only ``--max-running-requests 1`` enforces.
-2. **The FFN stays on the rank's rows.** Under DSA CP the layer boundary gathers an FFN's input over
-   the attention-CP group unless the FFN computes on rank rows (``layer_boundary/factories.py:
-   _ffn_on_rank_rows``): a dense FFN only with ``moe_dense_tp_size == 1``, a MoE (and its unfused
-   shared experts) only with an all-to-all backend (``moe_a2a_backend`` not ``none``). Zigzag
-   forces both (``model_overrides/deepseek_v2.py``); interleave forces neither, so by default its
-   dense-MLP and shared-expert GEMMs run at the gathered M.
-3. **No draft runs its extend at full M.** The prefill-time draft extend
-   (``EAGLEWorkerV2._draft_extend_for_prefill``) is an EXTEND batch and follows the target's CP
-   for target-layout drafts (DSA NextN / EAGLE, STANDALONE, ...), but SINGLE_GROUP drafts (EAGLE3,
-   DFLASH, non-MoE DSpark: ``speculative/draft_parallel.py``) run it without CP; and on a server that
-   decodes, the decode-time draft extend (DRAFT_EXTEND_V2) is never CP in 0.5.23. Either is a
-   full-M draft extend. ``SGLANG_CPKV_DRAFT_SHARED_KV=1`` declares that the draft's extends run under
-   CP (:func:`~.settings.draft_extends_under_cp`; the seed's meaning, here for the decode-time one); it
-   cannot change a SINGLE_GROUP draft, whose CP upstream switches off.
-4. **Non-CP batches stay small.** On a server that decodes, decode and target-verify batches run
-   un-split with up to ``max_running_requests * speculative_num_draft_tokens`` rows; that bound
-   joins the shrunk list's top, and an unbounded ``max_running_requests`` (unset) keeps the full list.
-   A P/D prefill server never decodes.
-
-Anything else keeps upstream's full list for every shape; the reason is logged per shape together
-with how many Ms each shape compiles.
+Called from ``patches/core/split-deep-gemm-warmup-m-grid-under-cp.patch``: :func:`configure_from_runtime` plans from
+the published server args, :func:`shape_m_list` gives each shape its M list. Grouped MoE GEMMs keep upstream's full
+list (the all-to-all brings every routed token to its expert whatever the split); non-grouped shapes compile
+``1..max(ceil(m_max / cp), 2048)`` (and the un-split decode/verify rows) only when every non-grouped GEMM of the
+server runs at per-rank M: every token-heavy batch split by CP, the FFN on the rank's rows, no draft extend at full
+M, small non-CP batches. Anything else keeps the full list; each shape logs its count and why. The reading of 0.5.23
+behind each condition: the patch's ``why`` in ``patches/manifest.json`` (``docs/design/cp-shared-kv.md`` section 10).
 """
 
 from __future__ import annotations

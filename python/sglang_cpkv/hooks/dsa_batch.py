@@ -1,18 +1,12 @@
 """One DSA attention backend's CP shared-KV batch: the state the mode keeps on it from one plan hook to the next.
 
-Used by the DSA hooks (:mod:`.dsa_metadata` begins a batch, :mod:`.dsa_latent` and :mod:`.dsa_index_k` find it;
-design: ``docs/design/cp-shared-kv.md`` sections 3-4): a backend's :class:`BackendState` (``backend.cp_shared_kv``;
-the target's and each draft's) holds the dense buffers it reuses across batches (sized by the start-up reservation),
-the batch in flight (:class:`ExtendBatch`: its plan and :class:`~sglang_cpkv.runtime.LayerPipeline`) and earlier
-batches' error counters on their way to the host. No module global holds a batch: the indexer finds its backend the
-way upstream's does (``get_attn_backend()`` of the forward context). With the flag on, an extend forward the plan hook
-did not begin on the backend is refused (:func:`extend_batch`): its pool holds only this rank's owned pages.
-
-Errors: bad ids the batch's ops dropped are counted on the device (contract, "Errors and synchronization"); raising at
-the batch's own end would need a host sync after its last layer, which stalls the scheduler's overlap of the next
-batch's preparation. So the counter is copied to pinned host memory without a sync when the next batch begins, and
-read as soon as that copy has landed (at the begin of a later batch): the error names the batch it belongs to.
-Checked mode raises at once.
+Used by the DSA hooks (:mod:`.dsa_metadata` begins a batch, :mod:`.dsa_latent` and :mod:`.dsa_index_k` find it): a
+backend's :class:`BackendState` (``backend.cp_shared_kv``; the target's and each draft's) holds the dense buffers it
+reuses across batches (sized by the start-up reservation), the batch in flight (:class:`ExtendBatch`: its plan and
+:class:`~sglang_cpkv.runtime.LayerPipeline`) and earlier batches' error counters on their way to the host (read
+without a sync once their copy has landed; the error names its batch). No module global holds a batch: the indexer
+finds its backend as upstream's does (``get_attn_backend()``). With the flag on, an extend forward the plan hook did
+not begin is refused (:func:`extend_batch`). Design: ``docs/design/cp-shared-kv.md`` sections 3-4.
 """
 
 from __future__ import annotations

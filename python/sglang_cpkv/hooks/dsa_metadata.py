@@ -1,19 +1,12 @@
 """The plan hook of the DSA backend's ``init_forward_metadata`` and the tables that follow the dense layout.
 
-Called from ``patches/core/hook-cp-shared-kv-into-dsa-extend.patch`` (:func:`on_extend_metadata`, in the EXTEND branch
-after upstream's CP cut), ``patches/core/follow-the-dense-layout-in-dsa-checks.patch`` (:func:`page_table_capacity`,
-:func:`page_table_rows_bound`, :func:`current_chunk_locations`) and ``patches/core/remap-mtp-seed-under-cp-shared-kv.patch``
-(:func:`mtp_seed_pool_locations`); design: ``docs/design/cp-shared-kv.md`` sections 3 and 7. Every hook returns
-upstream's own value when the flag is off.
-
-* :func:`on_extend_metadata` begins the batch (plan, pipeline) on the backend's
-  :class:`~.dsa_batch.BackendState` and returns the selected-request page table remapped to dense locations, so that
-  every table upstream derives from it (``real_page_table``, ``page_table_1_flattened``, the fused top-k transform's
-  output) addresses the per-request dense view.
-* :func:`page_table_capacity` / :func:`page_table_rows_bound` / :func:`current_chunk_locations`: the metadata's
-  capacity check (its bound known on the host: no device read) and the no-prefix RAGGED chunk table follow the dense
-  layout.
-* :func:`mtp_seed_pool_locations`: a fused top-k seed addresses the dense view; the draft decode needs pool locations.
+Called from ``patches/core/hook-cp-shared-kv-into-dsa-extend.patch`` (:func:`on_extend_metadata`: begins the batch on
+the backend's :class:`~.dsa_batch.BackendState`, returns the selected-request page table remapped to dense
+locations), ``patches/core/follow-the-dense-layout-in-dsa-checks.patch`` (:func:`page_table_capacity`,
+:func:`page_table_rows_bound`, :func:`current_chunk_locations`: the capacity check, its bound known on the host, and
+the no-prefix RAGGED chunk table follow the dense layout) and ``patches/core/remap-mtp-seed-under-cp-shared-kv.patch``
+(:func:`mtp_seed_pool_locations`: a fused top-k seed back to pool locations). Every hook returns upstream's own value
+when the flag is off. Design: ``docs/design/cp-shared-kv.md`` sections 3, 4 and 7.
 """
 
 from __future__ import annotations

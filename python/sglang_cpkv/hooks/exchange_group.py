@@ -1,19 +1,12 @@
-"""Start-up of ``--enable-cp-shared-kv`` in a model-parallel process: the history exchange's own
-communicator, and the ops' warm-up.
+"""Start-up of ``--enable-cp-shared-kv`` in a model-parallel process: the history exchange's group, the ops' warm-up.
 
-Called from ``patches/core/create-cp-shared-kv-exchange-group.patch``: right after
-``initialize_model_parallel`` builds upstream's attention-CP ``GroupCoordinator``,
-:func:`on_attn_cp_group_created` (every rank, same point of start-up)
-
-* makes a ``torch.distributed`` process group of its own over the same ranks: the layer-ahead history
-  exchange runs on a side stream while the layer computes, and NCCL operations of one communicator must
-  not run concurrently from two streams, so its all-gathers never share upstream's communicators
-  (upstream's kv-shard prefetch has a group of its own for the same reason);
-* warms the CP shared-KV ops up on this rank's device (:func:`sglang_cpkv.ops.warm_up`: the CUDA
-  library is loaded and probed here, a synchronizing step that must never happen inside a forward).
-
-The group is a process-wide resource (one per process, shared by the target's and the draft's
-backends), not batch state: it is kept in the mode's process state (:mod:`.state`).
+Called from ``patches/core/create-cp-shared-kv-exchange-group.patch`` right after ``initialize_model_parallel``
+builds upstream's attention-CP ``GroupCoordinator``: :func:`on_attn_cp_group_created` (every rank, same point) makes
+a ``torch.distributed`` group of its own over the same ranks (the layer-ahead all-gathers run on a side stream, and
+one communicator's NCCL operations must not run from two streams) and warms the ops up
+(:func:`sglang_cpkv.ops.warm_up`: the CUDA library is loaded and probed here, never inside a forward). The group is
+process state (:mod:`.state`), shared by the target's and the draft's backends. Design:
+``docs/design/cp-shared-kv.md`` section 2, "Exchange group and ops warm-up".
 """
 
 from __future__ import annotations

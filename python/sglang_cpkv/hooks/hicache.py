@@ -1,17 +1,10 @@
 """HiCache host offload beside ``--enable-cp-shared-kv``: each rank backs up and loads back the pages it owns.
 
 Called from ``patches/core/shard-hicache-host-pool-under-cp-shared-kv.patch`` (:func:`owner_sharded_host_pool`, at
-the end of upstream's ``build_kv_host_pool``), from :mod:`.server_args` (:func:`validate_hicache_args`) and from
-:mod:`.dsa_batch` (:func:`after_layer_load`, around every pool read of the mode); design:
-``docs/design/cp-shared-kv-hicache.md``.
-
-Upstream's sharded HiCache path (the one ``--enable-kv-cache-sharding`` runs) already moves each rank's owned rows:
-``HybridCacheController`` narrows every transfer (the latent pool, the indexer's K pool following it, a draft's
-pool) through ``PageInterleaveHostPool.owned_rows``, and loads back into page ids of the owner class that holds the
-host copy (``alloc_cyclic(start_class=...)`` of the page-interleave allocator the mode builds). Upstream turns it on
-only beside its own sharded device pool; under the mode the host pool gets the same wrapper, with the placement of
-the mode's ownership rule (page ``p`` on rank ``p % cp`` at pool page ``p // cp``, which is upstream's
-``PageInterleavePlacement``).
+the end of upstream's ``build_kv_host_pool``: the host pool gets upstream's ``PageInterleaveHostPool`` wrapper with
+the mode's ownership rule, so upstream's sharded HiCache path moves each rank's owned rows), from
+:mod:`.server_args` (:func:`validate_hicache_args`) and from :mod:`.dsa_batch` (:func:`after_layer_load`, around
+every pool read of the mode: the wait for a layer's load). Design: ``docs/design/cp-shared-kv-hicache.md``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """The page-id space of ``--enable-cp-shared-kv``: ``cp`` times the pages of one rank's pool.
 
-Called from ``patches/core/widen-page-ids-under-cp-shared-kv.patch``. Each CP rank's pool holds only the pages it
-owns (``page_id % cp``), so the node holds ``cp`` pools' worth of distinct KV only if the scheduler hands out
-``cp`` times as many page ids as one pool has pages. Upstream's ``PageInterleavePoolAllocator`` (its kv-sharding
-allocator) does exactly that: page id ``l`` is owned by rank ``l % cp`` and is that rank's pool page ``l // cp``
-(our :mod:`~sglang_cpkv.runtime.ownership`, the same rule), it reserves page ids ``[0, cp)`` (pool page 0 of every
-rank, where upstream's writers send a row they skip), and the scheduler seams that must see the widened space
-(capacity, admission reserve, page-aligned chunks, rotation bases, P/D capacity) already branch on it. Under the
-mode the allocator is built with no kv-shard scratch spec: the mode's buffers are its own reservation
-(:mod:`.reservation`).
-
-* :func:`widens_page_ids` / :func:`page_interleave_allocator` - the KV-cache configurator's allocator choice.
-* :func:`page_id_capacity` - ``C`` of a backend's pool for the batch plan; it refuses a CP pool whose allocator
-  this hook did not build (a plain allocator hands out page ids ``1 .. cp-1``, whose first rows are pool row 0
-  of their owner, the row upstream's writers skip).
+Called from ``patches/core/widen-page-ids-under-cp-shared-kv.patch``: under the mode the KV-cache configurator
+builds upstream's ``PageInterleavePoolAllocator`` (:func:`widens_page_ids`, :func:`page_interleave_allocator`; no
+kv-shard scratch spec: the mode's buffers are its own reservation), whose page id ``l`` is rank ``l % cp``'s pool
+page ``l // cp`` (:mod:`~sglang_cpkv.runtime.ownership`) and whose ids ``[0, cp)`` are reserved.
+:func:`page_id_capacity` is ``C`` for the batch plan (:mod:`.dsa_metadata`); it refuses a CP pool whose allocator
+this hook did not build. Design: ``docs/design/cp-shared-kv.md`` section 2, "Page ids"; the contract's "capacity".
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """P/D transfer under ``--enable-cp-shared-kv``: each prefill CP rank sends the pages it owns.
 
-Called from ``patches/core/send-owned-pages-under-cp-shared-kv.patch`` (design section 8). A page
-id is owned by CP rank ``page_id % cp_size`` and is that rank's pool page ``page_id // cp_size``
-(:mod:`~sglang_cpkv.runtime.ownership`: the page ids are upstream's page-interleave allocator's,
-:mod:`.page_ids`), the rule of upstream's kv-sharding ``filter_kv_indices_for_shard_rank``. So a rank
-sends the pool pages of its owned page ids together with their positions in the request's page list;
-the decode side writes each at the destination page of that position. Every page has exactly one owner,
-so the ranks' sends partition the request. The DSA indexer state pages (index K) are owner-sharded the
-same way and filtered with the same rule.
-
-The decode side learns the mode from the prefill's bootstrap info
-(``patches/core/publish-cp-shared-kv-mode-to-decode.patch``): the prefill ranks register
-``enable_cp_shared_kv`` with their bootstrap server the way upstream registers kv-sharding and the
-DSA layer split, and a decode that reads it pulls from every prefill CP rank whatever its own
-``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`` says (:func:`decode_pulls_from_every_cp_rank`).
-The field is left out of the info with the mode off (upstream's payload), so a decode without the
-patch refuses a CP shared-KV prefill's info at first contact instead of pulling from CP rank 0,
-which holds only ``1/cp`` of the pages.
+Called from ``patches/core/send-owned-pages-under-cp-shared-kv.patch``: a rank sends the owner pool pages
+(``page_id // cp``) of its owned page ids (``page_id % cp``, the rule of upstream's kv-sharding
+``filter_kv_indices_for_shard_rank``) with their positions in the request's page list, so the ranks' sends
+partition the request; the DSA indexer state pages follow the same rule. From
+``patches/core/publish-cp-shared-kv-mode-to-decode.patch``: the prefill publishes ``enable_cp_shared_kv`` in its
+bootstrap info (absent with the mode off), and a decode that reads it pulls from every prefill CP rank
+(:func:`decode_pulls_from_every_cp_rank`). Design: ``docs/design/cp-shared-kv.md`` section 8.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """The mode's reserved buffers in a server: charged to the KV budget at start-up, admitted against.
 
-Called from ``patches/core/reserve-cp-shared-kv-buffers.patch``:
-
-* :func:`pool_overhead_bytes` - ``DefaultPoolConfigurator.__init__`` (the DSA models' pool sizing), where
-  upstream charges its own kv-sharding scratch (``compute_page_shard_scratch_bytes``) before the pool is
-  sized: computes the :class:`~sglang_cpkv.runtime.reservation.Reservation` of this server, publishes it
-  for the batch hooks, logs it, and returns its bytes. A draft worker's configurator returns 0: the
-  target's reservation already counts the draft's backend (as upstream counts the kv-shard scratch of an
-  EAGLE draft on the target).
-* :func:`defers_request` - ``PrefillAdder.add_one_req``, before anything is reserved for the request:
-  a request whose dense KV would take the batch past the limit waits for a later batch (history that requests
-  share through the radix tree counts once, as the plan's shared history slots hold it once; a HiCache host hit
-  counts as the request's own pages, the fresh page ids it is loaded into)
-  (``AddReqResult.OTHER``), against a running tally of the adder's pass (:class:`AdmissionTally`: a candidate costs
-  its own radix path). The first request of a batch is never deferred (that would never end); start-up
-  validation makes the limit hold one request of the full context length.
-
-The reservation is published with the settings read at start-up as the mode's one configuration
-(:class:`~.state.ModeConfig`); the batch hooks (:mod:`.dsa_batch`, :mod:`.dsa_metadata`) size every buffer from it
-and refuse a batch that does not fit (:meth:`Reservation.check_batch`).
+Called from ``patches/core/reserve-cp-shared-kv-buffers.patch``: :func:`pool_overhead_bytes` in
+``DefaultPoolConfigurator.__init__`` (beside upstream's kv-shard scratch) computes this server's
+:class:`~sglang_cpkv.runtime.reservation.Reservation`, publishes it with the start-up settings as the mode's one
+configuration (:class:`~.state.ModeConfig`), logs it and returns its bytes (0 for a draft worker: the target's
+counts the draft's backend); :func:`defers_request` in ``PrefillAdder.add_one_req`` makes a request whose dense KV
+would take the batch past the limit wait (:class:`AdmissionTally`: history shared through the radix tree counts
+once; never a batch's first request). Design: ``docs/design/cp-shared-kv.md`` section 2b.
 """
 
 from __future__ import annotations

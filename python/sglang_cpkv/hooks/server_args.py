@@ -1,14 +1,10 @@
 """Start-up validation of ``--enable-cp-shared-kv`` (called from upstream's resolution pipeline).
 
-The patch ``patches/core/add-cp-shared-kv-server-flag.patch`` adds the field
-``enable_cp_shared_kv`` to ``srt/arg_groups/fields/parallel.py`` and runs
-:func:`validate_cp_shared_kv_args` right after ``handle_kv_cache_sharding`` in
-``srt/arg_groups/pipeline.py``: by then the DSA model overrides, the CP size, the page size and the
-DSA prefill/decode backends are resolved. With the flag off the hook returns at once.
-
-The mode keeps only the pages a CP rank owns (``page_id % cp``) in that rank's pool, so the
-server must be a P/D prefill worker whose every CP rank transfers its pages; the hooks cover the
-DSA ``forward_extend`` path of the interleave strategy with page size 64.
+``patches/core/add-cp-shared-kv-server-flag.patch`` adds the field ``enable_cp_shared_kv`` to
+``srt/arg_groups/fields/parallel.py`` and runs :func:`validate_cp_shared_kv_args` right after
+``handle_kv_cache_sharding`` in ``srt/arg_groups/pipeline.py``, when the DSA overrides, the CP size, the page size
+and the DSA backends are resolved; with the flag off the hook returns at once. What it refuses and why:
+``docs/design/cp-shared-kv.md`` section 2 and the compatibility table (``REFUSED_FEATURES``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
-"""The CP shared-KV mode's settings in a server process, read in one place.
+"""The CP shared-KV mode's settings in a server process, read in one place (their meaning: the README's settings).
 
-Every hook module asks here whether the mode is on and how it runs; none of them imports another
-hook module for a setting (so the hooks form no import circle).
+Every hook module asks here whether the mode is on and how it runs; none imports another hook module for a setting
+(so the hooks form no import circle).
 
 * :func:`enabled` - ``--enable-cp-shared-kv`` of this process's published server args.
-* :func:`layer_ahead` - ``SGLANG_CPKV_LAYER_AHEAD``: whether each layer's history is prefetched one
-  layer ahead on a side stream, or materialized by its own layer.
+* :func:`layer_ahead` - ``SGLANG_CPKV_LAYER_AHEAD``: each layer's history prefetched a layer ahead on a side stream.
 * :func:`max_batch_tokens` - ``--cp-shared-kv-max-batch-tokens``, or its default.
 * :func:`draft_extends_under_cp` - ``SGLANG_CPKV_DRAFT_SHARED_KV`` (old name ``SGLANG_CP_DRAFT_SHARED_KV``): the
   operator's declaration that the speculative draft's extends run under the target's CP split.

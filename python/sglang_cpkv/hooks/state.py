@@ -1,14 +1,13 @@
 """The CP shared-KV mode's state in a server process, in one place: its configuration and what start-up made for it.
 
-* :class:`ModeConfig`, frozen: the reservation (the limit, the chunk, the page size, the CP size, the layer-ahead
-  choice, the row sizes, the backends it serves) and checked mode, built once where upstream sizes the KV pool
-  (:func:`~.reservation.pool_overhead_bytes`) and read by every batch hook: nothing re-derives them per batch. A
-  rank's place in the CP group is its exchange group's (below).
-* What start-up made: the history exchange's process group (:mod:`.exchange_group`) and the CP size of the
-  page-interleave allocator the mode built (:mod:`.page_ids`).
+* :class:`ModeConfig`, frozen: the reservation (limit, chunk, page size, CP size, layer-ahead, row sizes, the
+  backends it serves) and checked mode, built once where upstream sizes the KV pool
+  (:func:`~.reservation.pool_overhead_bytes`) and read by every batch hook: nothing re-derives them per batch.
+* What start-up made: the history exchange's process group (:mod:`.exchange_group`; a rank's place in the CP group
+  is its group's) and the CP size of the page-interleave allocator the mode built (:mod:`.page_ids`).
 
-Each piece is published by the hook that makes it. Tests, and the capacity planner (which sizes several servers in
-one process), put the whole state back with :func:`scoped`; :func:`reset` empties it.
+Each piece is published by the hook that makes it; tests and the capacity planner (several servers in one process)
+put the whole state back with :func:`scoped`; :func:`reset` empties it. Design: ``docs/design/cp-shared-kv.md`` 2-2b.
 """
 
 from __future__ import annotations

@@ -1,31 +1,12 @@
 """How the current tokens of a batch are split across CP ranks, as upstream 0.5.23 splits them.
 
-The contract requires the current tokens (locations, KV, request ids) to be split "exactly the
-way the pinned upstream's strategy splits them" (``srt/layers/cp/{interleave,zigzag,padding}.py``
-of 0.5.23). A :class:`CpSplit` is host metadata made once per batch; :meth:`CpSplit.shard` applies it to any
-token-major tensor, so the same function cuts the hidden states, ``out_cache_loc`` and the companion request ids.
-
-* The serving path takes the split upstream ran: :func:`upstream_interleave_split`, from the batch's
-  ``attn_cp_metadata`` (per-rank real rows and padded length; the mode serves ``interleave`` only).
-* :func:`build_cp_split` computes a split independently from the host ``extend_lens``: the un-split batch
-  (``"none"``), the capacity planner's batches, and the tests, which check it against upstream's and use
-  ``"zigzag"`` to prove the runtime holds under another rank order.
-
-Strategies (``N = sum(extend_lens)``, flattened batch, request-major):
-
-* ``"interleave"``: token ``t`` goes to rank ``t % cp``; rank ``r`` holds
-  ``N // cp + (r < N % cp)`` real (logical) rows, in token order.
-* ``"zigzag"``: each request is cut into ``2 * cp`` blocks (the first ``extend % (2 cp)`` blocks
-  one token longer); rank ``r`` holds block ``r`` of every request, then block ``2 cp - 1 - r``
-  of every request. (0.5.23 builds this layout for any batch size but only documents bs=1 for
-  DSA; the contract keeps zigzag at bs>1 out of scope for the model, not for this split.)
-* ``"none"``: the batch runs un-split, replicated on every rank (upstream's fallback when the
-  strategy does not apply, see :func:`split_applies`).
-
-Padding (``padding.py``): every rank's local rows are padded to one physical length,
-``roundup(max(logical), align)`` with ``align = cp`` (interleave) or ``2 * cp`` (zigzag). Padded
-rows have no token: :meth:`CpSplit.shard` fills them with ``pad_value`` (zeros for activations,
-``-1`` for locations and request ids, so that they are never written nor read).
+A :class:`CpSplit` is host metadata made once per batch; :meth:`CpSplit.shard` applies it to any token-major tensor
+(hidden states, ``out_cache_loc``, the companion request ids; padded rows get ``pad_value``: -1 for locations and
+ids, never written nor read). The serving path takes the split upstream ran (:func:`upstream_interleave_split`, from
+the batch's ``attn_cp_metadata``; :mod:`sglang_cpkv.hooks.dsa_metadata`); :func:`build_cp_split` computes one from
+the host ``extend_lens`` (``"interleave"``, ``"zigzag"``, ``"none"``: :func:`split_applies`) for the un-split batch,
+the capacity planner and the tests. The strategies and their padding: ``docs/design/cp-shared-kv.md`` section 6;
+the contract's "CP".
 """
 
 from __future__ import annotations

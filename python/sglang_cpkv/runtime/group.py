@@ -1,16 +1,13 @@
-"""The CP group: the two collectives the runtime needs.
+"""The CP group: the two collectives the runtime needs (:class:`~.pipeline.LayerPipeline`; the hooks' exchange group).
 
-* :meth:`CpGroup.all_gather_rows` - equal-sized row blocks, rank-major (the current chunk: the plan gives every
-  rank the same ``physical_rows``).
+* :meth:`CpGroup.all_gather_rows` - equal-sized row blocks, rank-major (the current chunk).
 * :meth:`CpGroup.all_gather_blocks` - in place, blocks of uneven sizes of one buffer (the history region of a dense
   view: rank ``k`` wrote its block, every rank receives every block where it belongs).
 
-:class:`SingleRankGroup` serves ``cp_size = 1`` without any process group.
-:class:`TorchDistCpGroup` wraps a ``torch.distributed`` process group: NCCL on GPUs (``all_gather_into_tensor``;
-``all_gather`` into a list of uneven blocks, which NCCL runs as grouped broadcasts), gloo on CPU (``all_gather``
-into a list for equal blocks; one ``broadcast`` per rank for uneven ones, which gloo's all-gather refuses).
-Tensors travel as raw bytes (``uint8`` views), so bf16 rows and the 656-byte packed FP8 rows move bit-exactly on
-every backend.
+:class:`SingleRankGroup` serves ``cp_size = 1``; :class:`TorchDistCpGroup` wraps a ``torch.distributed`` group: NCCL
+on GPUs (uneven blocks as a list all-gather: grouped broadcasts), gloo on CPU (one ``broadcast`` per rank for uneven
+blocks, which gloo's all-gather refuses). Tensors travel as raw bytes (``uint8`` views), so bf16 and 656-byte packed
+FP8 rows move bit-exactly. Design: ``docs/design/cp-shared-kv.md`` section 4.
 """
 
 from __future__ import annotations

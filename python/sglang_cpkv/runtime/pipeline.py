@@ -1,44 +1,13 @@
 """The per-layer CP shared-KV pipeline: the one place the mode's layer sequence is written.
 
-Per batch a :class:`LayerPipeline` is begun from the batch's :class:`~.plan.CpSharedKvPlan`; then, for
-each layer and each kind of paged KV the layer has (:class:`PagedKind`: the latent KV, the DSA
-index-K pages), in this order:
-
-1. **history** (:meth:`LayerPipeline.dense_pages`): the batch's history region and the history rows of own slots
-   (the plan's dense layout). At ``cp_size = 1`` one ``ops.copy_pages`` from the pool (each distinct history page
-   once). Under CP each rank's pool holds only the pages it owns (:mod:`.ownership`), so each rank copies its owned
-   history pages from its pool straight into its block of the region, one all-gather of the blocks (in place, of
-   uneven sizes) fills the region in every rank's view, and the own slots that hold history rows (CURRENT_REUSE
-   pages, pages another request writes) take theirs from the region: no exchange buffer, no unpack. With
-   ``layer_ahead`` the history of the kind's next layer is materialized into the other of two buffers on a side
-   CUDA stream while this layer computes (on CPU it runs when started); without it, synchronously.
-2. **current** (:meth:`LayerPipeline.dense_view` with ``current_rows``, or :meth:`current_write_locs`
-   for a caller that writes the rows itself): the all-gathered current rows into each request's own
-   dense slots (CURRENT_REUSE: a history ending mid-page is continued in that slot). Synchronously, the last copy
-   of the history (from the pool at cp 1, from the region under CP) and the current rows run as one
-   ``ops.materialize_and_fill``.
-3. **remap** (:meth:`LayerPipeline.remap`): top-k pool locations of a request -> dense locations,
-   through the per-request inverse (one request id per row).
-4. **persist** (:meth:`LayerPipeline.persist_owned`, or :meth:`owned_write_locs` for a caller that
-   writes with its own writer): the current rows of owned pages into this rank's pool - only after
-   step 1 of the same layer and kind, so a page id one request reads as history and another writes as
-   current (allocators that reuse page ids, contract "Which states matter") never changes history.
-   :meth:`owned_write_locs` refuses to hand out locations before the history was taken.
-
-:meth:`LayerPipeline.gather_current` all-gathers a rank's local current rows back to token order (what
-upstream's interleave gather does in serving).
-
-Ordering with ``layer_ahead`` on a GPU: a buffer is reused two layers of its kind later; the side
-stream waits for the current stream before it writes one, so it runs after every consumer enqueued
-before the prefetch started (the consumers of the layer that used the buffer before). Every rank
-must take the same kinds' layers in the same order: under CP each history is a collective.
-
-Shapes: a rank's pool is ``[P * page_size, row...]`` viewed as pages ``[P, page_elems]``, ``P =``
-:attr:`~.plan.CpSharedKvPlan.pool_pages` (``C / cp_size``: page id ``p`` of its owner at pool page ``p // cp_size``,
-:mod:`.ownership`; at cp 1 the pool page is the page id); a dense buffer is
-``[num_slots, page_elems]`` (:attr:`~.plan.CpSharedKvPlan.num_slots`), viewed as rows
-``[num_slots * page_size, row...]`` by :meth:`dense_view`. Copies are byte-exact (bf16 rows, the
-656-byte packed FP8 rows as ``uint8``, index-K pages alike).
+Per batch a :class:`LayerPipeline` is begun from the batch's :class:`~.plan.CpSharedKvPlan` (by the DSA hooks, and by
+every test of the mode); then, per layer and kind of paged KV (:class:`PagedKind`: latent KV, DSA index K), in this
+order: 1. **history** (:meth:`LayerPipeline.dense_pages`: a copy at cp 1; under CP each rank packs its owned history
+pages into its block of the region and one in-place all-gather fills the rest; with ``layer_ahead`` a layer ahead on
+a side stream), 2. **current** (:meth:`LayerPipeline.dense_view`: CURRENT_REUSE), 3. **remap**
+(:meth:`LayerPipeline.remap`: top-k pool locations -> dense), 4. **persist** (:meth:`LayerPipeline.persist_owned`:
+owned current rows into the pool, only after step 1 of the same layer and kind). Every rank takes the same kinds'
+layers in the same order (under CP each history is a collective). Design: ``docs/design/cp-shared-kv.md`` section 4.
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """The CP shared-KV mode's buffers, reserved: sized once from one operator limit, never grown.
 
-One limit bounds every buffer of the mode, ``max_batch_tokens`` (server flag
-``--cp-shared-kv-max-batch-tokens``): the KV tokens one extend batch's dense view may hold - the distinct history
-pages the batch reads (a prompt many requests share counts once: the plan's shared history slots) and each
-request's current pages, rounded up to whole pages. The default,
-:func:`default_max_batch_tokens`, is one request of the full context length plus a full chunk of other
-requests' tokens, each request's page rounding counted. The scheduler admits requests against it (``hooks/reservation.py``: a request that
-would exceed it waits for a later batch); a batch that still exceeds it is refused at plan build with a
-message naming the setting (:meth:`Reservation.check_batch`), never an out-of-memory error in a forward.
-
-From the limit and the current-chunk bound (``--chunked-prefill-size``), per attention backend (the
-target's, and a speculative draft's, which has its own backend and pool):
-
-* ``S = round_dense_slots(ceil(max_batch_tokens / page_size))`` dense slots;
-* per kind (latent KV; DSA index K): ``views`` dense buffers of ``S`` pages (two with the layer-ahead
-  history, else one); under CP the history all-gather writes them in place (no exchange buffer);
-* the current-row scratch: ``chunk_tokens + 1`` rows of the latent row format, and their int64 locations;
-* the batch plan (:mod:`.plan`): what one batch's plan holds on the device: the per-request inverse's table for
-  the most entries a batch may have (``ops.inverse_bytes``; its build allocates nothing else), and per page-table
-  entry (the staged entries), per dense slot and per current token. A batch
-  may have at most ``max_batch_entries`` page-table entries (one per page of each request's view, so a prompt that
-  ``k`` requests share is ``k`` entries of its pages): as many as the limit has tokens, bounding the plan by the
-  limit as the views are, whatever the page ids' capacity ``C``.
-
-:attr:`Reservation.total_bytes` is what the KV budget is charged before the pool is sized.
+One limit, ``max_batch_tokens`` (``--cp-shared-kv-max-batch-tokens``; default :func:`default_max_batch_tokens`),
+bounds every buffer: per attention backend (the target's, a draft's) the dense views of each kind, the current-row
+scratch and the batch plan's device tensors (at most ``max_batch_entries`` page-table entries). The scheduler admits
+against it (``hooks/reservation.py``); a batch that still exceeds it is refused at plan build naming the setting
+(:meth:`Reservation.check_batch`), never an out-of-memory error in a forward. :attr:`Reservation.total_bytes` is
+charged to the KV budget before the pool is sized. Used by the hooks (:mod:`sglang_cpkv.hooks.reservation`,
+:mod:`sglang_cpkv.hooks.dsa_batch`), checked mode and the capacity planner. Sizing: ``docs/design/cp-shared-kv.md``
+section 2b.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """Keep DSA prefill and decode backends on one FP8 KV row layout (hooks in upstream 0.5.23).
 
-Under ``--kv-cache-dtype fp8_e4m3`` a DSA KV pool stores each token in one of two byte layouts:
-
-- **raw**: ``kv_lora_rank + qk_rope_head_dim`` fp8 bytes (576 for DeepSeek-V3.2 / GLM-5). The
-  ``trtllm`` backend writes and reads it; CUDA ``tilelang`` consumes raw rows too, but upstream
-  accepts it only when *both* backends are tilelang.
-- **packed**: ``kv_lora_rank`` fp8 bytes, one fp32 scale per 128 of them, then the rope part in
-  bf16 (656 bytes). Every ``flashmla_*`` backend, ``triton_sparse_mla`` and ``flashinfer_sparse_mla``
-  read it (they dequantize packed rows; ``flashmla_sparse_q8`` refuses raw rows outright).
-
-Upstream picks the pool's layout from the backends (``calculate_mla_kv_cache_dim``: raw when the
-local role's backend is trtllm, or either backend on a non-disaggregated server) but defaults an
-unset side to ``trtllm`` on SM>=10 whatever the other side is. So ``--dsa-prefill-backend
-flashmla_auto`` alone gives a raw pool that a flashmla prefill reads as packed, and a P/D pair
-launched with the same flags gets a packed prefill pool and a raw decode pool. The hooks here:
-
-- :func:`fp8_layout_family_defaults`: an unset side joins the user-set side's layout family.
-- :func:`check_fp8_layout_mix`: an explicit mix on a server whose one pool both backends read fails
-  at start-up, naming both flags, both layouts and the fix.
-- :func:`dsa_fp8_pd_kv_layout` / :func:`check_pd_fp8_layout_match`: P/D servers publish their DSA FP8
-  layout in the bootstrap info upstream already exchanges (``kv_layout``), and the decode side
-  refuses a prefill server with the other layout before any KV moves.
-
-Everything takes plain values except :func:`dsa_fp8_pd_kv_layout`, which reads pool attributes.
+Under ``--kv-cache-dtype fp8_e4m3`` a DSA pool stores a token as a **raw** 576-byte row (``trtllm``, ``tilelang``)
+or a **packed** 656-byte one (fp8 latent, an fp32 scale per 128 bytes, bf16 rope: every ``flashmla_*``,
+``triton_sparse_mla``, ``flashinfer_sparse_mla``), chosen from the backends; upstream defaults an unset side to
+``trtllm`` on SM>=10 whatever the other side is. Called from ``keep-dsa-fp8-backends-on-one-kv-layout.patch``
+(:func:`fp8_layout_family_defaults`: an unset side joins the set side's family; :func:`check_fp8_layout_mix`: an
+explicit mix on one pool fails at start-up) and ``refuse-pd-dsa-fp8-kv-layout-mismatch.patch``
+(:func:`dsa_fp8_pd_kv_layout`, :func:`check_pd_fp8_layout_match`: a decode refuses a prefill of the other layout).
+Why (``patches/upstream-fixes/``): ``patches/manifest.json``; ``docs/design/cp-shared-kv.md`` section 10.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Start row of each local query's request in the dense KV buffer the RAGGED top-k addresses.
 
-Upstream's DSA prefill with the RAGGED top-k transform (FP8 KV + ``flashmla_sparse``,
-``flashmla_sparse_q8`` or ``triton_sparse_mla``) turns a top-k position ``p`` of a query of
-request ``i`` (``p`` counted from the start of request ``i``'s keys) into ``p + offset``, a row of
-one dense KV buffer shared by the batch. The offset must be where request ``i``'s keys start in
-*that buffer*, and the buffer depends on the batch:
-
-* a cached prefix somewhere in the batch: ``page_table_1_flattened``, the full sequences of the
-  requests this rank keeps, request-major; the start of kept request ``j`` is
-  ``cu_seqlens_k[j]`` over the kept requests (what upstream computes);
-* no cached prefix: ``cat(k, k_rope)``, the current chunk of **every** request of the batch (under
-  interleave CP, the all-gathered chunk in global token order); the start of request ``i`` is the
-  sum of the extend lengths of requests ``0..i-1``, dropped requests included.
-
-Under interleave CP a rank keeps only the requests with at least one local query
-(``shard_per_request``'s ``bs_idx``). Upstream 0.5.23 computes the offsets over the kept requests
-in both cases, so in the second case every request after a dropped one reads keys shifted into the
-requests before it (see ``docs/upstream-findings.md``).
+Called from ``patches/upstream-fixes/fix-ragged-topk-offsets-under-interleave-cp.patch`` (the DSA backend's
+``init_forward_metadata``). A top-k position ``p`` of request ``i`` becomes ``p + offset``, a row of one dense KV
+buffer of the batch: with a cached prefix in the batch, ``page_table_1_flattened`` over the requests this rank keeps
+(offset: ``cu_seqlens_k`` over the kept requests, as upstream computes); without one, the all-gathered current chunk
+of **every** request (offset: the extend lengths of all earlier requests, dropped ones included). Upstream 0.5.23
+counts only the kept requests in both cases: ``docs/upstream-findings.md`` item 1.
 """
 
 from __future__ import annotations
