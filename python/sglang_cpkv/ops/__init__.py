@@ -1,27 +1,13 @@
-"""CP shared-KV ops: the public entry points the runtime calls.
+"""CP shared-KV ops: the public entry points the runtime calls, dispatched on the device of their tensors.
 
-Each op has one contract (the docstrings of :mod:`sglang_cpkv.ops.reference`) and up to three
-implementations: CUDA (``sgl-kernel/``, launched by :mod:`sglang_cpkv.ops.cuda`), Triton
-(:mod:`sglang_cpkv.ops.triton`) and the torch reference. Every public op here dispatches on the
-device of its tensors:
-
-* CUDA tensors: CUDA when its library is loaded and passes its probe (``sglang_cpkv.ops.cuda.is_available()``;
-  where not, the reason is logged as a warning), else Triton, else the torch reference.
-* CPU tensors: Triton when its kernels were defined under the interpreter (``TRITON_INTERPRET=1``
-  before ``sglang_cpkv.ops.triton`` was first imported), else the torch reference.
-
-The setting ``SGLANG_CPKV_OPS_BACKEND`` (environment) forces one backend:
-
-* ``auto`` (default): the order above;
-* ``cuda`` / ``triton`` / ``torch``: that backend, or a :class:`RuntimeError` naming why it cannot
-  run tensors on this device (never a silent fallback).
-
-The choice is logged once per backend (logger ``sglang_cpkv.ops``). The first time the CUDA backend
-is considered it is loaded and probed (every op once on a tiny batch, compared with the reference:
-:func:`sglang_cpkv.ops.cuda.is_available`), which synchronizes. :func:`warm_up` does that at start-up
-(serving calls it when the model-parallel groups are made, ``hooks/exchange_group.py``); after it,
-dispatch reads only tensor metadata and Python state and never synchronizes, so the ops are safe
-inside a forward and under CUDA graph capture.
+Each op has one contract (:mod:`sglang_cpkv.ops.reference`) and up to three implementations, tried in this order:
+CUDA (:mod:`sglang_cpkv.ops.cuda`, when its library is loaded and passes its probe; else the reason is logged),
+Triton (:mod:`sglang_cpkv.ops.triton`; for CPU tensors only under ``TRITON_INTERPRET=1`` set before its import) and
+the torch reference. ``SGLANG_CPKV_OPS_BACKEND`` (``auto``, ``cuda``, ``triton``, ``torch``) forces one, or raises
+naming why it cannot run; the choice is logged once per backend. :func:`warm_up` loads and probes the CUDA backend
+at start-up (``hooks/exchange_group.py``), which synchronizes; after it, dispatch reads only tensor metadata and
+never synchronizes (safe inside a forward and under CUDA graph capture). Where each op runs:
+``docs/design/cp-shared-kv.md`` sections 3-4; its terms: ``docs/design/cp-shared-kv-contract.md``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
-"""CUDA backend of the CP shared-KV ops: thin launchers of ``torch.ops.sglang_cpkv.*``.
+"""CUDA backend of the CP shared-KV ops, under :mod:`sglang_cpkv.ops`: thin launchers of ``torch.ops.sglang_cpkv.*``.
 
-The kernels live in ``sgl-kernel/csrc/cp_shared_kv`` (shipped in this package as ``sglang_cpkv/csrc``); their
-host launchers are declared, with shapes, in ``cp_shared_kv.h`` and registered in ``torch_bindings.cc``. The six
-ops have the signatures and meaning of :mod:`sglang_cpkv.ops.reference`, bad ids included (-1 skipped silently;
-other out-of-range ids dropped and counted in ``errors``), and never synchronize with the host, so they can be
-captured in a CUDA graph. :func:`materialize_and_fill` is the per-layer ``copy_pages`` + ``scatter_rows`` in one
-call. Every op has a fake (meta) implementation, so it traces under ``torch.compile`` and passes
-``torch.library.opcheck``.
-
-Loading happens once per process, at the first :func:`is_available` or op call:
-
-1. a prebuilt library (``SGLANG_CPKV_CUDA_LIB``, else ``sglang_cpkv/ops/prebuilt/``: the AOT build of
-   :mod:`sglang_cpkv.ops.cuda_build`), refused when built from other sources or another torch;
-2. else, only when ``SGLANG_CPKV_CUDA_JIT=1`` (development), a JIT build cached by source hash.
-
-The serving path never compiles: without a prebuilt library and without ``SGLANG_CPKV_CUDA_JIT=1`` the backend is
-unavailable (the dispatcher in :mod:`sglang_cpkv.ops` then picks Triton) and the reason is logged once.
-:func:`is_available` also runs a probe: every op once, with its current signature, on a tiny batch compared with
-the reference, so a library whose ops changed meaning cannot silently serve.
+The kernels live in ``sgl-kernel/csrc/cp_shared_kv`` (packaged as ``sglang_cpkv/csrc``; declared in
+``cp_shared_kv.h``, registered in ``torch_bindings.cc``). The ops mean what :mod:`sglang_cpkv.ops.reference` says,
+bad ids included, never synchronize (CUDA-graph safe) and have fake implementations (``torch.compile``,
+``torch.library.opcheck``). The library is loaded once per process: a prebuilt one (``SGLANG_CPKV_CUDA_LIB``, else
+``sglang_cpkv/ops/prebuilt/``; refused when built from other sources or torch), else a JIT build only under
+``SGLANG_CPKV_CUDA_JIT=1`` (:mod:`sglang_cpkv.ops.cuda_build`); without either the backend is unavailable, the reason
+logged once. :func:`is_available` also probes every op on a tiny batch against the reference, so a library whose ops
+changed meaning cannot serve. Settings: the README's table; design: ``docs/design/cp-shared-kv.md`` section 2.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """Build the CP shared-KV CUDA library (``sgl-kernel/csrc/cp_shared_kv``): JIT for development, AOT for the image.
 
-The sources travel as package data (``sglang_cpkv/csrc``, a link to ``sgl-kernel/csrc`` in the checkout, real
-files in a wheel), so both builds find them through the installed package, never through the checkout.
+Both builds find the sources as package data (``sglang_cpkv/csrc``). JIT (:func:`jit_build`, only under
+``SGLANG_CPKV_CUDA_JIT=1``, from :mod:`sglang_cpkv.ops.cuda`): for the visible GPU, once, cached under
+``SGLANG_CPKV_CUDA_CACHE`` (default ``$XDG_CACHE_HOME/sglang_cpkv/cuda``, else ``~/.cache/sglang_cpkv/cuda``) by the
+sources' hash, the torch version and the arch. AOT (``docker/install.sh``) writes ``sglang_cpkv_cuda.so`` and a
+``.json`` of its sources' hash, torch version and archs; serving loads it from ``SGLANG_CPKV_CUDA_LIB`` (the ``.so``
+or its directory) or ``sglang_cpkv/ops/prebuilt/``, and refuses one built from other sources or another torch:
 
-* **JIT** (development only): :func:`jit_build` compiles the sources for the visible GPU with
-  :func:`torch.utils.cpp_extension.load` into a cache directory keyed by the sources' hash, the torch version and
-  the GPU arch, once; later calls and later processes load the cached library. The serving path never calls it
-  unless ``SGLANG_CPKV_CUDA_JIT=1`` (see :mod:`sglang_cpkv.ops.cuda`).
-* **AOT** (the image): ``python -m sglang_cpkv.ops.cuda_build --aot --arch 90a,100a,103a --out DIR`` writes
-  ``DIR/sglang_cpkv_cuda.so`` and ``DIR/sglang_cpkv_cuda.json`` (sources' hash, torch version, archs). Serving
-  loads it from ``SGLANG_CPKV_CUDA_LIB`` (the ``.so`` or its directory) or from ``sglang_cpkv/ops/prebuilt/``
-  inside the installed package, and refuses it when its sources or torch version differ from the running ones.
-
-Environment:
-
-* ``SGLANG_CPKV_CUDA_LIB``: path of a prebuilt ``sglang_cpkv_cuda.so`` (or of the directory holding it).
-* ``SGLANG_CPKV_CUDA_JIT=1``: allow a JIT build when no prebuilt library is found (development).
-* ``SGLANG_CPKV_CUDA_CACHE``: JIT cache root (default ``$XDG_CACHE_HOME/sglang_cpkv/cuda``, else
-  ``~/.cache/sglang_cpkv/cuda``).
+    python -m sglang_cpkv.ops.cuda_build --aot --arch 90a,100a,103a --out DIR
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """Device-side error counter shared by every CP shared-KV op.
 
-Outside checked mode the hot path never synchronizes with the host, so an op that meets a bad
-id does not raise: it drops the element (writes nothing, or -1) and adds one to the counter of
-that kind. The batch plan owns one counter and surfaces it at the next natural sync point
-(:meth:`sglang_cpkv.runtime.plan.CpSharedKvPlan.raise_if_errors`, which calls
-:func:`raise_if_errors`); checked mode (``SGLANG_CPKV_CHECKED=1``, see
-:mod:`sglang_cpkv.runtime.checked`) raises right after each op.
+Outside checked mode the hot path never synchronizes with the host, so an op that meets a bad id drops the element
+(writes nothing, or -1) and adds one to the counter of that kind; the batch plan owns one counter and surfaces it at
+the next natural sync point (:meth:`sglang_cpkv.runtime.plan.CpSharedKvPlan.raise_if_errors`, which calls
+:func:`raise_if_errors`); checked mode (``SGLANG_CPKV_CHECKED=1``, :mod:`sglang_cpkv.runtime.checked`) raises after
+each op. Contract: ``docs/design/cp-shared-kv-contract.md``, "Errors and synchronization".
 
-The layout is fixed (int32 ``[NUM_ERROR_KINDS]``) because the CUDA and Triton kernels
-increment it with atomics at these indices.
+The layout is fixed (int32 ``[NUM_ERROR_KINDS]``) because the CUDA and Triton kernels increment it with atomics at
+these indices.
 """
 
 from __future__ import annotations

@@ -1,35 +1,12 @@
-"""Torch reference of the CP shared-KV ops: the contract the Triton and CUDA kernels implement.
+"""Torch reference of the CP shared-KV ops: the contract the Triton and CUDA kernels implement, op by op.
 
-Terms are those of ``docs/design/cp-shared-kv-contract.md`` (copied from the project's shared
-contract): page id, capacity ``C``, request row ``r`` in ``[0, R)``, page index ``j``, dense slot (the ops take
-each entry's slot explicitly: a shared history slot several requests' entries point at, or a request's own slot;
-the plan, :mod:`sglang_cpkv.runtime.plan`, lays them out), per-request inverse (:class:`PageInverse`: sized by the
-batch's entries, not by ``R * C``).
-
-Six ops cover every hot path of the runtime:
-
-* :func:`build_page_inverse` - per batch: every (request, page) entry's dense slot -> per-request inverse
-  (a hash table keyed by ``(request, page id)``: memory O(entries), a lookup in one or two probes).
-* :func:`remap_locs` - per batch (current locs) and per layer (top-k locs): token locations of a
-  request -> dense locations, through the per-request inverse. Request ids are compact: one per
-  row of ``locs`` (a ``[tokens, topk]`` tensor takes ``[tokens]`` ids), never broadcast.
-* :func:`current_dense_locs` - per batch: each current token's dense location (from per-request values: no
-  per-token host array), and the count of tokens whose ``out_cache_loc`` is not the location the layout gives them.
-* :func:`copy_pages` - per layer: whole pages from one paged tensor to another (history pool pages into
-  dense slots: at cp 1 all of them, under CP this rank's owned block of the history region before the in-place
-  all-gather; the region's pages into own slots that hold history rows).
-* :func:`scatter_rows` - per layer: rows to destination rows (fill current KV into each
-  request's dense slots, CURRENT_REUSE included; persist owned rows to the pool).
-* :func:`materialize_and_fill` - per layer: :func:`copy_pages` then :func:`scatter_rows` into one
-  dense view, as one op (the CUDA backend fuses the two launches).
-
-Every op treats bad ids the same way (see :mod:`sglang_cpkv.ops.errors`): -1 (padding, absent)
-is skipped silently; any other id outside its range is dropped and counted in ``errors``.
-Copies are byte-exact, so the same op serves bf16 rows (1152 bytes) and the 656-byte packed FP8
-DSA layout viewed as ``uint8``.
-
-This module favours clarity over speed; it may synchronize (boolean-mask indexing) and is not
-the GPU hot path - the dispatcher in :mod:`sglang_cpkv.ops` picks CUDA or Triton there.
+Terms (page id, capacity ``C``, request row, dense slot, per-request inverse: :class:`PageInverse`, sized by the
+batch's entries) are those of ``docs/design/cp-shared-kv-contract.md``; where each op runs per batch or per layer:
+``docs/design/cp-shared-kv.md`` sections 3-4. Per batch :func:`build_page_inverse`, :func:`remap_locs` (also per
+layer, top-k) and :func:`current_dense_locs`; per layer :func:`copy_pages`, :func:`scatter_rows` and their fusion
+:func:`materialize_and_fill`. Every op skips -1 silently and drops and counts any other out-of-range id
+(:mod:`sglang_cpkv.ops.errors`); copies are byte-exact (bf16 rows, the 656-byte packed FP8 rows as ``uint8``).
+Clarity over speed: it may synchronize; the dispatcher (:mod:`sglang_cpkv.ops`) picks CUDA or Triton on a GPU.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """Triton :func:`build_page_inverse`: every (request, page) entry's dense slot -> per-request inverse.
 
-Contract: :func:`sglang_cpkv.ops.reference.build_page_inverse`.
-
-The keys are filled with :data:`~sglang_cpkv.ops.reference.EMPTY_KEY` and the slots with a bound past every entry
-(torch), then three kernels: every entry's key is inserted by compare-and-swap from its home cell
-(:func:`~sglang_cpkv.ops.reference.hash_cells`) on, a smaller key displacing a larger one, which goes on probing (an
-ordered hash table: the cells do not depend on the order of the swaps, so the table is the reference's canonical
-one); a key found already held is a page its request holds twice (counted). Then every entry takes the minimum of
-its key's cell's slot and its own index, and every cell turns that lowest entry into its slot (-1 when empty).
-Nothing synchronizes with the host; memory is the table alone.
+Contract: :func:`sglang_cpkv.ops.reference.build_page_inverse`. The keys are filled with
+:data:`~sglang_cpkv.ops.reference.EMPTY_KEY` and the slots with a bound past every entry (torch), then three kernels:
+every entry's key is inserted by compare-and-swap from its home cell (:func:`~sglang_cpkv.ops.reference.hash_cells`)
+on, a smaller key displacing a larger one, which goes on probing (an ordered hash table: the cells do not depend on
+the order of the swaps, so the table is the reference's canonical one); a key found already held is a page its
+request holds twice (counted). Then every entry takes the minimum of its key's cell's slot and its own index, and
+every cell turns that lowest entry into its slot (-1 when empty). Nothing synchronizes with the host; memory is the
+table alone.
 """
 
 from __future__ import annotations
