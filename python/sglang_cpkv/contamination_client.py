@@ -1,17 +1,6 @@
 """Live bs>1 contamination check against a running server or P/D router (OpenAI ``/v1/completions``).
 
-N requests share one long prefix and differ only in a suffix carrying a distinct marker. Each request is
-first sent alone, one after another (the bs=1 golden), and that sequential pass is run twice: a server whose
-bs=1 answers already differ between two passes is nondeterministic, and its bs>1 differences say nothing
-about batching. Then all requests are sent at once (bs=N, the prefix pages shared in one batch), greedy
-(temperature 0). Per request it reports whether the bs=N completion equals the golden byte for byte, and
-whether a completion contains another request's marker (contamination: that request's KV or output leaked
-into this one). The prompt asks the model to repeat its marker, so a request that reads another's KV tends
-to print that other marker. The JSON report holds every completion's text and finish_reason.
-
-    python scripts/validate_bs_gt1_contamination.py --url http://127.0.0.1:8000 -n 8 --out result.json
-
-Exit status (one per verdict, the most serious that applies, in this order):
+Exit status (the most serious that applies, in this order; the method: ``docs/operations.md``, "Check bs>1"):
   1  contamination: an answer contains another request's marker
   4  nondeterministic: the two bs=1 passes differ, so bs>1 cannot be judged against them
   2  mismatch: a bs=N answer differs from its bs=1 golden, no marker involved
@@ -19,7 +8,6 @@ Exit status (one per verdict, the most serious that applies, in this order):
   0  pass: every bs=N answer equals its golden, no marker leaked
   5  usage or configuration error (bad arguments, --out not writable, aiohttp missing): nothing was sent
   6  internal error of this client (a bug: the traceback is printed)
-The client only talks to ``--url``. It needs aiohttp (in the image and the dev environment).
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """Per cp: what a prefill node holds with the mode, with upstream's replicated CP and with upstream's kv-sharding,
-and what the mode moves per layer for a batch.
+and what the mode moves per layer for a batch (the rows :mod:`.cli` and :mod:`.report` print).
 
-Every KV figure is upstream's own (:func:`~.upstream.size_node`: ``ServerArgs`` resolution, the patched pool
-configurator, the allocator upstream builds for the pool); nothing here multiplies a per-rank pool by cp. Three
-servers per cp, same model, GPU, budget, chunk and context:
-
-* ``mode``: ``--enable-cp-shared-kv`` (its reservation charged to the budget). At cp 1 the mode does not run
-  (start-up refuses it without prefill CP) and the row is the plain TP server's.
-* ``replicated``: upstream's DSA prefill CP as shipped (every CP rank holds every page).
-* ``kv_sharding``: upstream's ``--enable-kv-cache-sharding`` (``PageInterleavePoolAllocator``: the page-id space
-  widened cp times over an unchanged per-rank pool), with the backends it requires (trtllm); cp > 1 only. Its KV
-  cell is the trtllm layout (576-byte FP8 latent rows, against the 656-byte packed rows of the ``flashmla_*`` routes
-  the mode runs), so its ratio over replicated CP may reach cp x the replicated cell / its cell (8 x 61,464 /
-  55,224 = 8.90 for GLM-5.1 at cp 8). ``kv_tokens_at_sharding_cell`` is the mode's node at that cell, for a like-for-like
-  comparison: computed (the mode does not run trtllm) as upstream sizes a pool, the budget less the mode's
-  reservation at that latent row, in whole pages of the kv-sharding cell, cp times.
+Every KV figure is upstream's own (:func:`~.upstream.size_node`); nothing here multiplies a per-rank pool by cp.
+Three servers per cp on one model, GPU, budget, chunk and context: ``mode``, ``replicated`` and ``kv_sharding``
+(cp > 1 only, with the trtllm backends it requires); ``kv_tokens_at_sharding_cell`` is the mode's node at
+kv-sharding's smaller FP8 cell, for a like-for-like comparison. What each row means and why:
+``docs/operations.md``, "The capacity planner" ("How it counts").
 """
 
 from __future__ import annotations

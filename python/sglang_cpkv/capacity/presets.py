@@ -1,24 +1,11 @@
 """The planner's named inputs: models (a ``config.json`` each, package data) and GPUs (vendor figures).
 
-Models (``models/<name>/config.json``, the fields upstream's ``ModelConfig`` and the DSA pool sizing read):
-
-* ``glm-5.1-fp8``: the GLM-5 DSA config of the test fixtures (``test/registered/upstream/fixtures/glm5_dsa``,
-  the one the existing GLM-5.1-FP8 reservation figures used: 78 layers, kv_lora_rank 512 + qk_rope_head_dim 64,
-  index_head_dim 128, index_topk 2048, max_position_embeddings 202752) with an FP8 ``quantization_config``
-  (e4m3, 128 x 128 weight blocks). Assumed: GLM-5.1 keeps GLM-5's architecture and sizes (not checked against
-  the published card here: nothing is downloaded). Weights: 744e9 parameters (GLM-5's published total).
-* ``deepseek-v3.2``: DeepSeek-V3.2's public card values (61 layers, kv_lora_rank 512, qk_rope_head_dim 64,
-  index_head_dim 128, index_n_heads 64, index_topk 2048, max_position_embeddings 163840; the rest as
-  ``testing/dsa_kit.DSA_CONFIG``), one MTP layer, FP8 weights. Weights: 685e9 parameters (671e9 + the 14e9 MTP
-  module, the card's total).
-
-Weights per GPU are estimated as one byte per parameter (FP8 weights; the block scales add 1/4096) over the
-tensor-parallel width: an estimate, overridable (``--weights-gib``).
-
-GPUs: vendor figures (NVIDIA's data sheets): HBM capacity and bandwidth, NVLink bandwidth per GPU (the per
-direction half of the bidirectional figure is what one all-gather receives at). The planner's times are lower
-bounds at these peaks; measured copies reach less (the H200 of ``benchmark/results/2026-12-01-h200-serving-path/``: 4211 GB/s for a plain
-device copy, 88% of 4.8 TB/s).
+Models (``models/<name>/config.json``): ``glm-5.1-fp8`` (the GLM-5 DSA config of the test fixtures with an FP8
+``quantization_config``; assumed: GLM-5.1 keeps GLM-5's architecture) and ``deepseek-v3.2`` (its public card),
+each with its published parameter count for the weights estimate. GPUs: HBM capacity and bandwidth, NVLink
+bandwidth per GPU per direction (NVIDIA's data sheets); the planner's times at these peaks are lower bounds. Used by
+:mod:`.planner`, :mod:`.cli` and the launcher's dry-run (:mod:`sglang_cpkv.pd_launch.startup_check`). Sources and
+assumptions: ``docs/operations.md``, "The capacity planner".
 """
 
 from __future__ import annotations

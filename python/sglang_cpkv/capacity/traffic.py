@@ -1,27 +1,12 @@
 """Bytes the mode moves per layer for one batch, counted from the real plan, and their time at a GPU's peaks.
 
-A batch is each request's history and current token counts, its requests on distinct pages or, with
-``shared_history``, all on one shared prompt of that length (a radix hit). Its plan is
-:func:`~sglang_cpkv.runtime.build_plan`'s (host tensors, on the CPU). Per layer and kind of paged KV (latent rows;
-DSA index-K pages), on one rank (the one packing the most pages), what ``runtime/pipeline.py`` moves:
-
-* cp 1: the history copy, pool -> dense view (``ops.copy_pages``: each distinct history page read and written
-  once, the plan's history region, plus the history rows of own pages);
-* cp > 1: the pack (this rank's owned distinct history pages, pool -> its block of the dense view's history
-  region, read and written), the all-gather of the blocks in place (the other ranks' pages received over the link
-  and written; this rank's block read to send), and the copies of own pages' history rows from the region
-  (CURRENT_REUSE pages; none when histories are page-aligned, as upstream's radix tree keeps them);
-* the current rows into the dense view (the latent kind's ``scatter_rows``; upstream's own kernel writes the
-  index-K keys there instead of into the pool, so that kind adds nothing). The owned rows persisted replace
-  upstream's own cache write and are not counted.
-
-The floor is what any owner-sharded exchange must move: the all-gather of the batch's distinct history pages
-straight into the dense view plus packing this rank's owned pages (the current rows are counted on both sides);
-at cp 1 the history copy. The pipeline gathers the history region in place, so it moves the floor's bytes plus the
-own pages' history rows.
-
-Times are lower bounds: bytes over the vendor's peak (HBM; NVLink per direction), the serial chain's steps
-summed.
+A batch is each request's history and current token counts, on distinct pages or, with ``shared_history``, all on
+one shared prompt (a radix hit); its plan is :func:`~sglang_cpkv.runtime.build_plan`'s, on the CPU. Per layer and
+kind of paged KV, on the rank that packs the most pages: what ``runtime/pipeline.py`` moves (the history copy at
+cp 1; the pack, the in-place all-gather and own pages' history rows under CP; the current rows into the dense view)
+beside the floor any owner-sharded exchange must move. Times are lower bounds (bytes over the vendor's peaks, the
+serial chain's steps summed). Used by :mod:`.planner`; what is counted and why: ``docs/operations.md``, "The
+capacity planner" ("How it counts").
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Upstream's own server resolution and KV pool sizing, on any machine (what a prefill server does at start-up).
 
-:func:`size_node` resolves a real ``ServerArgs``, publishes it as a scheduler does (inside
-:func:`scoped_runtime_context`, so nothing is left in upstream's process-wide context), builds upstream's
-``KVCacheConfigurator``, turns a KV budget into a pool with upstream's ``config_from_budget`` (the
-``DefaultPoolConfigurator`` DSA models use; patched: it charges the CP shared-KV reservation,
-``hooks/reservation.py``) and builds the token allocator upstream's configurator builds for that pool
-(``_build_token_to_kv_pool_allocator``, on the CPU). A node's token capacity is then what upstream's
-``TpModelWorker.get_worker_info`` reports to the scheduler: the logical capacity of the pool times the
-allocator's page-interleave widening (``page_interleave_shard_size``; > 1 only for ``--enable-kv-cache-sharding``).
-
-Needs the pinned upstream. :func:`playing_gpu` makes ``torch.cuda.get_device_capability`` answer for the GPU
-the sizing plays and sets the environment a mode server runs with.
+:func:`size_node` resolves a real ``ServerArgs`` and publishes it as a scheduler does (inside
+:func:`scoped_runtime_context`: nothing is left in upstream's process-wide context), turns a KV budget into a pool
+with upstream's ``KVCacheConfigurator`` (``DefaultPoolConfigurator``, patched to charge the mode's reservation) and
+builds the allocator upstream builds for it; a node's capacity is what ``TpModelWorker.get_worker_info`` reports.
+:func:`playing_gpu` makes the CUDA capability answer for the GPU the sizing plays. Needs the pinned upstream. Used
+by :mod:`.planner`, the launcher's dry-run, the soak and the reservation tests; ``docs/operations.md``, "The
+capacity planner".
 """
 
 from __future__ import annotations

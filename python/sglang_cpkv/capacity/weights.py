@@ -1,18 +1,11 @@
 """A lower bound on the weight bytes one GPU of a DSA server holds, from the model's ``config.json`` alone.
 
-The parameters of a DeepSeek-V3-style DSA model (DeepSeek-V3.2, GLM-5.x), counted from its config: per layer the MLA
-attention (the q projection, through ``q_lora_rank`` when there is one; the latent ``kv_a``; ``kv_b``; ``o``) and
-the DSA indexer (its q, k and head-weight projections), a dense MLP in the first ``first_k_dense_replace`` layers
-and the routed and shared experts (and the router) in the others, the embedding and the LM head. The MTP layers
-(``num_nextn_predict_layers``) are not counted: a server loads them only for speculative decoding. For GLM-5's
-config this is 743.9e9 parameters (GLM-5's published total: 744e9); for DeepSeek-V3.2's 671.9e9 (its card: 671e9 +
-14e9 of MTP module).
-
-Per GPU: the attention and the indexer are split over the attention-TP ranks only (under attention CP or DP each
-rank holds all of them: ``attn_tp_size = tp / (cp x dp)``), everything else over the TP ranks. Each parameter is
-counted at the checkpoint's quantized width (FP8: one byte; unquantized: its dtype's), although the embedding, the
-norms, the block scales and upstream's absorbed ``kv_b`` copies take more: a lower bound, so a KV budget computed
-with it is an upper bound.
+The parameters of a DeepSeek-V3-style DSA model (DeepSeek-V3.2, GLM-5.x) counted from its config (MLA attention, the
+DSA indexer, dense MLPs, routed and shared experts, embedding and LM head; the MTP layers left out: a server loads
+them only for speculative decoding): 743.9e9 for GLM-5 (published: 744e9), 671.9e9 for DeepSeek-V3.2 (671e9 + 14e9
+MTP). Per GPU the attention and the indexer are split over the attention-TP ranks (``tp / (cp x dp)``), the rest
+over TP, each parameter at the checkpoint's quantized width: a lower bound, so a KV budget computed with it is an
+upper bound. Used by :func:`~.upstream.size_node` for the launcher's dry-run (``docs/operations.md``).
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """Upstream's import closure pinned outside ``UPSTREAM.toml``: the requirement files ``rebase`` moves with the pin.
 
-``UPSTREAM.toml``'s ``[closure]`` table names each file that pins packages the upstream wheel requires
-(its ``Requires-Dist``) and the pinned Python tags the file installs for. A rebase looks at every exact pin
-there (``name==X``, ``--hash`` options included) of a package the new release requires:
-
-- the new release allows ``X``: the pin stays;
-- the old release did not allow ``X`` either: a deliberate divergence (the CPU torch), it stays and is listed;
-- else it moves to the newest version on the package index that the new requirement allows, not yanked,
-  with a wheel for each of the file's tags (its ``--hash``: the wheel pip installs for each tag); one
-  version for every file that pins the package. Where no version qualifies the pin is flagged, and the
-  rebase changes nothing.
-
-A file installed with ``--no-deps`` is not resolved again: a moved package's own requirements are
-checked by that file's own tests. Only ``rebase`` imports this module.
+``UPSTREAM.toml``'s ``[closure]`` names each file that pins packages the upstream wheel requires, with its Python
+tags. A rebase keeps a pin the new release allows, keeps a deliberate divergence (a pin the old release did not
+allow either: the CPU torch), and moves any other to the newest non-yanked version the new requirement allows with
+a wheel for each tag (one version for every file), else flags it and changes nothing. A file installed
+``--no-deps`` is not resolved again. Only :mod:`.rebase` imports this module; the procedure: ``docs/rebase.md``.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Process lifecycle of the roles: run (foreground), start (background), wait, status, stop, up (one host).
 
-Every role runs under a supervisor, this package's ``run``: in the foreground it is the container's main
-process (or the operator's terminal's), in the background ``start`` launches it detached. The supervisor
-starts the role in a process group of its own (the role and everything it spawns: schedulers,
-detokenizer), records it in ``PD_LOG_DIR/<role>.pid`` (0600; the command with secret values redacted),
-reads the role's output, scrubs every known secret value out of it and writes it to the role's log
-(0640, rotated by size: :mod:`.logs`) and, in the foreground, to stdout. SIGTERM, SIGINT and SIGHUP (a
-dropped SSH session) end the role's group: SIGTERM, then SIGKILL after ``PD_STOP_TIMEOUT``. ``stop``
-ends the recorded group the same way, from any shell, whichever way the role was started.
-
-A role is healthy when its recorded process group is alive, holds the listening socket of the role's
-port and answers ``/health`` with 200; the router also needs both servers to answer theirs (it answers
-its own ``/health`` while its workers are dead).
+Every role runs under a supervisor, this package's ``run`` (the container's main process, or detached by ``start``):
+it starts the role in a process group of its own, records it in ``PD_LOG_DIR/<role>.pid`` (0600, secrets redacted),
+scrubs every known secret out of the role's output into its log (:mod:`.logs`) and, in the foreground, stdout;
+SIGTERM, SIGINT and SIGHUP end the group (SIGTERM, then SIGKILL after ``PD_STOP_TIMEOUT``), as ``stop`` does from
+any shell. A role is healthy when its recorded group is alive, holds the role's port and answers ``/health`` 200
+(the router: both servers too). Called by :mod:`.cli`; operations: ``docs/operations.md``, "Running on GPU hosts".
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """Secret values out of every argument list, environment line, message and server output the launcher handles.
 
-A flag is secret-looking when its name has a word ``key`` or ``keys`` (``--api-key``, ``--admin-api-key``,
-``--control-plane-api-keys``), contains ``token`` other than in ``tokens``/``tokenizer`` (``--hf-token``,
-``--authtoken``; not ``--max-new-tokens``, ``--tokenizer-path``), contains ``secret``, ``password`` or
-``passwd``, or holds a URL that carries credentials (the router's ``--postgres-db-url``, ``--redis-url``).
-Its values are redacted in both forms: ``--flag value ...`` (every argument up to the next ``--flag``:
-some secret flags take several values) and ``--flag=value``. An environment variable is secret when a
-``_``-separated word of its name ends in ``TOKEN``, ``KEY``, ``KEYS``, ``SECRET``, ``PASSWORD`` or
-``PASSWD`` (``HF_TOKEN``, ``SGLANG_API_KEY``; not ``MAX_TOKENS``). Free text (a parser's error, a log
-tail, the servers' own output, which upstream starts by printing its ``server_args``) is scrubbed of
-every known secret value: the secret flags' values and the secret variables' values, as written and as
-Python's ``repr`` and JSON would quote them. Values shorter than ``MIN_SCRUB_CHARS`` are redacted in
-commands but not scrubbed from free text: they cannot be told from ordinary text.
-
-A URL's credentials (``scheme://user:password@host``: a private package index, a proxy, a database) are secret
-wherever the URL appears: in any variable (``SGLANG_CPKV_INDEX_URL``), any argument and any free text the
-userinfo is replaced (``scheme://<redacted>@host``), and the credentials of every URL in the environment and the
-arguments are scrubbed from free text as values too.
+Secret-looking flags: a word ``key``/``keys``, ``token`` (not ``tokens``/``tokenizer``), ``secret``, ``password`` or
+``passwd`` in the name, or a URL flag that may carry credentials; their values are redacted as ``--flag v ...`` (up
+to the next flag) and ``--flag=v``. Secret variables: a ``_``-word of the name ends in ``TOKEN``, ``KEY(S)``,
+``SECRET``, ``PASSWORD`` or ``PASSWD``. Free text (errors, log tails, the servers' output) is scrubbed of every known
+secret value as written, ``repr``-quoted and JSON-quoted (values under ``MIN_SCRUB_CHARS`` only in commands), and a
+URL's credentials (``scheme://user:password@host``) are redacted wherever it appears. Used by :mod:`.commands`,
+:mod:`.dry_run` and :mod:`.lifecycle`; operations: ``docs/operations.md``, "Secrets".
 """
 
 from __future__ import annotations

@@ -3,27 +3,11 @@
     echo '{"roles": [{"role": "prefill", "argv": [...], "env": {...}}], "gpu_capability": "10.3"}' \\
         | PD_PYTHON -m sglang_cpkv.pd_launch.startup_check
 
-For a server role, what ``python -m sglang.launch_server`` runs before it touches a GPU:
-
-1. upstream's ``ServerArgs`` CLI parser (abbreviations refused: a prefix that is unique today becomes
-   ambiguous when upstream adds a flag), then the unresolved record;
-2. when the model's ``config.json`` is on this machine (``--model-path`` is a directory holding it, or
-   a hub id whose config is in the Hugging Face cache; nothing is downloaded), upstream's resolution
-   (``prepare_server_args`` + ``resolve_once``) with the role's environment, for a GPU of the given
-   compute capability (``--device cuda`` unless ``argv`` names a device). It runs the model overrides,
-   the DSA backend guards and ``--enable-cp-shared-kv``'s checks of our patch queue. The resolution sees the
-   GPU's memory (this machine's GPU; with ``gpu_capability`` given, or without a GPU here, the documented GPU of
-   that capability: :data:`sglang_cpkv.capacity.presets.GPUS`), as the server's does: its
-   ``--mem-fraction-static`` default depends on it;
-3. the KV budget of one GPU: ``--mem-fraction-static`` x the GPU's memory - a lower bound on the weights one GPU
-   holds (:mod:`sglang_cpkv.capacity.weights`), and upstream's pool sized from it (the mode's reservation
-   charged): refused when it cannot hold one request of the context length (an upper bound on the budget, so a
-   refusal is certain; passing is not a guarantee).
-
-For the router, ``sglang_router``'s own parser and ``RouterArgs``. One result per role, in order:
-``{"role", "status", "message"}``, ``status`` one of ``ok``; ``partial`` (the flags parse, the rest could
-not run here: the message says why); ``refused`` (what the role would refuse at start-up); ``unusable``
-(this interpreter cannot run the role: sglang, or sglang_router for the router, does not import).
+A server role gets what ``sglang.launch_server`` runs before it touches a GPU: upstream's ``ServerArgs`` parser
+(abbreviations refused); with the model's ``config.json`` here, upstream's resolution for a GPU of that capability
+(the mode's checks, the DSA backend guards); one GPU's KV budget sized as upstream sizes the pool, refused when it
+cannot hold one request of the context length. The router: ``sglang_router``'s parser. One ``{"role", "status",
+"message"}`` per role: ``ok``, ``partial``, ``refused`` or ``unusable``. From :mod:`.dry_run`; ``docs/operations.md``.
 """
 
 from __future__ import annotations
