@@ -4,12 +4,10 @@
     python -m sglang_cpkv.soak --minutes 60 --cp 1,2,4 --out s.json # a long soak: scenarios and seeds in turn
     python -m sglang_cpkv.soak --gpu --device cuda --out g.json     # the GPU soak: the real attention kernels
 
-A scenario is one P/D deployment (:class:`~sglang_cpkv.soak.server.ServerConfig`) serving one seeded workload
-(:class:`~sglang_cpkv.soak.workload.WorkloadConfig`): the driver starts upstream's bootstrap server, the prefill CP
-ranks (:mod:`.prefill`, one process each, gloo between them) and the decode (:mod:`.decode`), hands the decode each
-request as the router would (through prefill rank 0, which sees the workload's clock), and gathers every process's
-report (:mod:`.report`). Exit status: 0 when every scenario passed, 1 when any found a mismatch, a leak, a crash or a
-request that did not end as the workload says, 2 on bad arguments.
+A scenario is one P/D deployment (:class:`~.server.ServerConfig`) serving one seeded workload
+(:class:`~.workload.WorkloadConfig`): upstream's bootstrap server, the prefill CP ranks (:mod:`.prefill`, gloo
+between them), the decode (:mod:`.decode`), reports gathered by :mod:`.report` (``docs/design/cp-shared-kv-soak.md``).
+Exit status: 0 all passed, 1 a mismatch, leak, crash or request that did not end as the workload says, 2 bad arguments.
 """
 
 from __future__ import annotations

@@ -5,10 +5,9 @@ writes, at every layer, the latent row (``k_nope``, ``k_rope``) and the index ke
 (:func:`latent_rows`, :func:`index_keys`), so two requests that share a prompt write identical rows for it and a row
 read anywhere names the prefix it was written for. What a correct read returns, in each form a kernel or the decode
 sees it (:class:`ExpectedRows`): the bf16 row, the 656-byte packed FP8 row upstream's writer makes of it, that row
-dequantized, the index key's FP8 bytes and scale. The FP8 forms are torch references of upstream's Triton writers
-(``quantize_k_cache_separate``, ``act_quant``), tested byte for byte against them (``test/registered/soak``).
-
-Used by :mod:`sglang_cpkv.soak.model` (prefill ranks) and :mod:`sglang_cpkv.soak.decode`; torch only.
+dequantized, the index key's FP8 bytes and scale; the FP8 forms are torch references of upstream's Triton writers,
+tested byte for byte against them. Used by :mod:`.model` and :mod:`.decode`; torch only. Design:
+``docs/design/cp-shared-kv-soak.md``, "KV that checks itself".
 """
 
 from __future__ import annotations

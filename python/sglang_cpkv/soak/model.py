@@ -1,19 +1,11 @@
 """The soak's stand-in model: upstream's DSA backend and cache writers fed rows that check themselves.
 
-:class:`StandInWorker` is the prefill scheduler's model worker. For each extend batch it does what upstream's eager
-runner does with a DSA model, in its order (``EagerRunner._execute_extend``: the CP split, then the backend's
-``init_forward_metadata`` - the mode's plan hook - then the layers; ``test/registered/soak`` holds the order to the
-source), with the model replaced by :mod:`.kv_function`:
-
-* every layer hands upstream's indexer store (``Indexer._store_index_k_cache``, patched) and the attention layer
-  (``RadixAttention`` -> the backend's ``forward_extend``, which writes the latent KV through the pool's writer) the
-  rows of the batch's tokens, each a function of the token ids up to its position, as the all-gathered chunk;
-* the indexer's read of index K (the patched read) and every attention kernel call (captured, as the DSA kit does)
-  are checked row by row: each query row reads, through the top-k indices the DSA path hands attention (pseudo-random
-  positions among its valid ones, always its first and last), the rows the function gives for its own request's
-  prefix. A mismatch is recorded with request, position, layer and rank (:class:`Checks`).
-
-Used by :mod:`sglang_cpkv.soak.prefill`.
+:class:`StandInWorker` is the prefill scheduler's model worker (used by :mod:`.prefill`). For each extend batch it
+does what upstream's eager runner does with a DSA model, in its order (``EagerRunner._execute_extend``; a test in
+``test/registered/soak`` holds the order to the source), with the model replaced by :mod:`.kv_function`: every layer
+hands upstream's indexer store and attention layer the batch's rows as the all-gathered chunk, and the index-K read
+and every attention kernel call (captured) are checked row by row against the rows of each query's own prefix
+(:class:`Checks`: request, position, layer, rank). Design: ``docs/design/cp-shared-kv-soak.md``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """A P/D prefill or decode server of the soak, made of upstream's objects, in one process per rank.
 
-What a server process does at start-up, done by upstream's own code where it runs without a GPU or a model:
-
-* :func:`server_argv` / :func:`start_process` - the command line, upstream's ``ServerArgs`` resolution and
-  ``publish`` as a scheduler process does, gloo process groups (upstream's ``init_distributed_environment`` and the
-  patched ``initialize_model_parallel``, which makes the mode's exchange group), the process's Mooncake engine;
-* :func:`build_pools` - upstream's ``KVCacheConfigurator.configure`` on the CPU for a KV budget (the patched pool
-  sizing publishes the mode's reservation; the allocator is the one the patched configurator builds);
-* :func:`build_scheduler` - a ``Scheduler`` made without ``__init__`` (no processes, sockets or model): the
-  attributes its ``__init__`` prelude and ``init_model_worker`` set, then upstream's own ``init_*`` methods in the
-  order of :data:`INIT_STEPS`, which ``test/registered/soak`` holds to ``Scheduler.__init__``'s source, and upstream's
-  ``build_kv_cache`` for the tree cache (radix on or off, HiCache).
-
-The stand-in model is :mod:`sglang_cpkv.soak.model`; the loops are upstream's (:mod:`sglang_cpkv.soak.prefill`,
-:mod:`sglang_cpkv.soak.decode`). Design: ``docs/design/cp-shared-kv-soak.md``.
+What a server process does at start-up, by upstream's own code where it runs without a GPU or a model:
+:func:`server_argv` / :func:`start_process` (the command line, ``ServerArgs`` resolution and ``publish``, gloo groups
+through the patched ``initialize_model_parallel``, the Mooncake engine), :func:`build_pools` (the patched
+``KVCacheConfigurator.configure`` on the CPU for a KV budget) and :func:`build_scheduler` (a ``Scheduler`` made
+without ``__init__``: upstream's ``init_*`` methods in the order of :data:`INIT_STEPS`, held to
+``Scheduler.__init__`` by a test, and ``build_kv_cache``). Used by :mod:`.cli`, :mod:`.prefill` and :mod:`.decode`;
+the stand-in model is :mod:`.model`. Design: ``docs/design/cp-shared-kv-soak.md``, "What runs".
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """``make demo``: the seed's bs>1 scenario, per request, with the per-request and the 1-D inverse.
 
-Two embedded batches (page size 4, three requests, 656-byte packed FP8 rows as bytes):
-
-* **reachable** (upstream 0.5.23): A and B share a full prefix page (page-aligned radix sharing);
-  A's history ends mid-page and its current chunk continues that page (CURRENT_REUSE).
-* **collision** (the seed's fork): A and B share a *partially filled* page and both continue it
-  with their own, different current tokens.
-
-For each batch, the per-request runtime (cp=1 on this machine's device, then cp=2 in two
-processes over gloo, or NCCL when two GPUs are present) builds every request's dense KV view;
-each is compared with the same request run alone (bs=1). Then the seed's 1-D value-keyed inverse
-runs the same batch and the demo reports, per request, which rows it read instead of its own
-(whose KV it got). Exit status 1 if the per-request path mismatches anywhere; the 1-D inverse's
-failure on the collision batch is expected and only reported.
+Two embedded batches (page size 4, three requests, 656-byte packed FP8 rows): **reachable** (upstream 0.5.23:
+page-aligned prefix sharing, CURRENT_REUSE) and **collision** (the seed's fork: two requests continue one partially
+filled page differently). Each request's dense KV view from the per-request runtime (cp=1, then cp=2 over gloo, or
+NCCL on two GPUs) is compared with its bs=1 run; then the seed's 1-D value-keyed inverse runs the same batches and
+the demo reports whose rows each request read. Exit status 1 if the per-request path mismatches anywhere (the 1-D
+inverse's failure on the collision batch is expected). The two classes: the contract's "Which states matter".
 
     python -m sglang_cpkv.testing.demo [--no-cp2]
 """

@@ -1,21 +1,13 @@
 """TEST-ONLY: the GPU test environment's checks and activation files (used by ``scripts/gpu_env/*.sh``).
 
-Never part of the image or of serving. The GPU test machine has torch, triton and the other packages of its
-image but no upstream sglang and no network: ``scripts/gpu_env/prepare_wheels.sh`` downloads, on a CPU
-machine, the pinned cp312 sglang wheel (``UPSTREAM.toml``) and its import closure
-(``requirements/gpu-test-closure.txt``) into ``.whl/``; ``scripts/gpu_env/install.sh`` installs them there
-into a target directory, applies the patch queue and activates the ``sgl_kernel`` stand-in. This module holds
-what those scripts need beyond shell, so that CPU CI can test it:
+Never part of the image or of serving. On a CPU machine ``scripts/gpu_env/prepare_wheels.sh`` downloads the pinned
+cp312 wheel and its import closure into ``.whl/``; on the GPU machine ``scripts/gpu_env/install.sh`` installs them,
+applies the patch queue and activates the ``sgl_kernel`` stand-in (a ``.pth`` file, and a ``sitecustomize.py`` that
+makes the target a site directory). What they need beyond shell is here, so CPU CI tests it: ``docs/operations.md``.
 
     python -m sglang_cpkv.testing.gpu_env verify-wheels --wheels .whl     # the files agree with the pins
     python -m sglang_cpkv.testing.gpu_env activate --target DIR --repo .  # .pth, sitecustomize, env file
     python -m sglang_cpkv.testing.gpu_env check --wheels .whl             # inside the env: versions, imports
-
-The stand-in is activated by a ``.pth`` file in the target directory. Python reads ``.pth`` files only in
-site directories, never in ``PYTHONPATH`` entries, so the target also gets a ``sitecustomize.py`` that makes
-it a site directory (``site.addsitedir``) and then runs any ``sitecustomize`` it shadows.
-
-Imports only the standard library and the overlay tool at module level (``packaging`` lazily).
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Upstream's HiCache around a :class:`~sglang_cpkv.testing.dsa_kit.KitWorld`, on CPU tensors (tests only).
 
-The objects are upstream's: the host pool group its DSA strategy declares (``build_host_pool_group``, whose
-``build_kv_host_pool`` carries ``patches/core/shard-hicache-host-pool-under-cp-shared-kv.patch``), and
-``HybridCacheController`` with kernel I/O in host memory mode ``cache``, over the world's pool and token allocator.
-Three pieces of upstream cannot run on a CPU, and :func:`cpu_host_transfers` stands them in for the time of a test
-(``docs/design/cp-shared-kv-hicache.md``, "What runs on a CPU"):
-
-1. host pinning (``pool_host/common._cuda_host_register`` asserts CUDA): skipped;
-2. ``sgl_kernel``'s MLA transfer ops (``transfer_kv_{per,all}_layer_mla*``, imported on CUDA only): byte copies of
-   the same rows, the pointer tables resolved through the tensors they were made from;
-3. the layer counter's events (``torch.cpu.Event`` orders nothing): :class:`LayerLoadGate` stands in for the counter
-   the controller registers on the pool, and makes each layer's loaded rows land only when that layer is awaited.
+The objects are upstream's: the host pool group its DSA strategy declares (through the patched
+``build_kv_host_pool``) and ``HybridCacheController`` (kernel I/O, host memory mode ``cache``) over the world's pool
+and allocator. :func:`cpu_host_transfers` stands in, for the time of a test, the three pieces that cannot run on a
+CPU: host pinning (skipped), ``sgl_kernel``'s MLA transfer ops (byte copies of the same rows) and the layer
+counter's events (:class:`LayerLoadGate`: a layer's loaded rows land only when it is awaited). Used by
+``integration/test_cp_shared_kv_hicache.py`` and the soak; design: ``docs/design/cp-shared-kv-hicache.md``, "What
+runs on a CPU".
 """
 
 from __future__ import annotations

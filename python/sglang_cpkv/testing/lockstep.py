@@ -1,14 +1,12 @@
 """CP ranks in one process: one thread per rank, all-gathers met at a barrier.
 
-:class:`LockstepGroup` is a real :class:`~sglang_cpkv.runtime.CpGroup` (the runtime's collective
-interface) whose ranks are threads of this process: each rank runs the same code it runs over
-torch.distributed (:func:`sglang_cpkv.testing.batches.run_case_on_rank`, the harness's forwards),
-so thousands of CP cases run without process start-up. The collective order is checked: a rank that
-gathers a different row count than its peers fails every rank.
-
-One rank computes at a time: a rank holds the rendezvous lock while it runs and lets it go only while it
-waits in a collective, so code that is not thread-safe (the Triton interpreter) runs as it would in one
-process per rank.
+:class:`LockstepGroup` is a real :class:`~sglang_cpkv.runtime.CpGroup` (the runtime's collective interface) whose
+ranks are threads of this process: each rank runs the same code it runs over torch.distributed
+(:func:`sglang_cpkv.testing.batches.run_case_on_rank`, the harness's forwards), so thousands of CP cases run without
+process start-up (the property test, the demo). The collective order is checked: a rank that gathers a different
+row count than its peers fails every rank. One rank computes at a time: a rank holds the rendezvous lock while it
+runs and lets it go only while it waits in a collective, so code that is not thread-safe (the Triton interpreter)
+runs as it would in one process per rank.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """A small demonstration patch queue on sglang 0.5.22, for exercising ``overlay rebase`` onto 0.5.23.
 
-The patches are computed from the two released wheels, so the repo quotes no upstream text: each
-one inserts a comment line (or takes over an upstream change) at a spot chosen by diffing the
-0.5.22 and 0.5.23 versions of an upstream file. Each is built to draw one verdict:
-
-- ``core/demo-clean.patch``: a spot whose line numbers did not move  -> applies cleanly;
-- ``core/demo-offset.patch``: a spot below an upstream insertion     -> applies with offsets;
-- ``upstream-fixes/demo-contained.patch``: an upstream 0.5.23 change -> already contained;
-- ``core/demo-conflict.patch`` (only with ``conflict=True``): in ``memory_pool.py`` a spot below an upstream
-  insertion (hunk 1, which applies with offsets) and two lines upstream then rewrote (hunks 2 and 3), in
-  ``radix_cache.py`` one more rewritten line (hunk 1) -> conflict, with three failing hunks in two files.
+The patches are computed from the two released wheels (the repo quotes no upstream text), one per verdict:
+``core/demo-clean.patch`` applies cleanly, ``core/demo-offset.patch`` with offsets,
+``upstream-fixes/demo-contained.patch`` is already contained, and with ``conflict=True`` ``core/demo-conflict.patch``
+conflicts (three failing hunks in ``memory_pool.py`` and ``radix_cache.py``). Used by the overlay tests and the
+recorded reports (``docs/rebase-reports/``):
 
     python -m sglang_cpkv.testing.overlay_demo --out /tmp/demo-queue [--conflict]
     python -m sglang_cpkv.overlay --queue-root /tmp/demo-queue rebase --to 0.5.23

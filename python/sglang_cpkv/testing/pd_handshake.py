@@ -3,24 +3,11 @@
     echo '{"prefill": {"argv": [...], "env": {...}}, "decode": {"argv": [...], "env": {...}}}' \\
         | python -m sglang_cpkv.testing.pd_handshake
 
-Both ``argv`` are server command lines resolved by upstream's ``ServerArgs`` (pass a local DSA
-``config.json`` as ``--model-path``, ``--skip-tokenizer-init``, ``--device cuda`` and the same
-``--disaggregation-bootstrap-port``). Upstream's own objects do the work, as the two servers'
-schedulers would:
-
-1. the prefill's ``CommonKVBootstrapServer`` starts on the bootstrap port;
-2. for every prefill rank, the prefill's server args are published with that rank and upstream's
-   ``CommonKVManager`` is built in ``PREFILL`` mode, which registers the rank with the bootstrap
-   server (``register_to_bootstrap``);
-3. the process context is reset (the decode is another server) and the decode's args are
-   published; a ``CommonKVManager`` in ``DECODE`` mode fetches the prefill's info at first
-   contact (``try_ensure_parallel_info``) and maps its ranks (``_resolve_rank_mapping``).
-
-Each side's ``env`` is set only while that side runs. The output is one JSON object:
-``info`` (the bootstrap server's answer to the first-contact query), ``prefill_ranks`` (per rank:
-``cp_rank``, ``sends`` = not a dummy CP rank) and ``decode`` (``target_cp_ranks``,
-``required_prefill_response_num``), or ``{"error": type, "message": str}`` when a side refuses.
-No GPU, no process group and no KV transfer are involved: the KV pools are described, not built.
+Both ``argv`` are server command lines upstream's ``ServerArgs`` resolves (a local DSA ``config.json``, ``--device
+cuda``, one bootstrap port). Upstream's objects do the work: ``CommonKVBootstrapServer``, a ``CommonKVManager`` per
+prefill rank in ``PREFILL`` mode (registration), then one in ``DECODE`` mode (first contact, rank mapping). Output:
+one JSON object (``info``, ``prefill_ranks``, ``decode``) or ``{"error", "message"}``; no GPU, process group or KV
+transfer. Used by ``integration/test_cp_shared_kv_pd.py``; design: ``docs/design/cp-shared-kv.md`` section 8.
 """
 
 from __future__ import annotations

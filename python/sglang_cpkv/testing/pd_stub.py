@@ -1,15 +1,13 @@
 """A stand-in for ``PD_PYTHON``: run as ``pd_stub.py -m sglang.launch_server ARGS`` it acts as a P/D server.
 
-The launcher tests point ``PD_PYTHON`` at a script that runs this file, so the real launchers start,
-supervise and stop it as they would a server. It serves ``/health`` (200) on ``--host``/``--port`` and
-answers ``POST /generate`` and ``/v1/completions`` (in OpenAI's shape) with a fixed completion, appending each request's JSON
-body to ``STUB_REQUESTS_FILE`` when that is set (what the router hands a server: its ``bootstrap_host``).
-It spawns a child (its pid in ``STUB_CHILD_PID_FILE``) so a test can see the whole process group end, and
-at start prints what upstream prints: its ``server_args`` with every secret value in plain text.
-
-``STUB_MODE``: ``serve`` (default); ``exit`` (exit 3 at once); ``hang`` (never listen); ``ignore-term``
-(serve, ignoring SIGTERM); ``flood`` (print ``STUB_FLOOD_BYTES`` of output, then exit 0).
-Only the standard library: it starts in a second on a loaded machine. The helpers below are the tests' side.
+The launcher tests point ``PD_PYTHON`` at a script that runs this file, so the real launchers start, supervise and
+stop it as they would a server. It serves ``/health`` (200) on ``--host``/``--port`` and answers ``POST /generate``
+and ``/v1/completions`` with a fixed completion, appending each request's JSON body to ``STUB_REQUESTS_FILE`` when
+set; it spawns a child (pid in ``STUB_CHILD_PID_FILE``) so a test can see the whole group end, and prints its
+``server_args`` with every secret in plain text, as upstream does. ``STUB_MODE``: ``serve`` (default), ``exit``
+(exit 3), ``hang`` (never listen), ``ignore-term`` (serve, ignoring SIGTERM), ``flood`` (``STUB_FLOOD_BYTES`` of
+output, then exit 0). Standard library only (it starts in a second on a loaded machine); the helpers below are the
+tests' side.
 """
 
 from __future__ import annotations

@@ -2,14 +2,11 @@
 
     echo '[{"argv": [...], "env": {"NAME": "1"}}, ...]' | python -m sglang_cpkv.testing.resolve_server_args
 
-Run it with the tree to test first on ``PYTHONPATH`` (see :mod:`.upstream_trees`). Each case
-resolves a fresh record (``prepare_server_args`` then ``resolve_once``) with its ``env`` set for
-the duration; the output is one JSON object per case, in order: ``{"resolved": {field: repr}}``
-with every record field as the resolution left it, or ``{"error": type, "message": str}``.
-
-On CPU the DSA branches need what a GPU host would report: the device capability is pinned to
-``--capability`` (default 9.0, Hopper); the model comes from a
-local ``config.json`` (pass ``--skip-tokenizer-init`` and ``--device cuda`` in ``argv``).
+Run it with the tree to test first on ``PYTHONPATH`` (:mod:`.upstream_trees`). Each case resolves a fresh record
+(``prepare_server_args`` then ``resolve_once``) with its ``env`` set; the output is one JSON object per case:
+``{"resolved": {field: repr}}`` or ``{"error": type, "message": str}``. The device capability is pinned to
+``--capability`` (default 9.0) and the model comes from a local ``config.json`` (pass ``--skip-tokenizer-init``
+and ``--device cuda`` in ``argv``). Used by ``integration/test_cp_shared_kv_server_args.py``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
 """TEST-ONLY: an import-only stand-in for upstream's ``sgl_kernel`` (the sglang-kernel package).
 
-Never part of the image or of serving. It exists for the GPU *test* environment that
-``scripts/gpu_env/install.sh`` builds on a machine where the 373 MB sglang-kernel wheel cannot be
-carried: there the pinned upstream sglang is installed from carried wheels, and many of its modules
-import names from ``sgl_kernel`` at module level without calling them on the paths our CUDA tests
-run (the DSA pools, upstream's JIT index-K store, the ``triton_sparse_mla`` prefill).
-
-:func:`install` puts a meta-path finder first on ``sys.meta_path`` that serves ``sgl_kernel`` and
-every ``sgl_kernel.*`` submodule as an empty package whose attributes are placeholders, so
-``import sgl_kernel`` and ``from sgl_kernel.foo.bar import baz`` succeed. A placeholder's
-attributes are placeholders too, but **calling any placeholder raises**
-:class:`SglKernelStandinError`, naming the function and this module: a test that reaches a real
-sgl_kernel kernel fails loudly instead of computing nothing. ``sgl_kernel_npu`` and other names
-that merely start with ``sgl_kernel`` are not served.
-
-The install script activates it in every interpreter of that environment through a ``.pth`` file in
-its target directory (see ``scripts/gpu_env/install.sh``); :data:`ENV_MARKER` is set while it is
-active so test logs can say so. Where a real ``sgl_kernel`` is importable, :func:`install` leaves it
-alone and returns False.
+Never part of the image or of serving. The GPU test environment (``scripts/gpu_env/install.sh``) cannot carry the
+373 MB sglang-kernel wheel, yet many upstream modules import names from ``sgl_kernel`` at module level without
+calling them on the paths our CUDA tests run. :func:`install` puts a meta-path finder first that serves
+``sgl_kernel`` and its submodules as empty packages of placeholders; **calling any placeholder raises**
+:class:`SglKernelStandinError`, naming the function, so a test that reaches a real kernel fails loudly. Other names
+that start with ``sgl_kernel`` are not served, a real ``sgl_kernel`` is left alone (:func:`install` returns False),
+and :data:`ENV_MARKER` is set while it is active. Activated by :mod:`.gpu_env`'s ``.pth`` file; the environment:
+the contract's "Environments".
 """
 
 from __future__ import annotations

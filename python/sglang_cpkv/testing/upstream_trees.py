@@ -1,16 +1,12 @@
 """Pristine and patched trees of the pinned upstream, for comparing their behaviour in tests.
 
-The shared environment's ``sglang`` is installed with the queue applied (``scripts/setup_env.sh``),
-or not yet; a test that must compare "upstream as pinned" with "upstream with our queue" needs
-both, side by side, without touching the install. A tree here is a directory holding an
-``sglang`` package made of symlinks to the installed files, except that every file the queue
-touches is a real file: the wheel's pristine bytes (:func:`pristine_tree`), then the queue
-applied to them (:func:`patched_tree`). Building one takes about a second. Import it in a
-subprocess with the tree first on ``PYTHONPATH``.
-
-Byte-code: a directory without a touched file links its ``__pycache__`` to the install's, so
-the untouched modules compile once for the install and every tree (an import of the installed
-package writes the same files); a directory with a touched file keeps its own.
+A test that compares "upstream as pinned" with "upstream with our queue" needs both side by side without touching
+the install: a tree here is a directory holding an ``sglang`` package of symlinks to the installed files, except that
+every file the queue touches is real: the wheel's pristine bytes (:func:`pristine_tree`), then the queue applied
+(:func:`patched_tree`); about a second to build. Import it in a subprocess with the tree first on ``PYTHONPATH``
+(:mod:`.resolve_server_args`). A directory without a touched file links its ``__pycache__`` to the install's, so
+untouched modules compile once. Used by ``integration/test_cp_shared_kv_server_args.py`` and
+``upstream/test_upstream_consistency_rules.py``.
 """
 
 from __future__ import annotations
