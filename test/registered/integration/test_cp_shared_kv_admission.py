@@ -43,27 +43,19 @@ from sglang_cpkv.upstream_import import install_torchvision_stub  # noqa: E402
 
 install_torchvision_stub()
 
-from sglang.srt import runtime_context  # noqa: E402
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
+from sglang.srt.managers.schedule_batch import Req  # noqa: E402
 from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder  # noqa: E402
-from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker  # noqa: E402
-from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams  # noqa: E402
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
-from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
-from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
 from sglang.srt.runtime_context import get_schedule  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
-from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 from sglang_cpkv.capacity.upstream import prefill_cp_server  # noqa: E402
-from sglang_cpkv.hooks import page_ids as page_id_hooks  # noqa: E402
 from sglang_cpkv.hooks import reservation as reservation_hooks  # noqa: E402
 from sglang_cpkv.hooks import state  # noqa: E402
 from sglang_cpkv.runtime.reservation import Reservation, default_max_batch_tokens  # noqa: E402
 from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E402, F401 (autouse: context per test)
+from sglang_cpkv.testing.prefill_admission import AdmissionWorld  # noqa: E402
 
 GLM5_DIR = Path(__file__).parents[1] / "upstream" / "fixtures" / "glm5_dsa"
 PAGE = 64
@@ -74,89 +66,17 @@ VOCAB = 154880
 SERVER = prefill_cp_server(str(GLM5_DIR), chunked_prefill_size=CHUNK)
 
 
-class World:
-    """Upstream's scheduler-side objects for one prefill pass: pools, allocator, tree cache, adder."""
-
-    def __init__(
-        self, monkeypatch, mode_on: bool, *, pool_tokens=POOL_TOKENS, rows=8, max_context=MAX_CONTEXT, **server
-    ):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
-        monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
-        args = ServerArgs(**{**SERVER, **server}, enable_cp_shared_kv=mode_on)
-        args.resolve_once()
-        runtime_context.get_context().set_server_args(args)
-        assert get_schedule().page_size == PAGE  # the DSA page size, as resolved
-        self.req_to_token_pool = ReqToTokenPool(
-            size=rows, max_context_len=max_context, device="cpu", enable_memory_saver=False
-        )
-        self.kv_pool = MLATokenToKVPool(
-            pool_tokens,
-            page_size=PAGE,
-            dtype=torch.bfloat16,
-            kv_lora_rank=512,
-            qk_rope_head_dim=64,
-            layer_num=1,
-            device="cpu",
-            enable_memory_saver=False,
-        )
-        if mode_on:  # the pool configurator's hook publishes the mode's reservation before any allocator is built
-            publish_limit(default_max_batch_tokens(max_context, get_schedule().chunked_prefill_size, PAGE))
-        # The allocator upstream's configurator builds for this server (patched: the mode's page-interleave allocator
-        # under CP) and upstream's default tree cache for it (a UnifiedRadixCache of the full-attention component).
-        if page_id_hooks.widens_page_ids():
-            self.allocator = page_id_hooks.page_interleave_allocator(
-                pool_tokens, PAGE, torch.bfloat16, "cpu", self.kv_pool, False
-            )
-        else:
-            self.allocator = PagedTokenToKVPoolAllocator(
-                pool_tokens, page_size=PAGE, dtype=torch.bfloat16, device="cpu", kvcache=self.kv_pool, need_sort=False
-            )
-        self.tree_cache = UnifiedRadixCache(
-            CacheInitParams(
-                disable=args.disable_radix_cache,  # as upstream's cache builder gives it
-                req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool_allocator=self.allocator,
-                page_size=PAGE,
-                tree_components=(ComponentType.FULL,),
-            )
-        )
-        self.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
-
-    def adder(self, waiting: list[Req]) -> PrefillAdder:
-        """The adder as ``Scheduler._get_new_batch_prefill_raw`` builds it (no mixed chunk, no delayer)."""
-        schedule = get_schedule()
-        return PrefillAdder(
-            schedule.page_size,
-            self.tree_cache,
-            self.allocator,
-            self.running_batch,
-            NewTokenRatioTracker.from_config().current,
-            schedule.max_prefill_tokens,
-            schedule.chunked_prefill_size,
-            0,
-            schedule.priority_scheduling_preemption_threshold,
-            max_prefill_bs=0,
-            max_running_requests=schedule.max_running_requests,
-            prefill_max_requests=schedule.prefill_max_requests,
-            prefill_delayer_single_pass=None,
-            dllm_config=None,
-            waiting_queue_len=len(waiting),
-            prefill_tile_block_m=64,
-        )
-
-    def prefill_pass(self, waiting: list[Req]) -> tuple[PrefillAdder, dict[str, AddReqResult]]:
-        """One pass of the scheduler's waiting-queue loop; returns the adder and each tried request's result."""
-        adder = self.adder(waiting)
-        results = {}
-        for req in waiting:
-            if adder.budget_state() == AddReqResult.OTHER:
-                break
-            req.init_next_round_input(self.tree_cache)
-            res = adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
-            results[req.rid] = res
-            if res != AddReqResult.CONTINUE:
-                break
-        return adder, results
+def World(monkeypatch, mode_on: bool, *, pool_tokens=POOL_TOKENS, rows=8, max_context=MAX_CONTEXT, **server):
+    """The server's scheduler-side objects, the mode's reservation at the default limit for ``max_context``."""
+    return AdmissionWorld(
+        monkeypatch,
+        {**SERVER, **server},
+        mode_on=mode_on,
+        pool_tokens=pool_tokens,
+        rows=rows,
+        max_context=max_context,
+        reservation=lambda: limit(default_max_batch_tokens(max_context, get_schedule().chunked_prefill_size, PAGE)),
+    )
 
 
 def make_req(rid: str, num_tokens: int, first_token: int) -> Req:
@@ -171,18 +91,20 @@ def three_requests(lengths=(100, 100, 100)) -> list[Req]:
     return [make_req(f"r{i}", n, 1000 * (i + 1)) for i, n in enumerate(lengths)]
 
 
-def publish_limit(max_batch_tokens: int, chunk_tokens: int = CHUNK) -> Reservation:
-    return reservation_hooks.publish(
-        Reservation(
-            max_batch_tokens=max_batch_tokens,
-            chunk_tokens=chunk_tokens,
-            page_size=PAGE,
-            cp_size=8,
-            layer_ahead=True,
-            latent_token_bytes=656,
-            index_k_token_bytes=132,
-        )
+def limit(max_batch_tokens: int, chunk_tokens: int = CHUNK) -> Reservation:
+    return Reservation(
+        max_batch_tokens=max_batch_tokens,
+        chunk_tokens=chunk_tokens,
+        page_size=PAGE,
+        cp_size=8,
+        layer_ahead=True,
+        latent_token_bytes=656,
+        index_k_token_bytes=132,
     )
+
+
+def publish_limit(max_batch_tokens: int, chunk_tokens: int = CHUNK) -> Reservation:
+    return reservation_hooks.publish(limit(max_batch_tokens, chunk_tokens))
 
 
 def walked_dense_pages(tree_cache, requests, page_size=PAGE) -> int:

@@ -23,28 +23,20 @@ from sglang_cpkv.upstream_import import install_torchvision_stub
 
 install_torchvision_stub()
 
-from sglang.srt import runtime_context  # noqa: E402
-from sglang.srt.managers.schedule_batch import Req, ScheduleBatch  # noqa: E402
-from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder  # noqa: E402
-from sglang.srt.managers.scheduler_components.new_token_ratio_tracker import NewTokenRatioTracker  # noqa: E402
-from sglang.srt.mem_cache.allocator.page_interleave import PageInterleavePoolAllocator  # noqa: E402
+from sglang.srt.managers.schedule_batch import Req  # noqa: E402
+from sglang.srt.managers.schedule_policy import AddReqResult  # noqa: E402
 from sglang.srt.mem_cache.base_prefix_cache import InsertParams  # noqa: E402
-from sglang.srt.mem_cache.cache_init_params import CacheInitParams  # noqa: E402
-from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool  # noqa: E402
 from sglang.srt.mem_cache.radix_cache import RadixKey  # noqa: E402
-from sglang.srt.mem_cache.unified_cache.components import ComponentType  # noqa: E402
-from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache  # noqa: E402
 from sglang.srt.runtime_context import get_schedule  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
-from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 from sglang_cpkv.capacity.upstream import prefill_cp_server  # noqa: E402
 from sglang_cpkv.hooks import page_ids as page_id_hooks  # noqa: E402
-from sglang_cpkv.hooks import reservation as reservation_hooks  # noqa: E402
 from sglang_cpkv.hooks import state  # noqa: E402
 from sglang_cpkv.runtime.reservation import Reservation  # noqa: E402
 from sglang_cpkv.testing.ci_register import register_cpu_ci  # noqa: E402
 from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E402, F401 (autouse)
+from sglang_cpkv.testing.prefill_admission import AdmissionWorld  # noqa: E402
 
 register_cpu_ci(est_time=30, suite="cpkv-cpu")
 
@@ -60,96 +52,35 @@ def no_reservation():
         yield
 
 
-class World:
-    def __init__(self, monkeypatch, mode_on: bool, chunk: int = CHUNK):
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
-        monkeypatch.setenv("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1")
-        args = ServerArgs(**{**SERVER, "chunked_prefill_size": chunk}, enable_cp_shared_kv=mode_on)
-        args.resolve_once()
-        runtime_context.get_context().set_server_args(args)
-        assert get_schedule().page_size == PAGE
-        pool_tokens = PAGES_PER_RANK * PAGE
-        self.req_to_token_pool = ReqToTokenPool(size=64, max_context_len=8192, device="cpu", enable_memory_saver=False)
-        kv_pool = MLATokenToKVPool(
-            pool_tokens,
-            page_size=PAGE,
-            dtype=torch.bfloat16,
-            kv_lora_rank=512,
-            qk_rope_head_dim=64,
-            layer_num=1,
-            device="cpu",
-            enable_memory_saver=False,
-        )
-        if mode_on:  # our hooks: the reservation published at pool sizing, the allocator of hooks/page_ids.py
-            reservation_hooks.publish(
-                Reservation(
-                    max_batch_tokens=8192,
-                    chunk_tokens=chunk,
-                    page_size=PAGE,
-                    cp_size=CP,
-                    layer_ahead=True,
-                    latent_token_bytes=656,
-                    index_k_token_bytes=132,
-                )
-            )
-            assert page_id_hooks.widens_page_ids()
-            self.allocator = page_id_hooks.page_interleave_allocator(
-                pool_tokens, PAGE, torch.bfloat16, "cpu", kv_pool, False
-            )
-        else:  # upstream alone: the --enable-kv-cache-sharding allocator (its scratch spec is checked after the budget)
-            self.allocator = PageInterleavePoolAllocator(
-                pool_tokens,
-                physical_page_size=PAGE,
-                shard_size=CP,
-                dtype=torch.bfloat16,
-                device="cpu",
-                kvcache=kv_pool,
-                need_sort=False,
-                shard_spec=None,
-            )
-        self.tree_cache = UnifiedRadixCache(
-            CacheInitParams(
-                disable=False,
-                req_to_token_pool=self.req_to_token_pool,
-                token_to_kv_pool_allocator=self.allocator,
-                page_size=PAGE,
-                tree_components=(ComponentType.FULL,),
-            )
-        )
-        self.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)  # P/D prefill: nothing decodes here
+class World(AdmissionWorld):
+    """The server's objects (``testing/prefill_admission.py``); mode off: ``--enable-kv-cache-sharding``'s allocator."""
 
-    def adder(self, waiting):
-        s = get_schedule()
-        return PrefillAdder(
-            s.page_size,
-            self.tree_cache,
-            self.allocator,
-            self.running_batch,
-            NewTokenRatioTracker.from_config().current,
-            s.max_prefill_tokens,
-            s.chunked_prefill_size,
-            0,
-            s.priority_scheduling_preemption_threshold,
-            max_prefill_bs=0,
-            max_running_requests=s.max_running_requests,
-            prefill_max_requests=s.prefill_max_requests,
-            prefill_delayer_single_pass=None,
-            dllm_config=None,
-            waiting_queue_len=len(waiting),
-            prefill_tile_block_m=64,
+    def __init__(self, monkeypatch, mode_on: bool, chunk: int = CHUNK):
+        super().__init__(
+            monkeypatch,
+            {**SERVER, "chunked_prefill_size": chunk},
+            mode_on=mode_on,
+            pool_tokens=PAGES_PER_RANK * PAGE,
+            rows=64,
+            max_context=8192,
+            reservation=lambda: Reservation(
+                max_batch_tokens=8192,
+                chunk_tokens=chunk,
+                page_size=PAGE,
+                cp_size=CP,
+                layer_ahead=True,
+                latent_token_bytes=656,
+                index_k_token_bytes=132,
+            ),
+            kv_cache_sharding=True,
         )
+        assert get_schedule().page_size == PAGE
+        assert page_id_hooks.widens_page_ids() == mode_on
 
     def prefill_pass(self, waiting):
-        """One pass of the scheduler's waiting-queue loop (_get_new_batch_prefill_raw)."""
-        adder, results = self.adder(waiting), {}
-        for req in waiting:
-            if adder.budget_state() == AddReqResult.OTHER:
-                break
-            req.init_next_round_input(self.tree_cache)
-            results[req.rid] = res = adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None)
-            if res != AddReqResult.CONTINUE:
-                break
-        for req in adder.can_run_list:  # a test pass: give back the admission locks
+        """One pass of the scheduler's waiting-queue loop, then the admission locks given back (a test pass)."""
+        adder, results = super().prefill_pass(waiting)
+        for req in adder.can_run_list:
             self.tree_cache.unlock(req.lock)
         return adder, results
 
