@@ -28,7 +28,7 @@ def scenario(server: Any, workload: Any, reports: list[dict], seconds: float) ->
     problems: list[str] = []
     crashes = [f"{r.get('role')} {r.get('rank', '')}: {r['crash']}" for r in reports if "crash" in r]
     problems += crashes
-    with_decode = getattr(server, "transfer_backend", "mooncake") == "mooncake"  # else no decode (the GPU soak)
+    with_decode = server.transfer_backend == "mooncake"  # else no decode (the GPU soak)
     if len(prefill) != server.cp or bool(decode) != with_decode:
         problems.append(f"reports from {len(prefill)} of {server.cp} prefill ranks and {1 if decode else 0} decode")
     checks = [r["checks"] for r in [*prefill, decode] if "checks" in r]

@@ -142,7 +142,7 @@ def start_process(config: ServerConfig, role: str, rank: int, model_dir: str, bo
     if config.transfer_backend == "mooncake":
         require_transfer_engine()
     else:
-        sys.modules["mooncake"] = sys.modules["mooncake.engine"] = _EngineStandIn
+        sys.modules["mooncake"] = sys.modules["mooncake.engine"] = _standin_mooncake()
     import msgspec
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import init_mooncake_transfer_engine
@@ -171,29 +171,35 @@ def start_process(config: ServerConfig, role: str, rank: int, model_dir: str, bo
     return args
 
 
-class _EngineStandIn:
-    """TEST-ONLY, the fake transfer (``ServerConfig.transfer_backend``): ``mooncake.engine`` for a KV manager that is
-    built but never used (every request goes to upstream's fake sender). Moving bytes raises."""
+class _StandInTransferEngine:
+    """TEST-ONLY, the fake transfer (``ServerConfig.transfer_backend``): the engine of a KV manager that is built but
+    never used (every request goes to upstream's fake sender). Moving bytes raises."""
 
-    class TransferEngine:
-        def initialize(self, *args: Any) -> int:
-            return 0
+    def initialize(self, *args: Any) -> int:
+        return 0
 
-        def get_rpc_port(self) -> int:
-            return 0
+    def get_rpc_port(self) -> int:
+        return 0
 
-        def register_memory(self, *args: Any) -> int:
-            return 0
+    def register_memory(self, *args: Any) -> int:
+        return 0
 
-        unregister_memory = batch_register_memory = batch_unregister_memory = register_memory
+    unregister_memory = batch_register_memory = batch_unregister_memory = register_memory
 
-        def get_engine(self) -> Any:
-            return self
+    def get_engine(self) -> Any:
+        return self
 
-        def transfer_sync_write(self, *args: Any) -> int:
-            raise RuntimeError("the soak's fake transfer moves nothing: a request reached the Mooncake engine")
+    def transfer_sync_write(self, *args: Any) -> int:
+        raise RuntimeError("the soak's fake transfer moves nothing: a request reached the Mooncake engine")
 
-        batch_transfer_sync_write = send_probe = transfer_sync_write
+    batch_transfer_sync_write = send_probe = transfer_sync_write
+
+
+def _standin_mooncake() -> types.ModuleType:
+    """``mooncake.engine`` for the fake transfer: a module whose ``TransferEngine`` is :class:`_StandInTransferEngine`."""
+    module = types.ModuleType("mooncake.engine", "TEST-ONLY stand-in of Mooncake's engine (the soak's fake transfer)")
+    module.TransferEngine = _StandInTransferEngine
+    return module
 
 
 def stop_kv_manager(disagg_queue: Any) -> None:
