@@ -4,7 +4,7 @@ CLI's outputs and refusals, and the isolation of upstream's process-wide context
 Calibration (each figure the planner predicts that the project measures):
 
 * the mode's reservation the planner reads from upstream's pool sizing for the kit's cp 2 server equals the
-  reservation the kit's cp 2 world publishes, whose bytes ``test_cp_shared_kv_kit.py``
+  reservation the kit's cp 2 world publishes, whose bytes ``test_cp_shared_kv_kit_cp2.py``
   (``test_cp2_the_buffers_are_the_reservation_reused_across_batches``) proves the backend holds;
 * the GLM-5.1-FP8 cp 8 reservation and its pool cost equal the recorded benchmark
   (``benchmark/results/2026-12-01-shared-history/reservation_glm51_cp8.json``, the reservation row of the NOTES.md beside it);

@@ -1,5 +1,5 @@
 """The rows ``read-history-less-requests-alike-on-ragged.patch`` moves (torch only; the patched backend itself is
-driven by upstream's kit in ``integration/test_cp_shared_kv_kit.py``, mode off and on, cp 1 and cp 2).
+driven by upstream's kit in ``integration/test_cp_shared_kv_kit.py`` at cp 1 and ``..._kit_cp2*.py`` at cp 2, mode off and on).
 
 For every batch of a random sweep (history / no history, a CP cut keeping some requests with fewer keys than
 their sequence), each history-less kept request's keys are found position by position in both buffers the RAGGED
