@@ -15,9 +15,10 @@ legitimately skip all its tests on some hardware says why on that marker, as a l
     register_cpu_ci(est_time=150, suite="cpkv-cpu", may_skip="nvcc is not on PATH outside CI")
 
 and an all-skipped run of it passes, printing the reason (``disabled=`` instead keeps a file from
-running at all).
+running at all). Files start longest first by ``est_time`` (keep it the file's measured seconds on the 2-core CI
+machine), so with ``--jobs 2`` no long file is left to run alone at the end.
 
-    python test/run_suite.py --hw cpu                 # the CPU suite CI runs
+    python test/run_suite.py --hw cpu --jobs 2        # the CPU suite CI runs
     python test/run_suite.py --hw cuda --suite cpkv-test-1-gpu
     python test/run_suite.py --hw cpu --list
 """
@@ -204,7 +205,8 @@ def main() -> int:
             )
         return 0
 
-    runnable = [r for r in selected if not r.disabled]
+    # Longest first (by est_time): with --jobs > 1 a long file started last would run alone at the end.
+    runnable = sorted((r for r in selected if not r.disabled), key=lambda r: -r.est_time)
     for reg in selected:
         if reg.disabled:
             print(f"SKIP (disabled: {reg.disabled}) {reg.path.relative_to(root.parent)}")
@@ -215,6 +217,7 @@ def main() -> int:
 
     failed = []
     passed = 0
+    start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="run_suite-") as reports, ThreadPoolExecutor(max(1, args.jobs)) as pool:
         futures = [
             pool.submit(run_one, r, max(300.0, args.timeout_factor * r.est_time), Path(reports) / f"{i}.xml")
@@ -236,7 +239,7 @@ def main() -> int:
     for f in failed:
         print(f"FAILED FILE {f}")
     print(f"suite {suite}")
-    print(f"files: {passed} passed, {len(failed)} failed")
+    print(f"files: {passed} passed, {len(failed)} failed ({time.monotonic() - start:.0f}s wall, --jobs {args.jobs})")
     return 0 if not failed else 1
 
 

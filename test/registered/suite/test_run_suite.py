@@ -3,7 +3,7 @@
 Each case writes one or two registered files and runs the real runner on that directory (``--root``),
 in its own process, as CI does: a file whose tests all skip fails unless its marker says why it may
 (``may_skip="..."``), a file that collects nothing fails, a file with one test run and one skipped
-passes, and a ``may_skip`` that is not a reason is refused.
+passes, a ``may_skip`` that is not a reason is refused, and the longest file (``est_time``) starts first.
 """
 
 import re
@@ -79,6 +79,18 @@ def test_a_file_that_collects_nothing_fails_next_to_a_passing_one(tmp_path):
     assert ran.returncode == 1, ran.stdout
     assert "test_empty.py: collected no tests" in ran.stdout
     assert "files: 1 passed, 1 failed" in ran.stdout
+
+
+def test_the_longest_file_runs_first(tmp_path):
+    """Files start longest first by est_time (with --jobs 2 a long file started last would run alone at the end)."""
+    write(tmp_path, "test_a_short.py", ONE_RUNS)
+    long_header = HEADER.format(marker_extra="").replace("est_time=1,", "est_time=50,")
+    (tmp_path / "test_b_long.py").write_text(long_header + "\n\n" + ONE_RUNS + FOOTER)
+    ran = run_suite(tmp_path)
+    assert ran.returncode == 0, ran.stdout
+    passes = [line.split()[2] for line in ran.stdout.splitlines() if line.startswith("=== PASS")]
+    assert passes == [f"{tmp_path.name}/test_b_long.py:", f"{tmp_path.name}/test_a_short.py:"], ran.stdout
+    assert re.search(r"files: 2 passed, 0 failed \(\d+s wall, --jobs 1\)", ran.stdout), ran.stdout
 
 
 @pytest.mark.parametrize("value", ['""', "True"])
