@@ -191,7 +191,7 @@ class StandInWorker(SoakWorker):
                 checks.host_hit_tokens += req.host_loaded_length
         return GenerationBatchResult(
             logits_output=None,
-            next_token_ids=torch.full((batch.batch_size(),), 7, dtype=torch.int64),
+            next_token_ids=torch.full((batch.batch_size(),), 7, dtype=torch.int64, device=self.device),
             can_run_cuda_graph=False,
         )
 
