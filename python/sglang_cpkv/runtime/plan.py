@@ -219,7 +219,8 @@ class CpSharedKvPlan:
 class PlanStaging:
     """The pinned host buffer every batch's plan stages through (:func:`build_plan`): sized once, at start-up, for
     the largest batch the reservation admits (:func:`staging_bytes`); a batch that needs more is refused. Before a
-    batch writes it, the previous batch's copy out of it has finished (an event, not a device sync)."""
+    batch writes it, the previous batch's copy out of it has finished: its event is queried (on the serving path it
+    has, since the copy runs ahead of that batch's layers), and waited on only when it has not."""
 
     def __init__(self, nbytes: int, device: torch.device | str, refusal: str = "") -> None:
         """``refusal``: what to tell the operator when a batch does not fit (the setting that sizes the buffer)."""
@@ -239,8 +240,8 @@ class PlanStaging:
                 f"the batch's plan stages {nbytes} bytes, more than the {self.buffer.numel()} reserved at start-up"
                 + (f": {self.refusal}" if self.refusal else "")
             )
-        if self._copied is not None:
-            self._copied.synchronize()  # the previous batch's copy has read the buffer
+        if self._copied is not None and not self._copied.query():
+            self._copied.synchronize()  # the previous batch's copy has not read the buffer yet (rare: it ran first)
         host = self.buffer[:nbytes]
         layout.fill(host, num_slots, NUM_ERROR_KINDS)
         if self.device.type == "cuda":

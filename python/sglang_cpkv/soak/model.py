@@ -39,6 +39,7 @@ class Checks:
     dense_slots_max: int = 0  # the most dense slots a batch's plan took
     dense_slots_reserved: int = 0  # what start-up reserved
     mode_host_syncs_max: int = 0  # the most host reads of device data the mode made in one batch (the design: 1)
+    mode_host_syncs_where: dict = field(default_factory=dict)  # that batch's reads, by module:function
     upstream_host_reads: int = 0  # tensor reads in upstream's frames (on a CPU most read host tensors)
     host_hit_tokens: int = 0  # HiCache: tokens loaded back from host
     mismatches: int = 0
@@ -183,7 +184,9 @@ class StandInWorker(SoakWorker):
             capture.restore()
         checks = self.checks
         checks.batches += 1
-        checks.mode_host_syncs_max = max(checks.mode_host_syncs_max, sum(reads.syncs().values()))
+        syncs = reads.syncs()
+        if sum(syncs.values()) > checks.mode_host_syncs_max:
+            checks.mode_host_syncs_max, checks.mode_host_syncs_where = sum(syncs.values()), dict(syncs)
         checks.upstream_host_reads += sum(reads.others.values())
         for req in batch.reqs:  # a load-back is spliced in at the request's admission: counted once per request
             if req.rid not in self._loaded_back and req.host_loaded_length:
@@ -319,9 +322,17 @@ class StandInWorker(SoakWorker):
         got = output.float().cpu()[read]
         wrong = ~torch.isclose(got, want[:, None, :], atol=0.03, rtol=0.01).flatten(1).all(dim=1)
         self.checks.kernel_outputs_checked += int(read.sum())
-        for i in read.nonzero()[:, 0][wrong].tolist()[:3]:
+        error = (got - want[:, None, :]).abs().flatten(1).max(dim=1).values
+        rows = read.nonzero()[:, 0]
+        for j in wrong.nonzero()[:, 0].tolist()[:3]:
+            i = int(rows[j])
             self.checks.mismatch(
-                kind="kernel output", request=reqs[int(row_req[i])].rid, position=int(row_pos[i]), layer=layer
+                kind="kernel output",
+                request=reqs[int(row_req[i])].rid,
+                position=int(row_pos[i]),
+                layer=layer,
+                max_abs_error=round(float(error[j]), 4),
+                reads=int(counts[i]),
             )
         self.checks.mismatches += max(0, int(wrong.sum()) - 3)
 

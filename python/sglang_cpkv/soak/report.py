@@ -57,7 +57,8 @@ def scenario(server: Any, workload: Any, reports: list[dict], seconds: float) ->
     served_d, aborted_d = set(decode.get("served", ())), set(decode.get("aborted", ()))
     syncs = max((c["mode_host_syncs_max"] for c in checks), default=0)
     if syncs > 1:
-        problems.append(f"the mode read device data on the host {syncs} times in one batch (the design: once)")
+        where = next(c.get("mode_host_syncs_where", {}) for c in checks if c["mode_host_syncs_max"] == syncs)
+        problems.append(f"the mode read device data on the host {syncs} times in one batch (the design: once): {where}")
     unexpected = [u for r in [*prefill, decode] for u in r.get("unexpected", ())]
     if unexpected:
         problems.append(f"{len(unexpected)} requests ended unexpectedly: {unexpected[:5]}")
