@@ -1,37 +1,10 @@
-"""The serving-path harness: upstream's DSA attention kit through the patched backend on real CP ranks.
+"""The serving-path harness: upstream's DSA attention kit through the patched backend on real CP ranks (TEST-ONLY).
 
-Every rank is a process with upstream's distributed init and (patched) model-parallel groups - gloo on
-CPU, NCCL with one process per GPU, or gloo with every rank on one GPU (``dist_backend="gloo"``: the GPU data path
-under CP short of NCCL itself) - and the mode's exchange group made by the patched
-``initialize_model_parallel``. Each rank builds upstream's objects with :class:`~sglang_cpkv.testing.dsa_kit.
-KitWorld` (the kit's ``DSAMockModelRunner`` and pools, the ``DeepseekSparseAttnBackend``, the kit's sparse
-attention modules, upstream's CP split) and runs every scenario's forwards through the patched backend: the
-per-layer work is the runtime's :class:`~sglang_cpkv.runtime.LayerPipeline`, driven by the hooks, exactly as a
-server's prefill takes it. On a GPU the route's real kernel runs (``flashmla_*`` from the ``flash_mla`` library,
-``triton_sparse_mla``); on CPU every kernel is captured: what they read is compared.
-
-Scenarios (:func:`scenarios`; request ``r`` of a batch of ``bs``, page size 64, page ids drawn across the pool):
-
-* ``shared-prefix``: every request hits a 2-page cached prefix (a radix hit), some add their own history that
-  ends mid-page and is continued by the chunk (CURRENT_REUSE); one forward.
-* ``chunked``: chunk 1 extends every request after the cached prefix; chunk 2 reads chunk 1's rows as history
-  (persisted by the mode itself, owner-sharded across the ranks) and continues them mid-page.
-* ``sharing``: the dense layout's three sharing patterns in one batch (``testing/batches.sharing_patterns``): the
-  cached prefix as shared history slots; request 1 reads as history the page whose history request 0 ends mid-page
-  and continues (a shared CURRENT_REUSE page); the last request reads as history a page request 0 writes its
-  current tokens into (allocator reuse). The last two are collision-class states that upstream's own pool path
-  cannot serve (it writes the chunk into the pool before attention), so only ``bs1`` and ``ranks`` judge it.
-
-Checks (one report row each, ``passed`` true or false), per scenario x route x bs, over all ranks' rows:
-
-* ``mode_off`` (not for ``sharing``): every layer's kernel reads the same KV bytes (and, where it ran, gives the
-  same output) with the mode on as with it off, and the indexer reads the same index K;
-* ``bs1``: each request of the batch reads (and gets) exactly what it reads alone, bs = 1, mode on;
-* ``alone_off`` (FlashMLA's split-KV kernel only, ``flashmla_kv``: its tile schedule splits each query row's KV by
-  the work of the whole batch, so upstream itself rounds a row's output differently in another batch, and ``bs1``
-  compares the bytes read only): each request alone reads and gets with the mode on exactly what upstream's own path
-  gives it alone;
-* ``ranks`` (cp > 1): the dense views of the last layer (latent and index K) are byte-equal across ranks.
+Each rank is a process with upstream's distributed init and model-parallel groups (gloo on CPU, NCCL one process per
+GPU, or gloo on one GPU) that builds :class:`~sglang_cpkv.testing.dsa_kit.KitWorld` and runs every scenario's forwards
+through the patched backend, comparing with the mode off, with each request alone and across ranks. Callers:
+``python -m sglang_cpkv.harness``, ``harness/test_serving_harness_*.py``. Scenarios and checks:
+``docs/design/cp-shared-kv-testing.md`` ("The serving-path harness").
 """
 
 from __future__ import annotations
@@ -59,7 +32,7 @@ ROUTES = {
 }
 SCENARIO_NAMES = ("shared-prefix", "chunked", "sharing")
 UPSTREAM_CANNOT_SERVE = ("sharing",)  # collision-class states: no mode_off check
-SPLIT_KV_KERNEL = "_forward_flashmla_kv"  # the backend method of FlashMLA's split-KV decode kernel (module docstring)
+SPLIT_KV_KERNEL = "_forward_flashmla_kv"  # the backend method of FlashMLA's split-KV decode kernel (docs/design/cp-shared-kv-testing.md)
 SHARED_PREFIX = 2 * PAGE  # the cached prompt every request hits
 LONGEST = 400  # tokens of the longest request of any scenario (the kit runner's context)
 
@@ -112,7 +85,7 @@ def scenarios(bs: int, cp: int, max_bs: int) -> dict[str, Scenario]:
     chunk_tables = tables([SHARED_PREFIX + a + b for a, b in zip(first, second)])
     chunk1 = BatchCase(PAGE, capacity, chunk_tables, [SHARED_PREFIX] * bs, first, cp)
     chunk2 = BatchCase(PAGE, capacity, chunk_tables, [SHARED_PREFIX + a for a in first], second, cp)
-    # sharing (module docstring): A's history ends 30 tokens into page x, its chunk fills x and y and starts z;
+    # sharing (docs/design/cp-shared-kv-testing.md): A's history ends 30 tokens into page x, its chunk fills x and y and starts z;
     # B reads x and y whole as history, ends 10 tokens into its own page; the rest as in shared-prefix.
     (x, y, z, w), pages = pages[:4], pages[4:]
     sharing_tables = [shared + (x, y, z), shared + (x, y, w)] + list(tables([p + e for p, e in zip(prefix, extend)]))[
@@ -345,7 +318,7 @@ def _check_ranks(ranks: list[dict], key: tuple) -> list[str]:
 
 
 def judge(job: HarnessJob, cp: int, ranks: list[dict]) -> list[dict]:
-    """The report rows (module docstring: ``mode_off``, ``bs1``, ``ranks``) of every rank's results at ``cp``."""
+    """The report rows (docs/design/cp-shared-kv-testing.md: ``mode_off``, ``bs1``, ``ranks``) of every rank's results at ``cp``."""
     checks = []
     for route_name in job.routes:
         for bs in job.bs_list:

@@ -1,30 +1,10 @@
-"""Batches for CP shared-KV tests: a generator, hypothesis strategies, and the brute-force truth.
+"""Batches for CP shared-KV tests: a generator, hypothesis strategies, and the brute-force truth (TEST-ONLY).
 
-A :class:`BatchCase` is a host description of one extend batch (page tables, history/current
-lengths, page size, capacity, CP size). Its current tokens' pool locations follow from the page
-tables (``out_cache_loc`` of token ``i`` of request ``r`` = its page-table location of logical
-position ``prefix_r + i``).
-
-The truth is the contract's: request ``r``'s dense view at logical position ``p`` holds the pool
-row ``page_table[r][p // ps] * ps + p % ps`` (taken before this forward writes the pool) for
-``p < prefix_r``, and its own current row ``p - prefix_r`` after; nothing else may change it.
-:func:`truth_rows` builds it by brute force, per request, with no inverse at all.
-
-Every case is labelled with the contract's state class (:attr:`BatchCase.state_class`):
-
-* ``REACHABLE``: reachable in upstream 0.5.23 - the only pages shared between requests are
-  full history pages in every request holding them (page-aligned radix sharing); current tokens
-  use pages no other request holds. A 1-D inverse is harmless here (identical copies).
-* ``COLLISION``: anything else - a shared partially filled page, or a page id that holds current
-  tokens of one request and appears in another request's table (the seed's fork, rank-local page
-  maps, page reuse within a batch). A 1-D inverse corrupts here.
-
-:func:`generate_case` draws a case from any integer source, so one generator serves
-``random.Random`` (:func:`random_case`, for the demo and harness) and hypothesis
-(:func:`batch_cases`). :func:`run_case_on_rank` is one CP rank's layer through the runtime's pipeline
-(run on every rank by :func:`sglang_cpkv.testing.lockstep.run_lockstep` in one process, or by
-:func:`sglang_cpkv.testing.cp_dist.spawn_cp_ranks` in real processes), and :func:`check_against_truth`
-reports every mismatch of its results with the truth.
+:class:`BatchCase` describes one extend batch on the host; :func:`generate_case` draws one from any integer source
+(:func:`random_case`, :func:`batch_cases`); :func:`truth_rows` is the contract's truth by brute force;
+:func:`run_case_on_rank` runs one CP rank's layer through the runtime's pipeline and :func:`check_against_truth`
+reports every mismatch. Callers: the runtime and kernel tests, the demo, the harness. The truth and the state classes
+(REACHABLE, COLLISION): ``docs/design/cp-shared-kv-testing.md`` ("Batches and the truth").
 """
 
 from __future__ import annotations
@@ -121,7 +101,7 @@ class BatchCase:
 
     @property
     def state_class(self) -> str:
-        """:data:`REACHABLE` or :data:`COLLISION` (see the module docstring)."""
+        """:data:`REACHABLE` or :data:`COLLISION` (docs/design/cp-shared-kv-testing.md)."""
         holders: dict[int, list[tuple[int, int]]] = {}
         for r, table in enumerate(self.page_tables):
             for j, page in enumerate(table):

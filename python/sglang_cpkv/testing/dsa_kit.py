@@ -1,46 +1,11 @@
-"""Upstream's own DSA attention kit driving the patched backend, with the CP shared-KV mode off or on.
+"""Upstream's own DSA attention kit driving the patched backend, with the CP shared-KV mode off or on (TEST-ONLY).
 
-The objects are upstream's (the wheel's ``sglang/test/kits/attention_unittest/attention_methods/
-dsa_attention.py``): ``TinyDSAModelConfig``, ``DSAMockModelRunner`` (its ``ReqToTokenPool`` and
-``DSATokenToKVPool``), the ``DeepseekSparseAttnBackend`` that ``ATTENTION_BACKENDS["dsa"]`` builds from
-that runner, the kit's projected sparse attention (``ProjectedDSASparseAttention``: its
-``RadixAttention`` calls the backend's ``forward_extend``), its forward-batch builder (with our page
-layout as its ``loc_fn``) and its pool writer. What differs from the kit's own cases:
-
-* **the layout** is a :class:`~sglang_cpkv.testing.batches.BatchCase`: explicit page tables, so requests
-  share prefix pages (radix hits), a history ends mid-page, pages collide; the KV of a pool location is a
-  function of the location alone, so shared pages hold one request-independent history;
-* **layers**: a pool of several layers, some of them IndexShare layers (``skip_topk_layers``: a 0-row
-  index-K pool, as upstream's KV-cache configurator gives a layer that reuses another's top-k);
-* **CP**: on rank ``r`` of ``cp`` the query rows are upstream's interleave split (``attn_cp_metadata``
-  from upstream's own strategy and padding), the current KV handed to ``forward_extend`` is the
-  all-gathered chunk (:meth:`KitWorld.forward` projects every row on each rank, as upstream's attention-CP
-  all-gather - a CUDA-only op - would hand them; the benchmarks' timed forward, ``benchmark/kit_timing.py``,
-  runs that all-gather under CP);
-* **page ids and pools**: a case's page ids number :attr:`KitWorld.capacity` pages (a multiple of ``cp``). With the
-  mode on at cp > 1 the rank's pool is upstream's pool class of ``capacity / cp`` pages, holding only the pages it
-  owns (page id ``p`` of rank ``p % cp`` at its pool page ``p // cp``, :mod:`sglang_cpkv.runtime.ownership`), and
-  the runner's token allocator is upstream's ``PageInterleavePoolAllocator``, built by the mode's hook
-  (:func:`sglang_cpkv.hooks.page_ids.page_interleave_allocator`) as the patched KV-cache configurator builds it;
-  with the mode off (or at cp 1) the pool is a replica of all ``capacity`` pages, so the same case runs in both.
-  Page ids ``[0, cp)`` are reserved (pool page 0 of every rank; page 0 at cp 1): a case's pages are drawn from
-  ``[cp, capacity)`` (:func:`kit_capacity`, :func:`distinct_page_tables`), in both modes;
-* **top-k**: the indexer's fused transform is applied to request-local positions exactly as upstream's
-  top-k kernel does (PAGED: ``page_table_1[row's request, position]``; RAGGED: ``position +
-  topk_indices_offset[row]``), so the mode's remapped tables decide what the attention kernel reads;
-* **the kernel** (``flashmla_sparse``, ``flashmla_kv``, ``triton_sparse_mla``; ``flashmla_auto`` resolves to one of
-  the first two per batch, as upstream's ``set_dsa_prefill_impl`` decides): the tensors handed to it are captured;
-  with ``run_kernels`` on a GPU the real kernel also runs (``flashmla_*`` from the ``flash_mla`` library, which
-  :func:`missing_kernel_library` names when absent). On CPU the RAGGED route's dequantization is replaced by a
-  gather of the raw rows it would read (the kernel-side comparison is then the same rows).
-
-Every captured kernel call is reduced to what it reads (:class:`KernelReads`): for each query row the bytes
-of every KV row it addresses, in top-k order, so a mode-on run (dense view, dense locations) and a mode-off
-run (pool, pool locations) compare byte for byte.
-
-Only tests and benchmarks use this module (it imports upstream lazily and patches
-``torch.cuda.get_device_capability`` only on a CPU-only machine, to build the backend as on Hopper); the benchmarks'
-timing of a world (the plan's window, each layer's) is ``benchmark/kit_timing.py``.
+:class:`KitWorld` builds the kit's objects (``DSAMockModelRunner``, pools, the ``DeepseekSparseAttnBackend``, its
+sparse attention modules) for a :class:`~sglang_cpkv.testing.batches.BatchCase` on one CP rank, runs forwards through
+the patched backend and reduces every captured kernel call to what it reads (:class:`KernelReads`), so mode-on and
+mode-off runs compare byte for byte; on a GPU the route's real kernel runs too. Callers: the kit tests, the harness,
+the soak and the benchmarks (their timing: ``benchmark/kit_timing.py``). What differs from the kit's own cases:
+``docs/design/cp-shared-kv-testing.md`` ("Upstream's DSA attention kit").
 """
 
 from __future__ import annotations
@@ -349,7 +314,7 @@ class KitWorld:
     Attributes:
         capacity: the page ids a case is laid out on (``kit_capacity(pool_requests or max_requests, longest,
             cp_size)``); the rank's pool holds ``capacity / cp_size`` pages with the mode on at cp > 1, else
-            ``capacity`` (module docstring).
+            ``capacity`` (docs/design/cp-shared-kv-testing.md).
         allocator: upstream's ``PageInterleavePoolAllocator`` of the mode at cp > 1 (the runner's
             ``token_to_kv_pool_allocator``), else None.
 
@@ -428,7 +393,7 @@ class KitWorld:
         if pool_requests is None and (kit_pool.size + PAGE) // PAGE != kit_capacity(max_requests, longest):
             raise AssertionError("kit_capacity no longer follows DSAMockModelRunner's pool")
         self.capacity = kit_capacity(max_requests if pool_requests is None else pool_requests, longest, cp_size)
-        # With the mode on under CP a rank's pool holds its owned pages only (module docstring).
+        # With the mode on under CP a rank's pool holds its owned pages only (docs/design/cp-shared-kv-testing.md).
         self.widened = mode_on and cp_size > 1
         pool_pages = self.capacity // cp_size if self.widened else self.capacity
         runner.token_to_kv_pool = up["pool_cls"](

@@ -1,19 +1,8 @@
-"""The negative control: the seed's 1-D value-keyed page inverse (last writer wins).
+"""The negative control: the seed's 1-D value-keyed page inverse (last writer wins), kept only to show what goes wrong.
 
-This is the design the per-request inverse replaces, kept only to show what goes wrong. It is
-keyed by page id alone, ``inverse_1d[page_id] = slot``, so when two requests of a batch hold
-the same page id, the later slot wins for both. Its companion, a value-keyed *global*
-current-page mask, marks a page id as "current" for every request when any request writes
-current tokens to it (the seed then skipped materializing it and routed its reads to the fill).
-
-:func:`value_keyed_pipeline` runs the seed's per-layer pipeline with these two structures:
-materialize history slots (except globally "current" pages), fill current KV at the 1-D remap of
-``out_cache_loc``, remap top-k through the 1-D inverse. On the reachable class (page-aligned
-sharing, see :mod:`sglang_cpkv.testing.batches`) every read lands on an identical copy; on the
-collision class a request reads another request's current KV (contamination) or loses its own
-history (C2).
-
-Used by tests (which assert it fails on the collision class), the demo, and the multi-GPU harness.
+:func:`value_keyed_pipeline` runs the seed's per-layer pipeline with the 1-D inverse and its value-keyed current-page
+mask: harmless on the REACHABLE class, contamination on the COLLISION class. Callers: tests that assert it fails
+there, the demo, the multi-GPU harness. Why: ``docs/design/cp-shared-kv-testing.md`` ("The negative control").
 """
 
 from __future__ import annotations

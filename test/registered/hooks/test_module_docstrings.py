@@ -15,15 +15,6 @@ ROOT = Path(__file__).resolve().parents[3]
 PACKAGE = ROOT / "python" / "sglang_cpkv"
 MAX_LINES = 10
 
-# Still long, and being shortened by another change (their owners are editing them now); remove an entry once its
-# docstring fits. Nothing else may be added here.
-BEING_SHORTENED = {
-    "harness/serving.py",
-    "testing/batches.py",
-    "testing/dsa_kit.py",
-    "testing/value_keyed_inverse.py",
-}
-
 
 def _modules() -> list[Path]:
     return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
@@ -43,21 +34,12 @@ def test_every_module_has_a_docstring():
 
 def test_every_module_docstring_is_at_most_ten_lines():
     too_long = {
-        str(p.relative_to(PACKAGE)): n
-        for p in _modules()
-        if (n := _docstring_lines(p)) is not None and n > MAX_LINES
-        if str(p.relative_to(PACKAGE)) not in BEING_SHORTENED
+        str(p.relative_to(PACKAGE)): n for p in _modules() if (n := _docstring_lines(p)) is not None and n > MAX_LINES
     }
     assert too_long == {}, (
         f"module docstrings over {MAX_LINES} lines (role, callers, a pointer into docs/design/; the design goes "
         f"to the design doc): {too_long}"
     )
-
-
-def test_the_allow_list_names_only_modules_that_are_still_long():
-    lines = {str(p.relative_to(PACKAGE)): _docstring_lines(p) for p in _modules()}
-    stale = sorted(name for name in BEING_SHORTENED if (lines.get(name) or 0) <= MAX_LINES)
-    assert stale == [], f"remove from BEING_SHORTENED, their docstrings fit now: {stale}"
 
 
 if __name__ == "__main__":
