@@ -33,7 +33,7 @@ import pytest
 
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=240, suite="cpkv-cpu")
+register_cpu_ci(est_time=95, suite="cpkv-cpu")
 
 pytest.importorskip("sglang", reason="needs upstream sglang 0.5.23 installed (make setup)")
 

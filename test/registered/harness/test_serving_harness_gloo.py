@@ -24,7 +24,7 @@ from sglang_cpkv.harness import serving
 from sglang_cpkv.testing.batches import HISTORY_WRITTEN, SHARED_HISTORY, SHARED_REUSE, sharing_patterns
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=80, suite="cpkv-cpu")
+register_cpu_ci(est_time=30, suite="cpkv-cpu")
 
 # The PAGED bf16 route: on CPU upstream's FP8 writers run in the Triton interpreter (about 40 s a scenario here);
 # the RAGGED FP8 route at cp 2 over gloo is test_cp_shared_kv_kit_cp2*.py's, every route runs in the GPU suites.

@@ -45,7 +45,7 @@ from sglang_cpkv.testing.hicache_cpu import (
     cpu_host_transfers,
 )
 
-register_cpu_ci(est_time=240, suite="cpkv-cpu")
+register_cpu_ci(est_time=125, suite="cpkv-cpu")
 from sglang_cpkv.testing.pool_sizing import scoped_upstream_context  # noqa: E402, F401 (autouse: upstream's context per test)
 
 SHAPE = (3, 300)  # requests, longest

@@ -19,7 +19,7 @@ import pytest
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
 register_cpu_ci(
-    est_time=150,
+    est_time=35,
     suite="cpkv-cpu",
     may_skip="nvcc is not on PATH (CI has it: with CI set, a missing nvcc fails instead)",
 )

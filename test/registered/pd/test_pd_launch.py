@@ -40,7 +40,7 @@ from sglang_cpkv.testing.ci_register import register_cpu_ci
 from sglang_cpkv.testing.dsa_kit import LLAMA_CONFIG
 from sglang_cpkv.testing.pd_stub import alive, free_port, listening, wait_for, write_stub_python
 
-register_cpu_ci(est_time=180, suite="cpkv-cpu")
+register_cpu_ci(est_time=100, suite="cpkv-cpu")
 
 REPO = Path(__file__).resolve().parents[3]
 PD = REPO / "scripts" / "pd"

@@ -44,7 +44,7 @@ from sglang_cpkv.testing.batches import (
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 from sglang_cpkv.testing.value_keyed_inverse import value_keyed_read_mismatches
 
-register_cpu_ci(est_time=120, suite="cpkv-cpu")
+register_cpu_ci(est_time=45, suite="cpkv-cpu")
 
 torch.set_num_threads(1)  # tiny tensors: thread start-up costs more than it saves
 PROPERTY_EXAMPLES = 2000

@@ -27,7 +27,7 @@ import torch
 
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
-register_cpu_ci(est_time=200, suite="cpkv-cpu")
+register_cpu_ci(est_time=165, suite="cpkv-cpu")
 
 pytest.importorskip("sglang", reason="needs upstream sglang 0.5.23 installed (make setup)")
 
