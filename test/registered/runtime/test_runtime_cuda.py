@@ -110,18 +110,19 @@ def test_one_pinned_staging_serves_batch_after_batch_without_a_host_sync():
     entries = max(sum(map(len, c.page_tables)) for c in cases)
     staging = PlanStaging(staging_bytes(entries, round_dense_slots(entries)), device)
     assert staging.buffer.is_pinned()
+    locs = [torch.tensor(case.out_cache_loc(), dtype=torch.int64).to(device) for case in cases]  # before the guard
     no_sync = ops.warm_up(device) != "torch"
     plans = []
     try:
         if no_sync:
             torch.cuda.set_sync_debug_mode("error")
-        for case in cases:
+        for case, out_cache_loc in zip(cases, locs):
             plans.append(
                 build_plan(
                     [list(t) for t in case.page_tables],
                     case.prefix_lens,
                     case.extend_lens,
-                    torch.tensor(case.out_cache_loc(), dtype=torch.int64).to(device),
+                    out_cache_loc,
                     capacity=case.capacity,
                     page_size=case.page_size,
                     split=build_cp_split(case.effective_strategy, case.extend_lens, case.cp_size, case.cp_size - 1),
