@@ -241,7 +241,7 @@ class PlanStaging:
                 + (f": {self.refusal}" if self.refusal else "")
             )
         if self._copied is not None and not self._copied.query():
-            self._copied.synchronize()  # the previous batch's copy has not read the buffer yet (rare: it ran first)
+            self._copied.synchronize()  # the stream has not reached the previous batch's copy yet
         host = self.buffer[:nbytes]
         layout.fill(host, num_slots, NUM_ERROR_KINDS)
         if self.device.type == "cuda":
