@@ -2,8 +2,8 @@
 
 Run (commit a6097ee, the admission fix applied), its report benchmark/results/2026-12-07-soak/owner-class-admission.json
 (the script lived in that folder as owner_class_admission_scenario.py until issue 55):
-    cd /tmp && TRITON_INTERPRET=1 /work/main/.venv/bin/python \
-        /work/main/benchmark/soak_owner_class_admission_scenario.py 200 7 2300 /tmp/ll-soak out.json
+    # from the repository root, after make setup:
+    TRITON_INTERPRET=1 .venv/bin/python benchmark/soak_owner_class_admission_scenario.py 200 7 2300 "$(mktemp -d)" out.json
 (requests, seed, longest prompt: under the bootstrap bound of this 2,560-token node pool, 2,368.)
 """
 

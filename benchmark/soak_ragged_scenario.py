@@ -2,8 +2,8 @@
 
 Run at commit 761ae9b's tree (its report benchmark/results/2026-12-07-soak/ragged-cp2.json; the script lived in that
 folder as ragged_scenario.py until issue 55):
-    cd /tmp && TRITON_INTERPRET=1 /work/main/.venv/bin/python \
-        /work/main/benchmark/soak_ragged_scenario.py 100 106 /tmp/ragged-soak ragged-cp2.json
+    # from the repository root, after make setup:
+    TRITON_INTERPRET=1 .venv/bin/python benchmark/soak_ragged_scenario.py 100 106 "$(mktemp -d)" ragged-cp2.json
 """
 
 import json

@@ -118,14 +118,14 @@ class BackendState:
         self._in_transit: list[_ErrorsInTransit] = []
         self._kinds_made: dict[tuple, list[PagedKind]] = {}
         self._read_counters: list[torch.Tensor] = []  # pinned host counters already read: the next transits' buffers
-        self._staging: dict[tuple, PlanStaging] = {}
+        self._staging: tuple[tuple, PlanStaging] | None = None  # (reservation, device), its staging
 
     def plan_staging(self, reservation: Reservation, device: torch.device) -> PlanStaging:
         """The pinned buffer every batch's plan stages through, made once at the size the reservation gives it."""
         key = (reservation, torch.device(device))
-        if key not in self._staging:  # first use (or another reservation: tests)
-            self._staging = {key: PlanStaging(reservation.plan_staging_bytes, device, reservation.plan_staging_refusal)}
-        return self._staging[key]
+        if self._staging is None or self._staging[0] != key:  # first use (or another reservation: tests)
+            self._staging = (key, PlanStaging(reservation.plan_staging_bytes, device, reservation.plan_staging_refusal))
+        return self._staging[1]
 
     def surface_errors(self) -> None:
         """Raise, once, for the earlier batches whose counters have reached the host and show dropped ids; the

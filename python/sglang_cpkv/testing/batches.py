@@ -36,6 +36,7 @@ from sglang_cpkv.runtime import (
     rows_kind,
     split_applies,
 )
+from sglang_cpkv.runtime.plan import PlanStaging
 from sglang_cpkv.runtime.reservation import Reservation
 from sglang_cpkv.testing.lockstep import run_lockstep
 
@@ -526,16 +527,20 @@ def run_case_on_ranks(
     )
 
 
-def host_plan(case: BatchCase, cp_rank: int) -> CpSharedKvPlan:
-    """The plan rank ``cp_rank`` builds for ``case``, on the CPU (the layout a rank's results are read with)."""
+def host_plan(
+    case: BatchCase, cp_rank: int, table: torch.Tensor | None = None, staging: PlanStaging | None = None
+) -> CpSharedKvPlan:
+    """The plan rank ``cp_rank`` builds for ``case``, on the CPU (the layout a rank's results are read with);
+    ``table``: its page tables as a tensor (default: host lists), ``staging``: :func:`build_plan`'s."""
     return build_plan(
-        [list(t) for t in case.page_tables],
+        [list(t) for t in case.page_tables] if table is None else table,
         case.prefix_lens,
         case.extend_lens,
         torch.tensor(case.out_cache_loc(), dtype=torch.int64),
         capacity=case.capacity,
         page_size=case.page_size,
         split=build_cp_split(case.effective_strategy, case.extend_lens, case.cp_size, cp_rank),
+        staging=staging,
     )
 
 

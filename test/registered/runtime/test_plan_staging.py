@@ -18,25 +18,11 @@ from sglang_cpkv.hooks.dsa_batch import BackendState
 from sglang_cpkv.ops.errors import NUM_ERROR_KINDS, CpSharedKvError
 from sglang_cpkv.runtime import plan
 from sglang_cpkv.runtime.buckets import round_dense_slots
-from sglang_cpkv.runtime.cp_split import build_cp_split
 from sglang_cpkv.runtime.reservation import SETTING, Reservation
 from sglang_cpkv.testing.batches import BatchCase, host_plan, padded_page_table, random_case, sparse_case
 from sglang_cpkv.testing.ci_register import register_cpu_ci
 
 register_cpu_ci(est_time=20, suite="cpkv-cpu")
-
-
-def _build(case: BatchCase, cp_rank: int = 0, table=None, staging=None) -> plan.CpSharedKvPlan:
-    return plan.build_plan(
-        [list(t) for t in case.page_tables] if table is None else table,
-        case.prefix_lens,
-        case.extend_lens,
-        torch.tensor(case.out_cache_loc(), dtype=torch.int64),
-        capacity=case.capacity,
-        page_size=case.page_size,
-        split=build_cp_split(case.effective_strategy, case.extend_lens, case.cp_size, cp_rank),
-        staging=staging,
-    )
 
 
 def _staged_bytes(case: BatchCase, cp_rank: int, table: torch.Tensor | None) -> tuple[int, int, int]:
@@ -96,8 +82,8 @@ def test_one_buffer_serves_batch_after_batch_and_leaves_earlier_plans_intact():
     address = staging.buffer.data_ptr()
     built = []
     for case in cases:
-        reused = _build(case, case.cp_size - 1, staging=staging)
-        alone = _build(case, case.cp_size - 1)
+        reused = host_plan(case, case.cp_size - 1, staging=staging)
+        alone = host_plan(case, case.cp_size - 1)
         _assert_same(_tensors(reused), _tensors(alone))
         built.append((reused, _tensors(alone)))
     assert staging.buffer.data_ptr() == address
@@ -113,7 +99,7 @@ def test_the_page_table_dtypes_and_a_strided_table(dtype):
     strided.copy_(wide)
     assert not strided.is_contiguous()
     for cp_rank in range(case.cp_size):
-        _assert_same(_tensors(_build(case, cp_rank, table=strided)), _tensors(_build(case, cp_rank)))
+        _assert_same(_tensors(host_plan(case, cp_rank, table=strided)), _tensors(host_plan(case, cp_rank)))
 
 
 def test_a_batch_past_the_buffer_is_refused_naming_the_setting():
@@ -132,9 +118,9 @@ def test_a_batch_past_the_buffer_is_refused_naming_the_setting():
     with pytest.raises(
         CpSharedKvError, match=f"more than the {reservation.plan_staging_bytes} reserved at start-up: raise {SETTING}"
     ):
-        _build(case, staging=staging)
+        host_plan(case, 0, staging=staging)
     small = BatchCase(4, 4096, ((1, 2), (3,)), (4, 0), (3, 2))
-    _assert_same(_tensors(_build(small, staging=staging)), _tensors(_build(small)))
+    _assert_same(_tensors(host_plan(small, 0, staging=staging)), _tensors(host_plan(small, 0)))
 
 
 def test_the_hook_keeps_one_buffer_per_reservation_and_device():
@@ -150,7 +136,7 @@ def test_a_staging_on_another_device_is_refused():
     case = BatchCase(4, 64, ((1, 2),), (0,), (5,))
     staging = plan.PlanStaging(1 << 16, "meta")
     with pytest.raises(CpSharedKvError, match="the plan's staging is on meta, the batch's out_cache_loc on cpu"):
-        _build(case, staging=staging)
+        host_plan(case, 0, staging=staging)
 
 
 @pytest.mark.parametrize(
