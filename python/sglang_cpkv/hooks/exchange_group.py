@@ -1,12 +1,11 @@
-"""Start-up of ``--enable-cp-shared-kv`` in a model-parallel process: the history exchange's group, the ops' warm-up.
+"""Start-up of ``--enable-cp-shared-kv`` in a model-parallel process: the history exchange's group.
 
 Called from ``patches/core/create-cp-shared-kv-exchange-group.patch`` right after ``initialize_model_parallel``
 builds upstream's attention-CP ``GroupCoordinator``: :func:`on_attn_cp_group_created` (every rank, same point) makes
 a ``torch.distributed`` group of its own over the same ranks (the layer-ahead all-gathers run on a side stream, and
-one communicator's NCCL operations must not run from two streams) and warms the ops up
-(:func:`sglang_cpkv.ops.warm_up`: the CUDA library is loaded and probed here, never inside a forward). The group is
-process state (:mod:`.state`), shared by the target's and the draft's backends. Design:
-``docs/design/cp-shared-kv.md`` section 2, "Exchange group and ops warm-up".
+one communicator's NCCL operations must not run from two streams). The group is process state (:mod:`.state`),
+shared by the target's and the draft's backends. Design: ``docs/design/cp-shared-kv.md`` section 2, "Exchange
+group".
 """
 
 from __future__ import annotations
@@ -48,14 +47,9 @@ def exchange_group() -> TorchDistCpGroup:
 
 
 def on_attn_cp_group_created(attn_cp_group: Any) -> None:
-    """Mode on and ``attn_cp_size > 1``: make the exchange group and warm the ops up (see the module docstring)."""
+    """Mode on and ``attn_cp_size > 1``: make the exchange group (see the module docstring)."""
     if not enabled() or attn_cp_group.world_size <= 1:
         return
-    import torch
     import torch.distributed as dist
 
-    from sglang_cpkv import ops
-
     create_exchange_group(list(attn_cp_group.ranks), dist.get_backend(attn_cp_group.device_group))
-    if torch.cuda.is_available():
-        ops.warm_up(torch.device("cuda", torch.cuda.current_device()))

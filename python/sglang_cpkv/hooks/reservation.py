@@ -4,7 +4,8 @@ Called from ``patches/core/reserve-cp-shared-kv-buffers.patch``: :func:`pool_ove
 ``DefaultPoolConfigurator.__init__`` (beside upstream's kv-shard scratch) computes this server's
 :class:`~sglang_cpkv.runtime.reservation.Reservation`, publishes it with the start-up settings as the mode's one
 configuration (:class:`~.state.ModeConfig`), logs it and returns its bytes (0 for a draft worker: the target's
-counts the draft's backend); :func:`defers_request` in ``PrefillAdder.add_one_req`` makes a request whose dense KV
+counts the draft's backend), and warms the ops up on the server's device (:func:`sglang_cpkv.ops.warm_up`: never
+inside a forward); :func:`defers_request` in ``PrefillAdder.add_one_req`` makes a request whose dense KV
 would take the batch past the limit wait (:class:`AdmissionTally`: history shared through the radix tree counts
 once; never a batch's first request). Design: ``docs/design/cp-shared-kv.md`` section 2b.
 """
@@ -69,7 +70,11 @@ def pool_overhead_bytes(kvc: Any) -> int:
         index_k_token_bytes=index_k_token_bytes(model_config.hf_config),
         backends=2 if kvc.spec_algorithm.is_eagle() else 1,
     )
-    return publish(reservation).total_bytes
+    publish(reservation)
+    from sglang_cpkv import ops
+
+    ops.warm_up(kvc.device)  # loads and probes the ops' backend (the CUDA one synchronizes) before any batch
+    return reservation.total_bytes
 
 
 def _history_nodes(tree_cache: Any, req: Any) -> list[Any] | None:

@@ -5,7 +5,7 @@ CUDA (:mod:`sglang_cpkv.ops.cuda`, when its library is loaded and passes its pro
 Triton (:mod:`sglang_cpkv.ops.triton`; for CPU tensors only under ``TRITON_INTERPRET=1`` set before its import) and
 the torch reference. ``SGLANG_CPKV_OPS_BACKEND`` (``auto``, ``cuda``, ``triton``, ``torch``) forces one, or raises
 naming why it cannot run; the choice is logged once per backend. :func:`warm_up` loads and probes the CUDA backend
-at start-up (``hooks/exchange_group.py``), which synchronizes; after it, dispatch reads only tensor metadata and
+at start-up (``hooks/reservation.py``), which synchronizes; after it, dispatch reads only tensor metadata and
 never synchronizes (safe inside a forward and under CUDA graph capture). Where each op runs:
 ``docs/design/cp-shared-kv.md`` sections 3-4; its terms: ``docs/design/cp-shared-kv-contract.md``.
 """

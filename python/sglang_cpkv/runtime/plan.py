@@ -223,8 +223,11 @@ class PlanStaging:
     has, since the copy runs ahead of that batch's layers), and waited on only when it has not."""
 
     def __init__(self, nbytes: int, device: torch.device | str, refusal: str = "") -> None:
-        """``refusal``: what to tell the operator when a batch does not fit (the setting that sizes the buffer)."""
+        """``device``: the plan's (``"cuda"`` is the current CUDA device, as a tensor made there says).
+        ``refusal``: what to tell the operator when a batch does not fit (the setting that sizes the buffer)."""
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         self.refusal = refusal
         self._copied: torch.cuda.Event | None = None

@@ -311,8 +311,10 @@ class StandInWorker(SoakWorker):
     def _check_output(self, output, sel, distinct, which, layer, reqs, row_req, row_pos) -> None:
         """The real kernel's output (a GPU run). The stand-in's queries are zero, so every read of a query row weighs
         the same: its output is the mean of the latent rows it reads, the function's values (exact in bf16 and FP8,
-        so the tolerance is the bf16 rounding of the output)."""
+        so the tolerance is the bf16 rounding of the output). ``output``: ``[rows, heads, dim]``, or ``flashmla_kv``'s
+        ``[rows, 1, heads, dim]`` (one query per decode batch row)."""
         n = output.shape[0]
+        output = output.reshape(n, -1, NOPE)
         latent = kv_function.latent_rows(distinct, layer)[0].float()[which]
         query = sel.nonzero()[:, 0]
         sums = torch.zeros(n, NOPE).index_add_(0, query, latent)

@@ -8,7 +8,7 @@ Checked: with the mode off nothing is charged; with it on the configurator's fix
 published reservation (the sum of its buffers, :class:`~sglang_cpkv.runtime.reservation.Reservation`), the pool
 shrinks by exactly that many bytes of tokens, the start-up log states it, and the reservation holds the row sizes
 upstream's pool will have; an EAGLE draft doubles it on the target and charges nothing on the draft worker; an
-explicit ``--cp-shared-kv-max-batch-tokens`` sizes it.
+explicit ``--cp-shared-kv-max-batch-tokens`` sizes it; the ops' backend is warmed up there.
 """
 
 from __future__ import annotations
@@ -107,6 +107,15 @@ def test_the_limit_sizes_the_reservation(monkeypatch):
     parts = reserved.parts()
     assert parts["latent dense views"] + parts["index_k dense views"] == views
     assert parts["current-row scratch"] == (reserved.chunk_tokens + 1) * (reserved.latent_token_bytes + 8)
+
+
+def test_the_ops_are_warmed_up_at_start_up_not_in_the_first_batch(monkeypatch):
+    """The pool sizing hook loads and probes the ops' backend on the server's device (the CUDA probe synchronizes:
+    inside a forward it would be the batch's extra host reads): a forced backend that cannot run there stops the
+    start-up, naming the variable, before any batch."""
+    monkeypatch.setenv("SGLANG_CPKV_OPS_BACKEND", "cuda")
+    with pytest.raises(RuntimeError, match="SGLANG_CPKV_OPS_BACKEND=cuda cannot run the CP shared-KV ops"):
+        _pool_sizing(monkeypatch, True)
 
 
 if __name__ == "__main__":

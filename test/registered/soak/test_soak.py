@@ -231,9 +231,11 @@ def test_the_report_fails_a_scenario_for_each_kind_of_problem():
     assert "ended unexpectedly" in unexpected["problems"][0]
 
 
-def test_a_real_kernels_output_is_checked_against_the_mean_of_its_reads():
+@pytest.mark.parametrize("layout", ["rows, heads, dim", "rows, 1, heads, dim"])
+def test_a_real_kernels_output_is_checked_against_the_mean_of_its_reads(layout):
     """The GPU soak's check of a real attention kernel (zero queries: each row's output is the mean of its reads),
-    here on outputs made from the function, right and wrong."""
+    here on outputs made from the function, right and wrong, in each layout a route returns (``flashmla_kv``: one
+    query per decode batch row, ``[rows, 1, heads, dim]``)."""
     from types import SimpleNamespace
 
     from sglang_cpkv.soak.model import Checks, StandInWorker
@@ -244,12 +246,14 @@ def test_a_real_kernels_output_is_checked_against_the_mean_of_its_reads():
     rows = kv_function.latent_rows(hashes, 1)[0].float()
     mean = torch.stack([(rows[0] + rows[2]) / 2, rows[1], torch.zeros_like(rows[0])])
     output = mean[:, None, :].expand(3, 2, -1).to(torch.bfloat16)  # 2 heads, bf16 as a kernel writes it
+    if layout == "rows, 1, heads, dim":
+        output = output.unsqueeze(1)
     worker = SimpleNamespace(checks=Checks(rank=0))
     reqs, row_req, row_pos = [SimpleNamespace(rid="r0")], torch.zeros(3, dtype=torch.int64), torch.arange(3)
     StandInWorker._check_output(worker, output, sel, hashes, read, 1, reqs, row_req, row_pos)
     assert (worker.checks.kernel_outputs_checked, worker.checks.mismatches) == (2, 0)
     wrong = output.clone()
-    wrong[1, 1, 5] += 0.5
+    wrong.view(3, 2, -1)[1, 1, 5] += 0.5
     StandInWorker._check_output(worker, wrong, sel, hashes, read, 1, reqs, row_req, row_pos)
     assert worker.checks.mismatches == 1 and worker.checks.examples[0]["kind"] == "kernel output"
 
