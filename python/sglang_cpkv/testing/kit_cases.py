@@ -64,22 +64,31 @@ def assert_same_reads(off, on, what):
             assert same_bytes(x, y), f"{what} layer {layer}: the indexer reads other index K with the mode on"
 
 
-def run_pair(route, case, shape, **kw):
-    """``[mode off run, mode on run]`` of ``case``, each in a fresh world."""
-    runs = []
-    for mode_on in (False, True):
+# Runs of fresh worlds at cp 1, each computed once per process (:func:`run_case`).
+_RUNS: dict = {}
+
+
+def run_case(route, case, shape, mode_on, **kw):
+    """``case``'s run (every layer) in a fresh world with its history written. A fresh world's run is a function of
+    these arguments and the process's ``SGLANG_*`` settings, so it is computed once per process and shared by the
+    tests that read it (tests only read runs)."""
+    settings = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("SGLANG")))
+    key = (route, case, shape, mode_on, tuple(sorted(kw.items())), settings)
+    if key not in _RUNS:
         w = kit_world(route, shape, mode_on, **kw)
         w.write_history(case)
-        runs.append(w.forward(case))
-    return runs
+        _RUNS[key] = w.forward(case)
+    return _RUNS[key]
+
+
+def run_pair(route, case, shape, **kw):
+    """``[mode off run, mode on run]`` of ``case`` (:func:`run_case`)."""
+    return [run_case(route, case, shape, mode_on, **kw) for mode_on in (False, True)]
 
 
 def run_alone(route, case, r, shape=SHARED_SHAPE, mode_on=True):
-    """Request ``r`` of ``case`` alone in a fresh world: its run (every layer)."""
-    solo_case = alone_case(case, r)
-    w = kit_world(route, shape, mode_on)
-    w.write_history(solo_case)
-    return w.forward(solo_case)
+    """Request ``r`` of ``case`` alone (:func:`run_case`)."""
+    return run_case(route, alone_case(case, r), shape, mode_on)
 
 
 def shared_prefix_case(cp_size=1):

@@ -51,6 +51,8 @@ from sglang_cpkv.testing.kit_cases import (
     assert_same_reads,
     kit_world,
     rows_of_request,
+    run_alone,
+    run_case,
     run_pair,
     shared_prefix_case,
 )
@@ -108,10 +110,7 @@ def test_bs_gt_1_shared_prefix_reads_what_each_request_reads_alone(route_name):
     off, on = run_pair(route, case, SHARED_SHAPE)
     assert_same_reads(off, on, "bs 3")
     for r in range(case.num_requests):
-        alone = alone_case(case, r)
-        world = kit_world(route, SHARED_SHAPE, True)
-        world.write_history(alone)
-        solo = world.forward(alone)
+        solo = run_alone(route, case, r)
         rows, valid = rows_of_request(on, case, r)
         assert torch.equal(valid, solo.kernel[0].valid)
         assert same_bytes(rows, solo.kernel[0].rows), f"request {r} reads other rows in the batch than alone"
@@ -124,21 +123,15 @@ def test_ragged_reads_a_history_less_request_alike_in_any_batch(mode_on):
     reads its chunk's bf16 rows (docs/upstream-findings.md item 3). With the queue's fix
     (read-history-less-requests-alike-on-ragged.patch) it reads its bf16 rows in any batch, mode off and on."""
     case = shared_prefix_case()  # request 2 has no history, requests 0 and 1 have
-    runs = []
-    for batch in (case, alone_case(case, 2)):
-        world = kit_world(RAGGED_FP8, SHARED_SHAPE, mode_on)
-        world.write_history(batch)
-        runs.append(world.forward(batch))
+    batch = run_case(RAGGED_FP8, case, SHARED_SHAPE, mode_on)
+    solo = [run_alone(RAGGED_FP8, case, r, mode_on=mode_on) for r in range(case.num_requests)]
     for layer in range(RAGGED_FP8.num_layers):
-        rows, valid = rows_of_request(runs[0], case, 2, layer)
-        assert torch.equal(valid, runs[1].kernel[layer].valid)
-        assert same_bytes(rows, runs[1].kernel[layer].rows), f"layer {layer}: request 2 reads other keys than alone"
+        rows, valid = rows_of_request(batch, case, 2, layer)
+        assert torch.equal(valid, solo[2].kernel[layer].valid)
+        assert same_bytes(rows, solo[2].kernel[layer].rows), f"layer {layer}: request 2 reads other keys than alone"
         for r in (0, 1):  # the requests with history still read their cache rows, as alone
-            alone = kit_world(RAGGED_FP8, SHARED_SHAPE, mode_on)
-            alone.write_history(alone_case(case, r))
-            solo = alone.forward(alone_case(case, r))
-            rows, valid = rows_of_request(runs[0], case, r, layer)
-            assert same_bytes(rows, solo.kernel[layer].rows), f"layer {layer}: request {r} reads other keys than alone"
+            rows, valid = rows_of_request(batch, case, r, layer)
+            assert same_bytes(rows, solo[r].kernel[layer].rows), f"layer {layer}: request {r} reads other keys than alone"
 
 
 def test_a_batch_past_the_reservation_is_refused_naming_the_setting():

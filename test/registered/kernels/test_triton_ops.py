@@ -658,5 +658,37 @@ def test_sweep_subset_pipeline(layout, layer_ahead, monkeypatch):
             assert same_bytes(getattr(ref, field), getattr(tri, field)), field
 
 
+def test_the_interpreters_overflow_checks_are_dropped_so_the_kit_skips_them():
+    """On CPU the kit turns off the interpreter's integer-overflow checks (dsa_kit._skip_dropped_overflow_checks)
+    because the interpreter computes them and drops them: an int32 add that overflows stores its wrapped value with
+    the checks on, and the same with them off. Should Triton start enforcing them, the first assert fails."""
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from sglang_cpkv.testing.dsa_kit import _skip_dropped_overflow_checks
+
+    @triton.jit
+    def add(x_ptr, y_ptr, out_ptr):
+        i = tl.arange(0, 4)
+        tl.store(out_ptr + i, tl.load(x_ptr + i) + tl.load(y_ptr + i))
+
+    x = torch.full((4,), 2**31 - 1, dtype=torch.int32)
+    y = torch.tensor([0, 1, 2, -5], dtype=torch.int32)
+    wrapped = (x.to(torch.int64) + y).to(torch.int32)  # two's complement, as the GPU computes it
+    saved = interpreter.interpreter_builder.options
+    try:
+        assert saved.sanitize_overflow and not saved.debug
+        checked = torch.empty_like(x)
+        add[(1,)](x, y, checked)
+        _skip_dropped_overflow_checks()
+        assert not interpreter.interpreter_builder.options.sanitize_overflow
+        unchecked = torch.empty_like(x)
+        add[(1,)](x, y, unchecked)
+    finally:
+        interpreter.interpreter_builder.options = saved
+    assert torch.equal(checked, wrapped) and torch.equal(unchecked, wrapped)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
