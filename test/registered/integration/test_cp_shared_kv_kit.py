@@ -47,7 +47,6 @@ from sglang_cpkv.testing.kit_cases import (
     RAGGED_FP8,
     ROUTES,
     SHARED_SHAPE,
-    alone_case,
     assert_same_reads,
     kit_world,
     rows_of_request,
@@ -131,7 +130,9 @@ def test_ragged_reads_a_history_less_request_alike_in_any_batch(mode_on):
         assert same_bytes(rows, solo[2].kernel[layer].rows), f"layer {layer}: request 2 reads other keys than alone"
         for r in (0, 1):  # the requests with history still read their cache rows, as alone
             rows, valid = rows_of_request(batch, case, r, layer)
-            assert same_bytes(rows, solo[r].kernel[layer].rows), f"layer {layer}: request {r} reads other keys than alone"
+            assert same_bytes(rows, solo[r].kernel[layer].rows), (
+                f"layer {layer}: request {r} reads other keys than alone"
+            )
 
 
 def test_a_batch_past_the_reservation_is_refused_naming_the_setting():
