@@ -59,7 +59,8 @@ class Mutation:
 
     @property
     def label(self) -> str:
-        return f"{self.file}: `{self.find.strip()}` -> `{self.replace.strip()}`"
+        """The mutation's name: its row and change (two rows may protect the same line with the same change)."""
+        return f"{self.row}: {self.file}: `{self.find.strip()}` -> `{self.replace.strip()}`"
 
 
 def proven_rows(table: str | None = None) -> dict[str, list[str]]:
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
             return 1
         for i, m in enumerate(muts, 1):
             refs = refs_of(m)
-            print(f"[mutation] {i}/{len(muts)} {m.row}: {m.label}", flush=True)
+            print(f"[mutation] {i}/{len(muts)} {m.label}", flush=True)
             if not refs:
                 results.append((m, NEEDS_GPU, 0.0, ""))
                 continue

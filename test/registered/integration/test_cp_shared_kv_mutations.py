@@ -57,7 +57,8 @@ def test_the_committed_report_has_every_mutation_of_the_record_caught():
     tool = _tool()
     muts = tool.mutations()
     lines = tool.committed_lines(muts)
-    unjudged = [f"{m.row}: {m.label}" for m in muts if m.label not in lines]
+    unjudged = [m.label for m in muts if m.label not in lines]
+    assert len({m.label for m in muts}) == len(muts), "two mutations of the record share a name"
     assert not unjudged, "mutations without a line in the committed report:\n  " + "\n  ".join(unjudged)
     not_caught = {label: tool.verdict_of(line) for label, line in lines.items() if tool.verdict_of(line) != "caught"}
     assert not not_caught, not_caught
